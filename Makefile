@@ -1,0 +1,41 @@
+# Two commands do all the set-up on a fresh machine:
+#   make train   trains the `tiny` preset on the embedded default corpus
+#   make test    runs the whole test suite (2 CPU ranks, gloo, for every strategy)
+# Both create .venv on first use. TORCH picks the torch build: the default pin takes the CPU wheel
+# where one is on disk; on a GPU machine use e.g. `make setup TORCH="torch==2.13.0 --index-url ..."`.
+
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+ARGS  ?=
+
+.PHONY: setup train test test-quick lint presets bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev,tracking]"
+	@# DeepSpeed's NVMe offload (async_io op) needs libaio's headers; install them where we may.
+	@if ! test -e /usr/include/libaio.h && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y -q libaio-dev >/dev/null || echo "note: libaio-dev not installed; NVMe offload tests will be skipped"; fi
+	touch $@
+
+train: setup
+	$(PY) recipes/train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+test-quick: setup
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+presets: setup
+	$(PY) -m model
+
+bench: setup
+	$(PY) recipes/benchmark_model.py $(ARGS)
