@@ -83,8 +83,7 @@ def causal_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, de
         # A left-padded row has queries that see no key at all; let them see themselves so softmax is finite.
         # Their outputs are padding and never used.
         allowed = allowed | (
-            ~allowed.any(-1, keepdim=True)
-            & torch.eye(q_len, kv_len, dtype=torch.bool, device=device)[None, None]
+            ~allowed.any(-1, keepdim=True) & torch.eye(q_len, kv_len, dtype=torch.bool, device=device)[None, None]
         )
     return allowed
 
@@ -161,9 +160,7 @@ class ShardGPTDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = ShardGPTRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states, cos, sin, mask=None, past_key_values=None, **kwargs) -> torch.Tensor:
-        h = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), cos, sin, mask, past_key_values
-        )
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask, past_key_values)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -188,9 +188,7 @@ def run_without_project(tmp_path, path, remote, cls):
 def test_trust_remote_code_load_in_a_process_without_the_project(tmp_path):
     ours = build()
     ours.save_pretrained(tmp_path / "ckpt")
-    assert {"modeling_shardgpt.py", "configuration_shardgpt.py"} <= {
-        p.name for p in (tmp_path / "ckpt").iterdir()
-    }
+    assert {"modeling_shardgpt.py", "configuration_shardgpt.py"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
     x, logits = run_without_project(tmp_path, tmp_path / "ckpt", True, "ShardGPTForCausalLM")
     assert torch.equal(logits, ours(x).logits)
 

@@ -1,0 +1,313 @@
+"""The one typed configuration of a training run, checked before anything heavy starts.
+
+`RunConfig` holds every flag of `recipes/train.py` (names as in transformers' `run_clm.py` and
+`TrainingArguments`), owns the batch arithmetic (global batch = micro batch x accumulation x world size) and
+resolves the `"auto"` values of a DeepSpeed JSON from those flags, so the same JSON serves the `deepspeed`
+launcher, `accelerate launch` and the HF Trainer. A value the JSON fixes that disagrees with a flag is an
+error naming both and the fix; so is a key DeepSpeed does not know.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data import DataArguments
+
+PRESET_NAMES = ("debug", "tiny", "gpt2-124m", "gpt2-350m", "llama-1b", "llama-3b", "llama-7b")
+SCHEDULERS = ("cosine", "linear", "constant")
+TRACKERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow")
+
+
+def arg(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class RunConfig(DataArguments):
+    """Flags of `recipes/train.py`. Data flags (corpus, tokenizer, block size, caches) come from
+    `data.DataArguments`; the strategy (DDP, FSDP, ZeRO) comes from the launcher's config file."""
+
+    preset: str = arg("tiny", f"Model size: one of {', '.join(PRESET_NAMES)} (`python -m model` lists them).")
+    output_dir: str = arg("runs/tiny", "Checkpoints, metrics and the exported model go here.")
+    overwrite_output_dir: bool = arg(False, "Start afresh in an output_dir that already holds checkpoints.")
+    deepspeed: str | None = arg(None, "A DeepSpeed JSON (ds_configs/*.json) for the deepspeed launcher/torchrun.")
+    nvme_path: str | None = arg(None, "Directory for ZeRO NVMe offload; replaces the JSON's nvme_path values.")
+    per_device_train_batch_size: int = arg(8, "Micro batch: sequences per rank per forward pass.")
+    per_device_eval_batch_size: int = arg(8, "Sequences per rank per evaluation forward pass.")
+    gradient_accumulation_steps: int = arg(1, "Micro batches per optimizer step.")
+    learning_rate: float = arg(1e-3, "Peak learning rate of AdamW.")
+    min_lr_ratio: float = arg(0.1, "The cosine schedule decays to learning_rate x min_lr_ratio.")
+    weight_decay: float = arg(0.1, "AdamW weight decay, applied to matrices only.")
+    decay_embeddings: bool = arg(False, "Also apply weight decay to the embedding matrix.")
+    adam_beta1: float = arg(0.9, "AdamW beta1.")
+    adam_beta2: float = arg(0.95, "AdamW beta2.")
+    adam_epsilon: float = arg(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this (0 disables clipping).")
+    max_steps: int = arg(200, "Optimizer steps to train.")
+    warmup_steps: int = arg(20, "Linear warm-up steps before the schedule's decay.")
+    lr_scheduler_type: str = arg("cosine", f"One of {', '.join(SCHEDULERS)}.")
+    seed: int = arg(42, "Seed of the initial weights and the data order; the same on every rank.")
+    bf16: bool = arg(False, "Train in bfloat16 mixed precision.")
+    fp16: bool = arg(False, "Train in float16 mixed precision with dynamic loss scaling.")
+    gradient_checkpointing: bool = arg(False, "Recompute each decoder layer's activations in the backward.")
+    torch_compile: bool = arg(False, "Compile the model with torch.compile (inductor).")
+    logging_steps: int = arg(10, "Log loss, lr, grad norm, tokens/s, MFU and memory every N steps.")
+    eval_steps: int = arg(100, "Evaluate on the validation blocks every N steps (0: only at the end).")
+    max_eval_batches: int | None = arg(None, "Cap on evaluation batches per rank (default: all).")
+    save_steps: int = arg(100, "Save a resumable checkpoint every N steps (0: never).")
+    save_total_limit: int | None = arg(2, "Keep only the newest N checkpoints.")
+    resume_from_checkpoint: str | None = arg(None, "A checkpoint directory, or `auto` for the newest complete one.")
+    report_to: str = arg("none", f"Trackers, comma-separated: {', '.join(TRACKERS)}.")
+    peak_flops: float | None = arg(None, "Peak FLOP/s of one device for MFU (default: from a table of GPUs).")
+    sample_max_new_tokens: int = arg(64, "Tokens of the greedy sample printed at the end (0: none).")
+    local_rank: int = arg(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
+
+    # ---------------------------------------------------------------- derived values
+
+    @property
+    def mixed_precision(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+
+    def global_batch_size(self, world_size: int) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---------------------------------------------------------------- validation
+
+    def validate(self, world_size: int) -> None:
+        """Every flag-level check, before any process group, model or data exists."""
+        if self.preset not in PRESET_NAMES:
+            raise ValueError(f"--preset {self.preset!r} is unknown; valid presets: {', '.join(PRESET_NAMES)}")
+        positive = (
+            "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+            "max_steps", "logging_steps",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)} must be at least 1")
+        for name in ("eval_steps", "save_steps", "warmup_steps", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} {getattr(self, name)} must be 0 or more")
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning_rate {self.learning_rate} must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min_lr_ratio {self.min_lr_ratio} must be in [0, 1]")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"--warmup_steps {self.warmup_steps} exceeds --max_steps {self.max_steps}: "
+                f"pass --warmup_steps {self.max_steps // 10} or fewer"
+            )
+        if self.lr_scheduler_type not in SCHEDULERS:
+            raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULERS)}")
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are both set: choose one precision")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or unset to keep all)")
+        unknown = set(self.report_to.split(",")) - set(TRACKERS)
+        if unknown:
+            raise ValueError(f"--report_to {self.report_to!r}: unknown {sorted(unknown)}; choose from {TRACKERS}")
+        if world_size < 1:
+            raise ValueError(f"world size {world_size} must be at least 1")
+        if self.deepspeed and not Path(self.deepspeed).is_file():
+            raise FileNotFoundError(f"--deepspeed {self.deepspeed!r}: no such file; pick one of ds_configs/*.json")
+        if self.nvme_path is not None and not Path(self.nvme_path).is_dir():
+            raise FileNotFoundError(
+                f"--nvme_path {self.nvme_path!r} does not exist: create it on a fast local disk "
+                f"(mkdir -p {self.nvme_path})"
+            )
+        self.validate_output_dir()
+
+    def validate_output_dir(self) -> None:
+        """Refuse to train over saved checkpoints unless told to resume or overwrite: nothing saved is lost."""
+        out = Path(self.output_dir)
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"--output_dir {self.output_dir!r} is a file: pass a directory")
+        has_checkpoints = out.is_dir() and any(out.glob("checkpoint-*"))
+        if has_checkpoints and not self.resume_from_checkpoint and not self.overwrite_output_dir:
+            raise FileExistsError(
+                f"--output_dir {self.output_dir!r} already holds checkpoints: pass --resume_from_checkpoint auto "
+                "to continue, or --overwrite_output_dir to start afresh (old checkpoints are then replaced as "
+                "new ones are saved), or choose another --output_dir"
+            )
+
+    def check_data_size(self, num_train_blocks: int, world_size: int) -> None:
+        g = self.global_batch_size(world_size)
+        if num_train_blocks < g:
+            raise ValueError(
+                f"the training data has {num_train_blocks} blocks of {self.block_size} tokens, fewer than one "
+                f"global batch of {g} (= micro {self.per_device_train_batch_size} x accumulation "
+                f"{self.gradient_accumulation_steps} x world {world_size}): use more data, a smaller "
+                "--per_device_train_batch_size or --block_size, or fewer ranks"
+            )
+
+
+# -------------------------------------------------------------------- DeepSpeed JSON
+
+# Top-level keys DeepSpeed 0.19 reads (runtime/config.py and the feature configs it builds). DeepSpeed itself
+# ignores unknown keys, so a typo ("zero_optimisation") silently trains without ZeRO; here it is an error.
+DEEPSPEED_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast", "amp", "gradient_clipping",
+    "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op", "sparse_gradients",
+    "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "activation_checkpointing", "wall_clock_breakdown", "memory_breakdown", "flops_profiler", "tensorboard",
+    "wandb", "csv_monitor", "comet", "monitor_config", "aio", "communication_data_type",
+    "seq_parallel_communication_data_type", "checkpoint", "data_types", "dataloader_drop_last",
+    "disable_allgather", "dump_state", "elasticity", "autotuning", "compression_training", "data_efficiency",
+    "curriculum_learning", "pipeline", "hybrid_engine", "nebula", "timers", "quantize_training", "eigenvalue",
+    "progressive_layer_drop", "sparse_attention", "weight_quantization", "compile", "tensor_parallel",
+    "use_data_before_expert_parallel", "graph_harvesting", "log_level", "disable_python_gc",
+    "zenflow", "use_node_local_storage", "legacy_fusion",
+}  # fmt: skip
+
+
+def load_json(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from None
+
+
+def check_deepspeed_keys(ds: dict, source: str) -> None:
+    """Unknown keys are errors, with the closest known key as the fix. Keys starting with `_` are comments."""
+    for key in ds:
+        if key.startswith("_") or key in DEEPSPEED_KEYS:
+            continue
+        close = difflib.get_close_matches(key, DEEPSPEED_KEYS, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "remove it (DeepSpeed would silently ignore it)"
+        raise ValueError(f"DeepSpeed config {source}: unknown key {key!r}; {hint}")
+    zero = ds.get("zero_optimization")
+    if zero is not None:
+        # DeepSpeed's own pydantic model of the section, in strict mode: unknown fields are errors.
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        try:
+            DeepSpeedZeroConfig(strict=True, **{k: v for k, v in zero.items() if v != "auto"})
+        except Exception as e:  # pydantic.ValidationError, the message names the field
+            raise ValueError(f"DeepSpeed config {source}: zero_optimization is invalid: {e}") from None
+
+
+def zero_stage(ds: dict) -> int:
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+def offload_devices(ds: dict) -> dict[str, str]:
+    zero = ds.get("zero_optimization") or {}
+    return {k: (zero.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+
+
+def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: int, source: str) -> dict:
+    """The JSON with every `"auto"` replaced by the value the flags give, after checking that every value
+    the JSON fixes agrees with the flags. Returns a new dict; `ds` is left as it was."""
+    check_deepspeed_keys(ds, source)
+    ds = copy.deepcopy(ds)
+    micro, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+
+    def own(section: dict, key: str, value, flag: str) -> None:
+        """Fill an `"auto"` (or absent) value; a fixed one must equal the flag's."""
+        current = section.get(key, "auto")
+        if current == "auto":
+            section[key] = value
+        elif current != value and not (isinstance(value, float) and abs(float(current) - value) <= 1e-12):
+            raise ValueError(
+                f"DeepSpeed config {source}: {key} = {current!r} but {flag} gives {value!r}; "
+                f'set {key} to "auto" in the JSON, or pass {flag} {current}'
+            )
+
+    own(ds, "train_micro_batch_size_per_gpu", micro, "--per_device_train_batch_size")
+    own(ds, "gradient_accumulation_steps", accum, "--gradient_accumulation_steps")
+    global_batch = micro * accum * world_size
+    if ds.get("train_batch_size", "auto") not in ("auto", global_batch):
+        raise ValueError(
+            f"DeepSpeed config {source}: train_batch_size = {ds['train_batch_size']} but micro {micro} x "
+            f'accumulation {accum} x world {world_size} = {global_batch}; set train_batch_size to "auto", or '
+            "change --per_device_train_batch_size / --gradient_accumulation_steps / the number of ranks"
+        )
+    ds["train_batch_size"] = global_batch
+    own(ds, "gradient_clipping", float(cfg.max_grad_norm), "--max_grad_norm")
+
+    for dtype, flag in (("bf16", cfg.bf16), ("fp16", cfg.fp16)):
+        section = ds.setdefault(dtype, {})
+        own(section, "enabled", flag, f"--{dtype}" if flag else f"--{dtype} (off)")
+    if ds["bf16"]["enabled"] and ds["fp16"]["enabled"]:
+        raise ValueError(f"DeepSpeed config {source}: bf16 and fp16 are both enabled: enable one")
+
+    if "optimizer" in ds:
+        params = ds["optimizer"].setdefault("params", {})
+        own(params, "lr", cfg.learning_rate, "--learning_rate")
+        own(params, "weight_decay", cfg.weight_decay, "--weight_decay")
+        own(params, "eps", cfg.adam_epsilon, "--adam_epsilon")
+        betas = [cfg.adam_beta1, cfg.adam_beta2]
+        if params.get("betas", "auto") == "auto":
+            params["betas"] = betas
+        elif list(params["betas"]) != betas:
+            raise ValueError(
+                f"DeepSpeed config {source}: optimizer.params.betas = {params['betas']} but --adam_beta1/"
+                f'--adam_beta2 give {betas}; set betas to "auto", or pass the same betas as flags'
+            )
+    if "scheduler" in ds:
+        params = ds["scheduler"].setdefault("params", {})
+        for key, value in (
+            ("warmup_min_lr", 0.0), ("warmup_max_lr", cfg.learning_rate), ("warmup_num_steps", cfg.warmup_steps),
+            ("total_num_steps", cfg.max_steps),
+        ):  # fmt: skip
+            if params.get(key) == "auto":
+                params[key] = value
+
+    zero = ds.get("zero_optimization") or {}
+    # Communication buckets sized from the model, as the HF Trainer does.
+    for key, value in (
+        ("reduce_bucket_size", hidden_size * hidden_size),
+        ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+        ("stage3_param_persistence_threshold", 10 * hidden_size),
+    ):
+        if zero.get(key) == "auto":
+            zero[key] = value
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if section.get("device") == "nvme":
+            if cfg.nvme_path:
+                section["nvme_path"] = cfg.nvme_path
+            path = section.get("nvme_path")
+            if not path or not Path(path).is_dir():
+                raise FileNotFoundError(
+                    f"DeepSpeed config {source}: zero_optimization.{key}.nvme_path = {path!r} does not exist: "
+                    f"create it on a fast local disk, or pass --nvme_path DIR"
+                )
+            check_libaio(source)
+    leftover = [k for k, v in _walk(ds) if v == "auto"]
+    if leftover:
+        raise ValueError(
+            f'DeepSpeed config {source}: no flag resolves {", ".join(leftover)} = "auto"; give them values'
+        )
+    return ds
+
+
+def check_libaio(source: str) -> None:
+    """NVMe offload runs through DeepSpeed's async_io op, which compiles against libaio at first use; a
+    missing libaio would otherwise fail minutes later, inside `deepspeed.initialize`."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise RuntimeError(
+            f"DeepSpeed config {source} offloads to NVMe, but DeepSpeed's async_io op cannot be built here: "
+            "install libaio (apt-get install libaio-dev, or conda install -c conda-forge libaio), or choose a "
+            "CPU-offload config such as ds_configs/zero3_offload_cpu.json"
+        )
+
+
+def _walk(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _walk(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v

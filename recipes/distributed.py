@@ -1,0 +1,186 @@
+"""Which strategy the launcher asked for, the `Accelerator` that runs it, and proof that it is in force.
+
+The strategy is read from the launch, never from a flag of the training script: an `accelerate launch`
+config (its environment variables), or a DeepSpeed JSON given with `--deepspeed` under the `deepspeed`
+launcher or `torchrun`. On machines without a GPU three of accelerate's defaults would silently run
+something other than what was asked for, so this module sets them right and `verify_strategy` refuses to
+train unless the prepared model really is sharded the way the config says:
+
+- DeepSpeed on CPU needs a gloo process group and `cpu=False` (with `cpu=True` accelerate drops the plugin).
+- DDP on CPU needs `cpu=True`, which gives accelerate's gloo `MULTI_CPU` DDP.
+- FSDP on CPU: accelerate enables FSDP only for GPU-like device types, although torch's FSDP2 shards a
+  model on CPU with gloo. `enable_fsdp_on_cpu` sets accelerate's state to FSDP, so `prepare` runs
+  accelerate's own FSDP2 code path (`fully_shard` per decoder layer) exactly as on GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+)
+
+from .config import RunConfig, load_json, offload_devices, resolve_deepspeed, zero_stage
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def launched_world_size() -> int:
+    """Ranks the launcher started (torchrun, accelerate and deepspeed all export WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass
+class Strategy:
+    """What the launch asked for, resolved before any process group exists."""
+
+    name: str  # single, ddp, fsdp[-shard-grad-op][-offload], zero{1,2,3}[-offload-cpu|-offload-nvme]
+    world_size: int
+    deepspeed: dict | None = None  # the resolved DeepSpeed config
+    deepspeed_source: str | None = None
+    fsdp_env: dict = field(default_factory=dict)
+
+    @property
+    def zero_stage(self) -> int:
+        return zero_stage(self.deepspeed) if self.deepspeed else 0
+
+
+def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
+    """Read the strategy from the launch and resolve/check its config. No process group is created."""
+    world = launched_world_size()
+    ds_file = cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    use_fsdp = env_flag("ACCELERATE_USE_FSDP")
+    if (ds_file or env_flag("ACCELERATE_USE_DEEPSPEED")) and use_fsdp:
+        raise ValueError(
+            "both DeepSpeed and FSDP are requested (--deepspeed or a DeepSpeed accelerate config, and an FSDP "
+            "accelerate config): launch with one of them"
+        )
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision not in ("no", cfg.mixed_precision):
+        raise ValueError(
+            f"the accelerate config sets mixed_precision: {precision} but the flags give {cfg.mixed_precision}: "
+            f"pass --{precision}, or set mixed_precision: 'no' in the YAML (the flags own precision)"
+        )
+    if ds_file or env_flag("ACCELERATE_USE_DEEPSPEED"):
+        if ds_file:
+            raw, source = load_json(ds_file), repr(ds_file)
+        else:  # an accelerate YAML with inline deepspeed_config fields
+            raw, source = DeepSpeedPlugin().deepspeed_config, "from the accelerate config"
+        ds = resolve_deepspeed(raw, cfg, world, hidden_size, source)
+        devices = offload_devices(ds)
+        offload = next((d for d in (devices["offload_param"], devices["offload_optimizer"]) if d != "none"), None)
+        name = f"zero{zero_stage(ds)}" + (f"-offload-{offload}" if offload else "")
+        return Strategy(name, world, deepspeed=ds, deepspeed_source=source)
+    if use_fsdp:
+        fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
+        name = "fsdp"
+        if fsdp_env.get("FSDP_SHARDING_STRATEGY") == "SHARD_GRAD_OP" or fsdp_env.get(
+            "FSDP_RESHARD_AFTER_FORWARD", "true"
+        ).lower() in ("false", "shard_grad_op"):
+            name += "-shard-grad-op"
+        if fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+            name += "-offload"
+        return Strategy(name, world, fsdp_env=fsdp_env)
+    return Strategy("ddp" if world > 1 else "single", world)
+
+
+def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
+    """The Accelerator for `strategy`. Creating it initialises the process group (a collective)."""
+    on_cpu = not torch.cuda.is_available()
+    handlers = []
+    if strategy.world_size > 1:
+        handlers.append(InitProcessGroupKwargs(backend="gloo" if on_cpu else None, timeout=timedelta(minutes=30)))
+    kwargs = dict(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        mixed_precision=cfg.mixed_precision,
+        log_with=None if cfg.report_to == "none" else cfg.report_to.split(","),
+        project_dir=cfg.output_dir,
+        kwargs_handlers=handlers,
+    )
+    if strategy.deepspeed is not None:
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
+    elif on_cpu:
+        kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
+    accelerator = Accelerator(**kwargs)
+    if strategy.fsdp_env and accelerator.distributed_type != DistributedType.FSDP and on_cpu:
+        enable_fsdp_on_cpu(accelerator, cfg.mixed_precision)
+    return accelerator
+
+
+def enable_fsdp_on_cpu(accelerator: Accelerator, mixed_precision: str) -> None:
+    """Run accelerate's FSDP path on CPU ranks (see the module docstring). The plugin reads the FSDP_*
+    variables that `accelerate launch` exported from the YAML, as it does on GPUs."""
+    plugin = FullyShardedDataParallelPlugin()
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+
+
+def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: Strategy) -> dict:
+    """Refuse to train unless the prepared model is sharded as the launch asked. Returns what was seen:
+    the strategy, the world size and the fraction of the parameters this rank holds."""
+    world = strategy.world_size
+    dist_world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if accelerator.num_processes != world or dist_world != world:
+        raise RuntimeError(
+            f"the launcher started {world} ranks but accelerate runs {accelerator.num_processes} process(es) "
+            f"over a process group of {dist_world} ({accelerator.distributed_type}); every rank would train "
+            "alone on the whole dataset. With `use_cpu: true` in an accelerate config accelerate drops "
+            "DeepSpeed and FSDP: set `use_cpu: false` (this script uses gloo on CPU by itself)"
+        )
+    unwrapped = accelerator.unwrap_model(model)
+    total = sum(_global_numel(p) for p in unwrapped.parameters())
+    local = sum(_local_numel(p) for p in unwrapped.parameters())
+    seen = {
+        "strategy": strategy.name,
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "world_size": world,
+        "parameters": total,
+        "local_parameter_fraction": round(local / total, 4),
+        "module": type(model).__name__,
+    }
+
+    def refuse(why: str):
+        raise RuntimeError(f"asked for {strategy.name} on {world} ranks, but {why}; seen: {seen}")
+
+    if strategy.deepspeed is not None:
+        from deepspeed import DeepSpeedEngine
+
+        if not isinstance(model, DeepSpeedEngine):
+            refuse(f"the prepared model is a {type(model).__name__}, not a DeepSpeedEngine")
+        if model.zero_optimization_stage() != strategy.zero_stage:
+            refuse(f"the engine runs ZeRO stage {model.zero_optimization_stage()}")
+        sharded = strategy.zero_stage == 3 and world > 1
+        if sharded and local > total / world * 1.05 + 1024:
+            refuse(f"this rank holds {local} of {total} parameters (ZeRO-3 should hold about 1/{world})")
+    elif strategy.fsdp_env:
+        if accelerator.distributed_type != DistributedType.FSDP:
+            refuse(f"accelerate runs {accelerator.distributed_type}")
+        if world > 1 and local > total / world * 1.05 + 1024:
+            refuse(f"this rank holds {local} of {total} parameters (FSDP should hold about 1/{world})")
+    elif world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        refuse(f"the prepared model is a {type(model).__name__}, not DistributedDataParallel")
+    return seen
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's partition
+        return p.ds_tensor.numel()
+    if hasattr(p, "to_local"):  # FSDP2 DTensor: this rank's shard
+        return p.to_local().numel()
+    return p.numel()
+
+
+def _global_numel(p: torch.Tensor) -> int:
+    return p.ds_numel if hasattr(p, "ds_numel") else p.numel()

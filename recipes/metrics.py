@@ -1,0 +1,81 @@
+"""Throughput, MFU and memory, and where the numbers go (rank 0: stdout, metrics.jsonl, trackers)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import psutil
+import torch
+
+# Dense bf16 peak FLOP/s of one device (no sparsity), from the vendors' data sheets.
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "A10": 125e12, "L40S": 362e12,
+    "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+}  # fmt: skip
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM's convention: 6 N + 12 L H Q T, with N the parameters that take
+    part in matrix multiplies (the lm_head, not the embedding lookup) and the second term attention."""
+    embed = config.vocab_size * config.hidden_size
+    per_layer = (
+        config.hidden_size * config.head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+        + 3 * config.hidden_size * config.intermediate_size
+    )
+    n_matmul = config.num_hidden_layers * per_layer + embed  # + lm_head (shared with the lookup when tied)
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+    return 6 * n_matmul + attention
+
+
+def peak_flops(device: torch.device, override: float | None) -> float | None:
+    """The device's peak FLOP/s: the override, the table entry matching the GPU's name, or None (CPU)."""
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def memory_gb(device: torch.device) -> dict[str, float]:
+    """Peak GPU memory (allocated and reserved by torch) and this process's resident host memory, in GB."""
+    out = {"cpu_rss_gb": psutil.Process().memory_info().rss / 1e9}
+    if device.type == "cuda":
+        out["gpu_max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        out["gpu_max_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+    return out
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to `metrics.jsonl` and forwards it to accelerate's trackers.
+    Only rank 0 writes; `accelerator.log` is rank-0 gated by accelerate itself."""
+
+    def __init__(self, accelerator, output_dir: str):
+        self.accelerator = accelerator
+        self.path = Path(output_dir) / "metrics.jsonl"
+        if accelerator.is_main_process:
+            os.makedirs(output_dir, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(clean) + "\n")
+        numeric = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step"}
+        self.accelerator.log(numeric, step=record["step"])
+
+
+def format_record(r: dict) -> str:
+    """One log line: step, loss, lr, grad norm, tokens/s, MFU (n/a on CPU) and peak memory."""
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+    mem = f"gpu {r['gpu_max_allocated_gb']:.2f} GB" if "gpu_max_allocated_gb" in r else ""
+    mem += f" rss {r['cpu_rss_gb']:.2f} GB"
+    gn = r.get("grad_norm")
+    gn = f"{gn:.3f}" if isinstance(gn, float) else "n/a"
+    return (
+        f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {gn} | "
+        f"{r['tokens_per_sec']:,.0f} tok/s | MFU {mfu} | {mem.strip()}"
+    )

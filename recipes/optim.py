@@ -1,0 +1,66 @@
+"""AdamW with weight decay on matrices only, and warm-up followed by a cosine (or linear) decay to a floor.
+
+When a DeepSpeed JSON defines its own `optimizer` or `scheduler`, DeepSpeed builds them (for example its
+CPU Adam for offload) and accelerate's `DummyOptim`/`DummyScheduler` stand in for them here; the
+parameter groups are the same either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from accelerate.utils import DummyOptim, DummyScheduler
+
+from .config import RunConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool) -> list[dict]:
+    """Decay 2-D weights (projections, and the embedding if asked); never norms or biases."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = "embed_tokens" in name or name.startswith("lm_head")
+        if p.ndim >= 2 and (decay_embeddings or not is_embedding):
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(cfg: RunConfig):
+    """Multiplier of the peak lr at optimizer step `s` (0-based): linear warm-up to 1 over warmup_steps,
+    then cosine (or linear) decay to `min_lr_ratio` at max_steps, or constant."""
+
+    def f(s: int) -> float:
+        if s < cfg.warmup_steps:
+            return (s + 1) / cfg.warmup_steps
+        if cfg.lr_scheduler_type == "constant":
+            return 1.0
+        progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_scheduler_type == "cosine" else 1 - progress
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+    return f
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module, ds_config: dict | None, fused: bool):
+    """`fused`: use the fused CUDA kernel (parameters on a GPU, not offloaded); otherwise torch's foreach
+    implementation."""
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_embeddings)
+    if ds_config is not None and "optimizer" in ds_config:
+        return DummyOptim(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        fused=fused or None,
+    )
+
+
+def make_scheduler(cfg: RunConfig, optimizer, ds_config: dict | None):
+    if ds_config is not None and "scheduler" in ds_config:
+        return DummyScheduler(optimizer, total_num_steps=cfg.max_steps, warmup_num_steps=cfg.warmup_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))

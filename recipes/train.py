@@ -1,0 +1,248 @@
+"""Train shardgpt under any strategy: the launcher's config chooses DDP, FSDP or DeepSpeed ZeRO-1/2/3.
+
+    python recipes/train.py                                     # tiny preset, default corpus, one process
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/train.py --preset debug
+    deepspeed --num_gpus 2 recipes/train.py --deepspeed ds_configs/zero3.json
+    torchrun --nproc_per_node 2 recipes/train.py --deepspeed ds_configs/zero2.json
+
+Sections: setup, model, optimizer, data, prepare, resume, loop, export. Every rank runs every line; the
+few rank-0-only actions (file writes, printing) are marked, and so is every collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, HfArgumentParser
+
+import model as shardgpt
+from data import ShardedLoader, iter_eval_batches, prepare_data
+from recipes.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from recipes.config import RunConfig
+from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, verify_strategy
+from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
+from recipes.optim import make_optimizer, make_scheduler
+
+logger = logging.getLogger("shardgpt")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    # ------------------------------------------------------------------ setup
+    # Everything that can be checked without a process group is checked here, before anything heavy.
+    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
+    world = launched_world_size()
+    cfg.validate(world)
+    config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
+    strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
+
+    accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
+    is_main = accelerator.is_main_process
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO if is_main else logging.WARNING
+    )
+    set_seed(cfg.seed)  # same seed on every rank: identical initial weights without a broadcast
+    out = Path(cfg.output_dir)
+    if is_main:  # rank 0 only: the resolved configs, for the record and for the export
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if strategy.deepspeed is not None:
+            (out / "ds_config.json").write_text(json.dumps(strategy.deepspeed, indent=2))
+
+    # ------------------------------------------------------------------ data
+    # Rank 0 tokenizes and caches while the others wait (collective barrier inside), then all read the cache.
+    packed = prepare_data(cfg, config.max_position_embeddings, is_main, accelerator.wait_for_everyone)
+    cfg.check_data_size(len(packed.train), world)
+    tokenizer = packed.tokenizer
+    loader = ShardedLoader(
+        packed.train, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+        world, accelerator.process_index, cfg.seed,
+    )  # fmt: skip
+
+    # ------------------------------------------------------------------ model
+    # Vocabulary padded to a multiple of 128: tensor-core friendly shapes; the extra rows are never targets.
+    config.vocab_size = 128 * math.ceil(len(tokenizer) / 128)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    net = shardgpt.ShardGPTForCausalLM(config)
+    if cfg.gradient_checkpointing:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.config.use_cache = False  # training never reads a KV cache
+
+    # ------------------------------------------------------------------ optimizer
+    fused = accelerator.device.type == "cuda" and "offload" not in strategy.name
+    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
+    scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
+
+    # ------------------------------------------------------------------ prepare
+    # Wraps the model in DDP, FSDP2 or a DeepSpeedEngine as the launch asked (collective: shards/broadcasts).
+    net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
+    seen = verify_strategy(accelerator, net, strategy)  # refuses a run that would not shard as asked
+    logger.info("strategy in force: %s", seen)
+    if cfg.report_to != "none":
+        accelerator.init_trackers("shardgpt", config={k: v for k, v in cfg.to_dict().items() if v is not None})
+
+    # ------------------------------------------------------------------ resume
+    step = 0
+    resume = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    if resume is not None:
+        state = load_checkpoint(accelerator, resume, config.to_dict())  # collective: every rank loads its shard
+        loader.load_state_dict(state["loader"])
+        step = state["step"]
+        logger.info("resumed from %s at step %d", resume, step)
+
+    # ------------------------------------------------------------------ loop
+    tokens_per_step = loader.global_batch_size * cfg.block_size
+    flops_per_step = flops_per_token(config, cfg.block_size) * tokens_per_step
+    peak = peak_flops(accelerator.device, cfg.peak_flops)
+    metrics = MetricsWriter(accelerator, cfg.output_dir)
+    # Loss of one micro batch is sum(CE) / (targets in the whole global batch). DDP, FSDP and DeepSpeed average
+    # gradients over ranks and accelerate/DeepSpeed divide by the accumulation steps, so scaling by both makes
+    # the update the gradient of the token-mean loss of the global batch, whatever the micro batch split.
+    loss_scale = world * cfg.gradient_accumulation_steps
+    progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
+    batches = iter(loader)
+    net.train()
+    t_log, steps_since_log = time.perf_counter(), 0
+    while step < cfg.max_steps:
+        micro_batches = next(batches)
+        step_loss = torch.zeros((), device=accelerator.device)
+        for i, micro in enumerate(micro_batches):
+            micro = {k: v.to(accelerator.device, non_blocking=True) for k, v in micro.items()}
+            with accelerator.accumulate(net):  # no gradient sync until the last micro batch
+                loss = net(**micro).loss
+                step_loss += loss.detach()
+                if i == len(micro_batches) - 1:
+                    # Before the backward that ends the step (under DeepSpeed it also steps the optimizer):
+                    # collective: sum of the ranks' partial losses is the global batch's token-mean loss.
+                    global_loss = accelerator.reduce(step_loss, reduction="sum").item()
+                    if not math.isfinite(global_loss):
+                        raise NonFiniteLossError(
+                            f"loss is {global_loss} at step {step + 1}; stopped before the optimizer step, the "
+                            "weights of the last checkpoint are untouched (lower --learning_rate or use bf16)"
+                        )
+                accelerator.backward(loss * loss_scale)
+                if accelerator.sync_gradients:
+                    grad_norm = grad_norm_of(accelerator, net, cfg.max_grad_norm)  # collective under FSDP/ZeRO
+                    if grad_norm is not None and not math.isfinite(grad_norm):
+                        raise NonFiniteLossError(
+                            f"gradient norm is {grad_norm} at step {step + 1}; stopped before the optimizer step"
+                        )
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    if grad_norm is None and hasattr(net, "get_global_grad_norm"):  # DeepSpeed's, after its step
+                        grad_norm = net.get_global_grad_norm()
+        step += 1
+        steps_since_log += 1
+        progress.update(1)
+
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            dt = (time.perf_counter() - t_log) / steps_since_log
+            record = {
+                "step": step,
+                "loss": global_loss,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm if grad_norm is None else float(grad_norm),
+                "tokens_per_sec": tokens_per_step / dt,
+                "step_time_s": dt,
+                "mfu": flops_per_step / dt / world / peak if peak else None,
+                "epoch": loader.epoch,
+                **memory_gb(accelerator.device),
+            }
+            metrics.write(record)  # rank 0 writes the file; accelerate's trackers are rank-0 gated
+            if is_main:
+                progress.write(format_record(record))
+            t_log, steps_since_log = time.perf_counter(), 0
+
+        if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
+            val = evaluate(accelerator, net, packed.validation, cfg)  # collective: all ranks, reduced sums
+            if val is not None:
+                metrics.write({"step": step, "eval_loss": val, "eval_perplexity": math.exp(min(val, 50))})
+                if is_main:
+                    progress.write(f"step {step:>6} | eval loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+            net.train()
+
+        if cfg.save_steps and step % cfg.save_steps == 0:
+            state = {"step": step, "loader": loader.state_dict(), "model_config": config.to_dict(),
+                     "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
+            save_checkpoint(accelerator, cfg.output_dir, step, state, cfg.save_total_limit)  # collective
+    progress.close()
+
+    # ------------------------------------------------------------------ export
+    # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
+    state_dict = accelerator.get_state_dict(net)
+    if is_main:  # rank 0 only: file writes
+        unwrapped = accelerator.unwrap_model(net)
+        unwrapped.config.use_cache = True
+        unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        logger.info("exported the model, tokenizer and configs to %s", out)
+        if cfg.sample_max_new_tokens:
+            print_sample(out, tokenizer, cfg.sample_max_new_tokens)
+    accelerator.wait_for_everyone()  # collective: nobody exits (tearing down the group) before the export
+    accelerator.end_training()
+
+
+def grad_norm_of(accelerator, net, max_norm: float) -> float | None:
+    """Clip (unless DeepSpeed clips itself, from `gradient_clipping`) and return the global gradient norm."""
+    if accelerator.distributed_type.name == "DEEPSPEED":
+        return None  # DeepSpeed clips inside its step and reports the norm after it
+    if max_norm > 0:
+        return accelerator.clip_grad_norm_(net.parameters(), max_norm).item()
+    norms = [p.grad.detach().norm() for p in net.parameters() if p.grad is not None]
+    return torch.stack(norms).norm().item() if norms else 0.0
+
+
+@torch.no_grad()
+def evaluate(accelerator, net, blocks, cfg: RunConfig) -> float | None:
+    """Token-mean validation loss over every validation block: each rank sums CE over its share, then the
+    sums are added across ranks. Every rank runs the same number of forwards (ZeRO-3 and FSDP gather inside)."""
+    if blocks is None or len(blocks) == 0:
+        return None
+    net.eval()
+    total = torch.zeros((), device=accelerator.device)
+    count = torch.zeros((), device=accelerator.device)
+    batches = iter_eval_batches(
+        blocks, cfg.per_device_eval_batch_size, accelerator.num_processes, accelerator.process_index
+    )
+    for i, micro in enumerate(batches):
+        if cfg.max_eval_batches is not None and i >= cfg.max_eval_batches:
+            break
+        micro = {k: v.to(accelerator.device) for k, v in micro.items() if k != "num_items_in_batch"}
+        total += net(**micro, num_items_in_batch=1).loss  # with a divisor of 1: the sum of CE on this rank
+        count += (micro["shift_labels"] != -100).sum()
+    total, count = accelerator.reduce(torch.stack([total, count.float()]), reduction="sum")  # collective
+    return (total / count).item() if count > 0 else None
+
+
+def print_sample(folder: Path, tokenizer, max_new_tokens: int) -> None:
+    """Greedy continuation from the exported folder: proves the export loads, and shows what was learned."""
+    trained = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    prompt = "def "
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = trained.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    print(f"--- sample (greedy, {max_new_tokens} tokens) ---\n{tokenizer.decode(out[0])}\n---", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, NonFiniteLossError) as e:
+        # Bad input and stopped runs end with one clear line, not a traceback (unless asked for).
+        if os.environ.get("SHARDGPT_TRACEBACK"):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
