@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedType,
@@ -106,6 +106,9 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         log_with=None if cfg.report_to == "none" else cfg.report_to.split(","),
         project_dir=cfg.output_dir,
         kwargs_handlers=handlers,
+        # The loop steps the scheduler once per optimizer step; accelerate's default would step it once per
+        # process, assuming a data loader that it sharded itself.
+        step_scheduler_with_optimizer=False,
     )
     if strategy.deepspeed is not None:
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
@@ -124,7 +127,9 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, mixed_precision: str) -> None:
     if mixed_precision != "no":
         plugin.set_mixed_precision(mixed_precision)
     accelerator.state.fsdp_plugin = plugin
+    # Both shared states: every new AcceleratorState() copies PartialState's fields over its own.
     accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
 
 
 def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: Strategy) -> dict:

@@ -23,6 +23,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, HfArgumentParser
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import model as shardgpt
 from data import ShardedLoader, iter_eval_batches, prepare_data
@@ -229,7 +230,9 @@ def evaluate(accelerator, net, blocks, cfg: RunConfig) -> float | None:
 
 
 def print_sample(folder: Path, tokenizer, max_new_tokens: int) -> None:
-    """Greedy continuation from the exported folder: proves the export loads, and shows what was learned."""
+    """Greedy continuation from the exported folder: proves the export loads, and shows what was learned.
+    Runs on rank 0 alone, so transformers must not build the model under ZeRO-3's collective init."""
+    unset_hf_deepspeed_config()
     trained = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     prompt = "def "
     ids = tokenizer(prompt, return_tensors="pt").input_ids
