@@ -27,6 +27,7 @@ from accelerate.utils import (
     FullyShardedDataParallelPlugin,
     InitProcessGroupKwargs,
 )
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from .config import RunConfig, load_json, offload_devices, resolve_deepspeed, zero_stage
 
@@ -124,6 +125,8 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, mixed_precision: str) -> None:
     """Run accelerate's FSDP path on CPU ranks (see the module docstring). The plugin reads the FSDP_*
     variables that `accelerate launch` exported from the YAML, as it does on GPUs."""
     plugin = FullyShardedDataParallelPlugin()
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinning host memory needs a GPU driver
     if mixed_precision != "no":
         plugin.set_mixed_precision(mixed_precision)
     accelerator.state.fsdp_plugin = plugin

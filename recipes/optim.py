@@ -61,6 +61,13 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module, ds_config: dict | Non
 
 
 def make_scheduler(cfg: RunConfig, optimizer, ds_config: dict | None):
-    if ds_config is not None and "scheduler" in ds_config:
+    ds_config = ds_config or {}
+    if "scheduler" in ds_config:  # DeepSpeed builds the JSON's scheduler
         return DummyScheduler(optimizer, total_num_steps=cfg.max_steps, warmup_num_steps=cfg.warmup_steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+    if "optimizer" in ds_config:  # our schedule, built by DeepSpeed around the optimizer it creates
+        return DummyScheduler(optimizer, lr_scheduler_callable=schedule)
+    return schedule(optimizer)

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
     seen = verify_strategy(accelerator, net, strategy)  # refuses a run that would not shard as asked
     logger.info("strategy in force: %s", seen)
+    if is_main:  # rank 0 only
+        (out / "strategy.json").write_text(json.dumps(seen, indent=2))
     if cfg.report_to != "none":
         accelerator.init_trackers("shardgpt", config={k: v for k, v in cfg.to_dict().items() if v is not None})
 

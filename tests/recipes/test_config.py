@@ -1,0 +1,128 @@
+"""The run config: batch arithmetic, DeepSpeed "auto" resolution and every bad flag, without launching."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from recipes.config import RunConfig, check_deepspeed_keys, resolve_deepspeed
+from recipes.optim import lr_lambda, param_groups
+
+ROOT = Path(__file__).resolve().parents[2]
+DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
+
+
+def cfg(**kw) -> RunConfig:
+    return RunConfig(**{"output_dir": "/nonexistent/shardgpt-test", **kw})
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_json_resolves_without_leftover_auto(path, tmp_path):
+    ds = json.loads(path.read_text())
+    c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=3, bf16=True, nvme_path=str(tmp_path))
+    out = resolve_deepspeed(ds, c, world_size=2, hidden_size=64, source=path.name)
+    assert out["train_micro_batch_size_per_gpu"] == 4
+    assert out["gradient_accumulation_steps"] == 3
+    assert out["train_batch_size"] == 4 * 3 * 2
+    assert out["gradient_clipping"] == c.max_grad_norm
+    assert out["bf16"]["enabled"] is True and out["fp16"]["enabled"] is False
+    assert '"auto"' not in json.dumps({k: v for k, v in out.items() if k != "_comment"})
+    assert ds["train_batch_size"] == "auto"  # the input is left as it was
+    if "optimizer" in out:
+        assert out["optimizer"]["params"]["lr"] == c.learning_rate
+        assert out["optimizer"]["params"]["betas"] == [c.adam_beta1, c.adam_beta2]
+
+
+def test_global_batch_arithmetic():
+    assert cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2).global_batch_size(3) == 24
+
+
+BAD_JSON = [
+    ({"train_batch_size": 24}, "train_batch_size = 24 but micro 4 x accumulation 2 x world 2 = 16"),
+    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu = 8 but --per_device_train_batch_size"),
+    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 2"),
+    ({"gradient_clipping": 0.5}, "gradient_clipping = 0.5 but --max_grad_norm gives 1.0"),
+    ({"bf16": {"enabled": True}}, "enabled = True but --bf16 (off) gives False"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "lr = 0.1 but --learning_rate gives 0.001"),
+    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation'; did you mean 'zero_optimization'?"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "zero_optimization is invalid"),
+    ({"wall_clock": True}, "unknown key 'wall_clock'; did you mean 'wall_clock_breakdown'?"),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/no/such/nvme"}}},
+        "offload_param.nvme_path = '/no/such/nvme' does not exist",
+    ),
+    ({"steps_per_print": "auto"}, 'no flag resolves steps_per_print = "auto"'),
+]
+
+
+@pytest.mark.parametrize(("ds", "message"), BAD_JSON, ids=[m[:30] for _, m in BAD_JSON])
+def test_bad_deepspeed_json_names_the_field_and_fix(ds, message):
+    c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        resolve_deepspeed(ds, c, world_size=2, hidden_size=64, source="'x.json'")
+    assert message in str(err.value)
+
+
+BAD_FLAGS = [
+    (dict(bf16=True, fp16=True), "--bf16 and --fp16 are both set"),
+    (dict(per_device_train_batch_size=0), "--per_device_train_batch_size 0 must be at least 1"),
+    (dict(gradient_accumulation_steps=0), "--gradient_accumulation_steps 0 must be at least 1"),
+    (dict(preset="gpt9"), "--preset 'gpt9' is unknown; valid presets: debug, tiny"),
+    (dict(warmup_steps=50, max_steps=10), "--warmup_steps 50 exceeds --max_steps 10"),
+    (dict(lr_scheduler_type="step"), "--lr_scheduler_type 'step': choose one of cosine, linear, constant"),
+    (dict(learning_rate=0.0), "--learning_rate 0.0 must be positive"),
+    (dict(report_to="tensorbord"), "--report_to 'tensorbord': unknown ['tensorbord']"),
+    (dict(deepspeed="ds_configs/zero9.json"), "--deepspeed 'ds_configs/zero9.json': no such file"),
+    (dict(nvme_path="/no/such/dir"), "--nvme_path '/no/such/dir' does not exist"),
+    (dict(save_total_limit=0), "--save_total_limit 0 must be at least 1"),
+    (dict(min_lr_ratio=2.0), "--min_lr_ratio 2.0 must be in [0, 1]"),
+]
+
+
+@pytest.mark.parametrize(("kw", "message"), BAD_FLAGS, ids=[m[:30] for _, m in BAD_FLAGS])
+def test_bad_flags_fail_before_anything_starts(kw, message):
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        cfg(**kw).validate(world_size=2)
+    assert message in str(err.value)
+
+
+def test_existing_checkpoints_are_not_trained_over(tmp_path):
+    (tmp_path / "checkpoint-10").mkdir()
+    with pytest.raises(FileExistsError, match="already holds checkpoints: pass --resume_from_checkpoint auto"):
+        cfg(output_dir=str(tmp_path)).validate(world_size=1)
+    cfg(output_dir=str(tmp_path), resume_from_checkpoint="auto").validate(world_size=1)
+    assert (tmp_path / "checkpoint-10").is_dir()
+
+
+def test_too_little_data_for_one_global_batch():
+    with pytest.raises(ValueError, match=r"fewer than one global batch of 16 \(= micro 4 x accumulation 2 x world 2\)"):
+        cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2).check_data_size(10, world_size=2)
+
+
+def test_check_keys_accepts_comments():
+    check_deepspeed_keys({"_comment": "why", "zero_optimization": {"stage": 1}}, "x")
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    c = cfg(warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    f = lr_lambda(c)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 120))
+    lin = lr_lambda(cfg(warmup_steps=0, max_steps=100, min_lr_ratio=0.0, lr_scheduler_type="linear"))
+    assert lin(50) == pytest.approx(0.5) and not math.isnan(lin(0))
+
+
+def test_weight_decay_only_on_matrices():
+    import model
+
+    net = model.ShardGPTForCausalLM(model.ShardGPTConfig.from_preset("debug"))
+    decay, no_decay = param_groups(net, 0.1, decay_embeddings=False)
+    names = {id(p): n for n, p in net.named_parameters()}
+    assert all(p.ndim == 2 and "embed" not in names[id(p)] for p in decay["params"])
+    assert {names[id(p)] for p in no_decay["params"]} >= {"model.norm.weight", "model.embed_tokens.weight"}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(net.parameters()))
+    decay_all, _ = param_groups(net, 0.1, decay_embeddings=True)
+    assert any("embed" in names[id(p)] for p in decay_all["params"])
