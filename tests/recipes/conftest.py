@@ -1,82 +1,11 @@
-"""Launching the training script as users do, on CPU with 2 gloo ranks, under a hard timeout."""
+"""Fixtures shared by the training-script tests: a small corpus with its tokenizer and packed cache."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import shutil
-import socket
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-TIMEOUT = 600  # seconds per launch; a hang fails the test instead of stalling the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Run:
-    output_dir: Path
-    stdout: str
-    stderr: str
-    returncode: int
-
-    @property
-    def records(self) -> list[dict]:
-        path = self.output_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    @property
-    def losses(self) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in self.records if "loss" in r}
-
-    @property
-    def strategy(self) -> dict:
-        return json.loads((self.output_dir / "strategy.json").read_text())
-
-
-def launcher_command(launcher: str, config: str | None = None, nproc: int = 2) -> list[str]:
-    """The command line a user types, for `launcher` in python, torchrun, accelerate, deepspeed."""
-    script = str(ROOT / "recipes" / "train.py")
-    port = str(free_port())
-    if launcher == "python":
-        return [sys.executable, script]
-    if launcher == "torchrun":
-        return [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={port}", script]
-    if launcher == "accelerate":
-        cfg = str(ROOT / "accelerate_configs" / f"{config}.yaml")
-        return [str(BIN / "accelerate"), "launch", "--config_file", cfg, "--main_process_port", port, script]
-    if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port, script]
-    raise ValueError(launcher)
-
-
-def launch(cmd: list[str], args: list[str], output_dir: Path, check: bool = True, timeout: int = TIMEOUT) -> Run:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    try:
-        p = subprocess.run(
-            [*cmd, *args, "--output_dir", str(output_dir)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as e:
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"launch timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{err[-6000:]}")
-    run = Run(output_dir, p.stdout, p.stderr, p.returncode)
-    if check and p.returncode != 0:
-        pytest.fail(f"launch failed ({p.returncode}): {' '.join(cmd + args)}\n--- stderr tail ---\n{p.stderr[-8000:]}")
-    return run
 
 
 @pytest.fixture(scope="session")

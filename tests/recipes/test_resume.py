@@ -8,11 +8,10 @@ import shutil
 
 import pytest
 import torch
+from launching import launch, launcher_command
 from safetensors.torch import load_file
 
 from recipes.checkpoint import MARKER, latest_checkpoint, resolve_resume
-
-from .conftest import launch, launcher_command
 
 TRAIN = [
     "--preset=debug", "--max_steps=20", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",

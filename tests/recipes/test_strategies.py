@@ -3,17 +3,16 @@
 Same seed, initial weights, data order and global batch (8 sequences): each launch's per-step losses must
 equal a single-process run's. Tolerance: fp32 throughout; the ranks' partial gradients are summed by gloo in
 another order than one process's batched matmuls, which perturbs each step by a few ulps, and Adam's
-normalisation carries that forward. Measured differences are below 1e-6 relative; the test allows 1e-5 at
-step 1 and 1e-4 by step 20.
+normalisation carries that forward. Measured on 2 CPU cores: at most 1.2e-7 relative over 20 steps for every
+launch below; the test allows 1e-6 at step 1 and 1e-5 after (10-100x margin for other CPUs' kernels).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from launching import launch, launcher_command
 from transformers import AutoModelForCausalLM
-
-from .conftest import launch, launcher_command
 
 STEPS = 20
 TRAIN = [
@@ -85,12 +84,12 @@ def test_strategy_trains_the_same_model(launcher, config, strategy, fraction, co
     # It trains the same model as one process does.
     ref = reference.losses
     for step in (1, 5, 10, 20):
-        rtol = 1e-5 if step == 1 else 1e-4
+        rtol = 1e-6 if step == 1 else 1e-5
         assert losses[step] == pytest.approx(ref[step], rel=rtol), f"step {step}"
 
     # The export is a plain HF folder with the full (gathered) weights, equal to the reference's.
-    ours = AutoModelForCausalLM.from_pretrained(run.output_dir)
-    theirs = AutoModelForCausalLM.from_pretrained(reference.output_dir)
+    ours = AutoModelForCausalLM.from_pretrained(run.output_dir, trust_remote_code=True)
+    theirs = AutoModelForCausalLM.from_pretrained(reference.output_dir, trust_remote_code=True)
     theirs = theirs.state_dict()
     for name, a in ours.state_dict().items():
         b = theirs[name]
