@@ -17,6 +17,8 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from . import faults
+
 MARKER = "checkpoint_complete"
 STATE = "trainer_state.json"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
@@ -74,6 +76,7 @@ def save_checkpoint(
         shutil.rmtree(path)  # an incomplete leftover of a crashed run at the same step
     accelerator.wait_for_everyone()  # collective: nobody writes into a directory being removed
     accelerator.save_state(str(path))  # collective under DeepSpeed/FSDP: each rank writes its shard
+    faults.maybe_kill("kill_in_save", step, accelerator.is_main_process)
     if accelerator.is_main_process:
         _write_json(path / STATE, trainer_state)
     accelerator.wait_for_everyone()  # collective: every shard is on disk before the marker says so

@@ -27,6 +27,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import model as shardgpt
 from data import ShardedLoader, iter_eval_batches, prepare_data
+from recipes import faults
 from recipes.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from recipes.config import RunConfig
 from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, verify_strategy
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
             micro = {k: v.to(accelerator.device, non_blocking=True) for k, v in micro.items()}
             with accelerator.accumulate(net):  # no gradient sync until the last micro batch
                 loss = net(**micro).loss
+                if faults.active("nan", step + 1):
+                    loss = loss * float("nan")
                 step_loss += loss.detach()
                 if i == len(micro_batches) - 1:
                     # Before the backward that ends the step (under DeepSpeed it also steps the optimizer):
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             state = {"step": step, "loader": loader.state_dict(), "model_config": config.to_dict(),
                      "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
             save_checkpoint(accelerator, cfg.output_dir, step, state, cfg.save_total_limit)  # collective
+        faults.maybe_kill("kill", step, is_main)
     progress.close()
 
     # ------------------------------------------------------------------ export

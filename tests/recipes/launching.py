@@ -60,8 +60,18 @@ def launcher_command(launcher: str, config: str | None = None, nproc: int = 2) -
     raise ValueError(launcher)
 
 
-def launch(cmd: list[str], args: list[str], output_dir: Path, check: bool = True, timeout: int = TIMEOUT) -> Run:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+def launch(
+    cmd: list[str], args: list[str], output_dir: Path, check: bool = True, timeout: int = TIMEOUT, env=None
+) -> Run:
+    """Run `cmd args --output_dir output_dir` in a fresh environment (plus `env`); fail the test with the
+    workers' stderr if it fails (unless `check=False`) or outlives `timeout`."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     try:
         p = subprocess.run(

@@ -1,0 +1,181 @@
+"""Where the text comes from: the Python standard library (the default), a hub dataset, or local files.
+
+Every source goes through `datasets.load_dataset`, so hub and local data share one code path. It comes
+out as a `Corpus`: a "train" and a "validation" split with one "text" column each, and a fingerprint
+that changes when the documents do (the caches are keyed by it).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from datasets import Dataset, IterableDataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
+
+from .cache import fingerprint
+from .packing import TEXT
+
+if TYPE_CHECKING:
+    from .arguments import DataArguments
+
+# Where installed third-party packages live inside the standard library's folder.
+INSTALLED_PACKAGES = {"site-packages", "dist-packages"}
+# File suffix -> `load_dataset` builder.
+BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# Fractional part of the golden ratio in 64-bit fixed point (see `validation_mask`).
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass
+class Corpus:
+    splits: dict[str, Dataset | IterableDataset]
+    """"train" and "validation", each with a single "text" column (validation may be empty)."""
+    fingerprint: str
+    source: str
+    """The flag that chose the data, for error messages (e.g. "--train_file 'a/*.txt'")."""
+
+
+def _nonempty_files(paths: Iterable[str | Path]) -> list[str]:
+    # An empty file holds no document, and `load_dataset` fails on some kinds of them.
+    return sorted(str(path) for path in paths if os.path.isfile(path) and os.path.getsize(path) > 0)
+
+
+def stdlib_files() -> list[str]:
+    """The non-empty *.py files of the running Python's standard library, sorted, without installed packages."""
+    files = []
+    for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        subfolders[:] = [name for name in subfolders if name not in INSTALLED_PACKAGES]  # don't descend
+        files += [os.path.join(folder, name) for name in names if name.endswith(".py")]
+    return _nonempty_files(files)
+
+
+def resolve_files(pattern: str, flag: str) -> list[str]:
+    """Expand a path or glob (`**` allowed) into a sorted list of the non-empty files it matches."""
+    matches = glob.glob(os.path.expanduser(pattern), recursive=True)
+    if not any(os.path.isfile(path) for path in matches):
+        raise FileNotFoundError(f"{flag} {pattern!r} matches no file: pass an existing path or glob")
+    files = _nonempty_files(matches)
+    if not files:
+        raise ValueError(f"{flag} {pattern!r} matches only empty files: pass files that hold text")
+    return files
+
+
+def builder_for(files: list[str], flag: str) -> str:
+    """The `load_dataset` builder for a list of files, which must all be of one supported kind."""
+    builders = {BUILDERS.get(Path(path).suffix.lower()) for path in files}
+    if None in builders:
+        odd = next(path for path in files if Path(path).suffix.lower() not in BUILDERS)
+        raise ValueError(f"{flag} {odd!r} is not one of {sorted(BUILDERS)}: convert it or pick other files")
+    if len(builders) > 1:
+        raise ValueError(f"{flag} mixes file kinds {sorted(builders)}: pass files of one kind")
+    return builders.pop()
+
+
+def validation_mask(indices: np.ndarray, percentage: int) -> np.ndarray:
+    """Whether each document index is held out for validation.
+
+    Document i is held out iff frac((i + 1) * golden_ratio) < percentage / 100. That sequence is spread as
+    evenly as any over [0, 1), so every stretch of the corpus loses close to `percentage`% of its
+    documents, the split is the same on every run, and a stream can apply it without knowing its length.
+    """
+    threshold = np.uint64(percentage * 2**64 // 100)
+    return (np.asarray(indices, dtype=np.uint64) + np.uint64(1)) * _GOLDEN < threshold
+
+
+def _file_stats(files: list[str]) -> list[tuple[str, int, int]]:
+    # Cheap and content-sensitive enough: a rewritten file gets a new size or mtime.
+    return [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in files]
+
+
+def _load_raw(args: DataArguments) -> tuple[dict, list, str]:
+    """The raw splits, the parts of their fingerprint, and the source flag for messages."""
+    common = {"cache_dir": args.cache_dir, "streaming": args.streaming}
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name, **common)
+        # A hub dataset is identified by name; its splits' own fingerprints (map-style only) add its version.
+        parts = [args.dataset_name, args.dataset_config_name]
+        parts += [getattr(split, "_fingerprint", None) for split in raw.values()]
+        return dict(raw), parts, f"--dataset_name {args.dataset_name!r}"
+    if args.train_file:
+        data_files = {"train": resolve_files(args.train_file, "--train_file")}
+        if args.validation_file:
+            data_files["validation"] = resolve_files(args.validation_file, "--validation_file")
+        builder = builder_for(data_files["train"], "--train_file")
+        # Plain text files hold many documents separated by blank lines.
+        options = {"sample_by": "paragraph"} if builder == "text" else {}
+        source = f"--train_file {args.train_file!r}"
+    else:
+        data_files = {"train": stdlib_files()}
+        builder, source = (
+            "text",
+            f"the default corpus (the standard library at {sysconfig.get_paths()['stdlib']})",
+        )
+        # One document per source file; a few test files are deliberately not UTF-8.
+        options = {"sample_by": "document", "encoding_errors": "replace"}
+    if not data_files["train"]:
+        raise ValueError(f"{source} has no file: pass --train_file or --dataset_name")
+    try:
+        raw = load_dataset(builder, data_files=data_files, **options, **common)
+    except (DatasetGenerationError, ValueError) as error:
+        # Such as a file with no rows, which `load_dataset` reports without naming the flag.
+        raise ValueError(
+            f"{source} could not be read as {builder} data ({error.__cause__ or error}): check that its "
+            "files are valid and hold at least one document"
+        ) from error
+    parts = [builder, options, {split: _file_stats(files) for split, files in data_files.items()}]
+    return dict(raw), parts, source
+
+
+def _first_columns(split: Dataset | IterableDataset) -> list[str]:
+    if split.column_names is not None:
+        return split.column_names
+    # Streamed JSON has no schema until read: peek at the first example.
+    return list(next(iter(split), {}))
+
+
+def load_corpus(args: DataArguments) -> Corpus:
+    """Load the source, keep its text column as "text", and hold out validation documents if needed."""
+    raw, parts, source = _load_raw(args)
+    if "train" not in raw:
+        raise ValueError(f"{source} has no 'train' split (it has {sorted(raw)}): pick another dataset or config")
+    splits = {}
+    for name in ("train", "validation"):
+        if name not in raw:
+            continue
+        columns = _first_columns(raw[name])
+        if args.text_column_name not in columns:
+            raise ValueError(
+                f"--text_column_name {args.text_column_name!r} is not a column of {source} ({name} split has "
+                f"{columns}): pass one of them"
+            )
+        keep = raw[name].select_columns([args.text_column_name])
+        splits[name] = keep if args.text_column_name == TEXT else keep.rename_column(args.text_column_name, TEXT)
+    train = splits["train"]
+    empty = len(train) == 0 if isinstance(train, Dataset) else next(iter(train), None) is None
+    if empty:
+        raise ValueError(f"{source} has no documents: pass a non-empty corpus")
+    if "validation" not in splits:
+        splits["train"], splits["validation"] = _hold_out(train, args.validation_split_percentage)
+    return Corpus(splits, fingerprint(parts, args.text_column_name, args.validation_split_percentage), source)
+
+
+def _hold_out(train: Dataset | IterableDataset, percentage: int) -> tuple:
+    """Split documents into (train, validation) with `validation_mask`."""
+    if isinstance(train, IterableDataset):
+
+        def keep(_, indices, held_out):
+            return list(validation_mask(np.asarray(indices), percentage) == held_out)
+
+        return (
+            train.filter(keep, with_indices=True, batched=True, fn_kwargs={"held_out": False}),
+            train.filter(keep, with_indices=True, batched=True, fn_kwargs={"held_out": True}),
+        )
+    held_out = validation_mask(np.arange(len(train)), percentage)
+    return train.select(np.flatnonzero(~held_out)), train.select(np.flatnonzero(held_out))
