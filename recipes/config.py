@@ -59,7 +59,7 @@ class RunConfig(DataArguments):
     torch_compile: bool = arg(False, "Compile the model with torch.compile (inductor).")
     logging_steps: int = arg(10, "Log loss, lr, grad norm, tokens/s, MFU and memory every N steps.")
     eval_steps: int = arg(100, "Evaluate on the validation blocks every N steps (0: only at the end).")
-    max_eval_batches: int | None = arg(None, "Cap on evaluation batches per rank (default: all).")
+    max_eval_batches: int | None = arg(50, "Cap on evaluation batches per rank (None: every validation block).")
     save_steps: int = arg(100, "Save a resumable checkpoint every N steps (0: never).")
     save_total_limit: int | None = arg(2, "Keep only the newest N checkpoints.")
     resume_from_checkpoint: str | None = arg(None, "A checkpoint directory, or `auto` for the newest complete one.")

@@ -33,12 +33,9 @@ from recipes.config import RunConfig
 from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, verify_strategy
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
 from recipes.optim import make_optimizer, make_scheduler
+from recipes.step import NonFiniteLossError, train_step
 
 logger = logging.getLogger("shardgpt")
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ data
     # Rank 0 tokenizes and caches while the others wait (collective barrier inside), then all read the cache.
     packed = prepare_data(cfg, config.max_position_embeddings, is_main, accelerator.wait_for_everyone)
-    cfg.check_data_size(len(packed.train), world)
+    if not cfg.streaming:  # a stream's length is unknown; the loader checks its first global batch
+        cfg.check_data_size(len(packed.train), world)
     tokenizer = packed.tokenizer
     loader = ShardedLoader(
         packed.train, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
@@ -112,56 +110,29 @@ def main(argv: list[str] | None = None) -> None:
     flops_per_step = flops_per_token(config, cfg.block_size) * tokens_per_step
     peak = peak_flops(accelerator.device, cfg.peak_flops)
     metrics = MetricsWriter(accelerator, cfg.output_dir)
-    # Loss of one micro batch is sum(CE) / (targets in the whole global batch). DDP, FSDP and DeepSpeed average
-    # gradients over ranks and accelerate/DeepSpeed divide by the accumulation steps, so scaling by both makes
-    # the update the gradient of the token-mean loss of the global batch, whatever the micro batch split.
+    # Token-weighted accumulation across micro batches and ranks (see recipes/step.py).
     loss_scale = world * cfg.gradient_accumulation_steps
     progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
     batches = iter(loader)
     net.train()
-    t_log, steps_since_log = time.perf_counter(), 0
+    train_time, loss_sum, steps_since_log = 0.0, 0.0, 0
     while step < cfg.max_steps:
-        micro_batches = next(batches)
-        step_loss = torch.zeros((), device=accelerator.device)
-        for i, micro in enumerate(micro_batches):
-            micro = {k: v.to(accelerator.device, non_blocking=True) for k, v in micro.items()}
-            with accelerator.accumulate(net):  # no gradient sync until the last micro batch
-                loss = net(**micro).loss
-                if faults.active("nan", step + 1):
-                    loss = loss * float("nan")
-                step_loss += loss.detach()
-                if i == len(micro_batches) - 1:
-                    # Before the backward that ends the step (under DeepSpeed it also steps the optimizer):
-                    # collective: sum of the ranks' partial losses is the global batch's token-mean loss.
-                    global_loss = accelerator.reduce(step_loss, reduction="sum").item()
-                    if not math.isfinite(global_loss):
-                        raise NonFiniteLossError(
-                            f"loss is {global_loss} at step {step + 1}; stopped before the optimizer step, the "
-                            "weights of the last checkpoint are untouched (lower --learning_rate or use bf16)"
-                        )
-                accelerator.backward(loss * loss_scale)
-                if accelerator.sync_gradients:
-                    grad_norm = grad_norm_of(accelerator, net, cfg.max_grad_norm)  # collective under FSDP/ZeRO
-                    if grad_norm is not None and not math.isfinite(grad_norm):
-                        raise NonFiniteLossError(
-                            f"gradient norm is {grad_norm} at step {step + 1}; stopped before the optimizer step"
-                        )
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    if grad_norm is None and hasattr(net, "get_global_grad_norm"):  # DeepSpeed's, after its step
-                        grad_norm = net.get_global_grad_norm()
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(
+            accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1
+        )  # collectives inside: gradient reduction, the loss all-reduce, clipping
+        train_time += time.perf_counter() - t0  # the loss's .item() has synchronised the device
         step += 1
-        steps_since_log += 1
+        loss_sum, steps_since_log = loss_sum + loss, steps_since_log + 1
         progress.update(1)
 
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            dt = (time.perf_counter() - t_log) / steps_since_log
+            dt = train_time / steps_since_log  # training only: evaluation and saving are not counted
             record = {
                 "step": step,
-                "loss": global_loss,
+                "loss": loss_sum / steps_since_log,  # mean over the steps since the last log, as the HF Trainer
                 "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm if grad_norm is None else float(grad_norm),
+                "grad_norm": grad_norm,
                 "tokens_per_sec": tokens_per_step / dt,
                 "step_time_s": dt,
                 "mfu": flops_per_step / dt / world / peak if peak else None,
@@ -171,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics.write(record)  # rank 0 writes the file; accelerate's trackers are rank-0 gated
             if is_main:
                 progress.write(format_record(record))
-            t_log, steps_since_log = time.perf_counter(), 0
+            train_time, loss_sum, steps_since_log = 0.0, 0.0, 0
 
         if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
             val = evaluate(accelerator, net, packed.validation, cfg)  # collective: all ranks, reduced sums
@@ -203,21 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.end_training()
 
 
-def grad_norm_of(accelerator, net, max_norm: float) -> float | None:
-    """Clip (unless DeepSpeed clips itself, from `gradient_clipping`) and return the global gradient norm."""
-    if accelerator.distributed_type.name == "DEEPSPEED":
-        return None  # DeepSpeed clips inside its step and reports the norm after it
-    if max_norm > 0:
-        return accelerator.clip_grad_norm_(net.parameters(), max_norm).item()
-    norms = [p.grad.detach().norm() for p in net.parameters() if p.grad is not None]
-    return torch.stack(norms).norm().item() if norms else 0.0
-
-
 @torch.no_grad()
 def evaluate(accelerator, net, blocks, cfg: RunConfig) -> float | None:
     """Token-mean validation loss over every validation block: each rank sums CE over its share, then the
     sums are added across ranks. Every rank runs the same number of forwards (ZeRO-3 and FSDP gather inside)."""
-    if blocks is None or len(blocks) == 0:
+    if blocks is None or (hasattr(blocks, "__len__") and len(blocks) == 0):
         return None
     net.eval()
     total = torch.zeros((), device=accelerator.device)

@@ -1,0 +1,71 @@
+"""One optimizer step over a global batch, the same under every strategy.
+
+Kept apart from the training script so that tests can drive exactly this code with batches they craft
+(for instance, micro batches with different numbers of counted tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import faults
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale: float, max_grad_norm: float,
+               step: int) -> tuple[float, float | None]:  # fmt: skip
+    """Forward and backward every micro batch of this rank, then step the optimizer and the schedule.
+
+    Each micro batch's loss is sum(CE) / (targets in the whole global batch). DDP, FSDP and DeepSpeed average
+    gradients over ranks and accelerate/DeepSpeed divide the loss by the accumulation steps, so the caller's
+    `loss_scale` = world size x accumulation steps makes the update the gradient of the token-mean loss of the
+    global batch, however it is split into micro batches and ranks.
+
+    Returns the global batch's loss and the gradient norm (before clipping). Raises `NonFiniteLossError`
+    before the optimizer step if either is not finite.
+    """
+    step_loss = torch.zeros((), device=accelerator.device)
+    grad_norm = None
+    for i, micro in enumerate(micro_batches):
+        micro = {k: v.to(accelerator.device, non_blocking=True) for k, v in micro.items()}
+        with accelerator.accumulate(net):  # no gradient sync until the last micro batch
+            loss = net(**micro).loss
+            if faults.active("nan", step):
+                loss = loss * float("nan")
+            step_loss += loss.detach()
+            if i == len(micro_batches) - 1:
+                # Before the backward that ends the step (under DeepSpeed it also steps the optimizer).
+                # Collective: the sum of the ranks' partial losses is the global batch's token-mean loss.
+                global_loss = accelerator.reduce(step_loss, reduction="sum").item()
+                if not math.isfinite(global_loss):
+                    raise NonFiniteLossError(
+                        f"loss is {global_loss} at step {step}; stopped before the optimizer step, the weights of "
+                        "the last checkpoint are untouched (lower --learning_rate, or train in bf16)"
+                    )
+            accelerator.backward(loss * loss_scale)
+            if accelerator.sync_gradients:
+                grad_norm = clip_gradients(accelerator, net, max_grad_norm)  # collective under FSDP/ZeRO
+                if grad_norm is not None and not math.isfinite(grad_norm):
+                    raise NonFiniteLossError(
+                        f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step"
+                    )
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if grad_norm is None and hasattr(net, "get_global_grad_norm"):  # DeepSpeed's, after its step
+                    grad_norm = float(net.get_global_grad_norm())
+    return global_loss, grad_norm
+
+
+def clip_gradients(accelerator, net, max_norm: float) -> float | None:
+    """Clip (unless DeepSpeed clips itself, from `gradient_clipping`) and return the global gradient norm."""
+    if accelerator.distributed_type.name == "DEEPSPEED":
+        return None  # DeepSpeed clips inside its step and reports the norm after it
+    if max_norm > 0:
+        return accelerator.clip_grad_norm_(net.parameters(), max_norm).item()
+    return accelerator.clip_grad_norm_(net.parameters(), float("inf")).item()
