@@ -264,6 +264,13 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
                 params[key] = value
 
     zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    if (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
+        raise ValueError(
+            f"DeepSpeed config {source}: zero_optimization.offload_param needs stage 3 (stage is {stage}); "
+            "DeepSpeed would silently keep the parameters on the GPU: set stage to 3, or remove offload_param "
+            "(offload_optimizer works with stages 1-3)"
+        )
     # Communication buckets sized from the model, as the HF Trainer does.
     for key, value in (
         ("reduce_bucket_size", hidden_size * hidden_size),

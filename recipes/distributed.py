@@ -95,6 +95,21 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
     return Strategy("ddp" if world > 1 else "single", world)
 
 
+def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:
+    """An FSDP config that names layer classes to wrap must name classes the model has: accelerate would
+    otherwise fail deep inside `prepare` ("Could not find the transformer layer class to wrap")."""
+    names = strategy.fsdp_env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    if not names:
+        return  # accelerate takes the model's _no_split_modules (ShardGPTDecoderLayer)
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in names.split(",") if n.strip() and n.strip() not in present]
+    if missing:
+        raise ValueError(
+            f"the FSDP config's fsdp_transformer_layer_cls_to_wrap names {missing}, which this model does not have; "
+            f"set it to {sorted(model._no_split_modules)} or remove it (the model's _no_split_modules are used)"
+        )
+
+
 def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
     """The Accelerator for `strategy`. Creating it initialises the process group (a collective)."""
     on_cpu = not torch.cuda.is_available()

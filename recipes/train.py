@@ -30,7 +30,13 @@ from data import ShardedLoader, iter_eval_batches, prepare_data
 from recipes import faults
 from recipes.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from recipes.config import RunConfig
-from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, verify_strategy
+from recipes.distributed import (
+    check_fsdp_wrap,
+    launched_world_size,
+    make_accelerator,
+    requested_strategy,
+    verify_strategy,
+)
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
 from recipes.optim import make_optimizer, make_scheduler
 from recipes.step import NonFiniteLossError, train_step
@@ -46,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg.validate(world)
     config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
     strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
+    with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
+        check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(config))
 
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
     is_main = accelerator.is_main_process

@@ -1,0 +1,97 @@
+"""Bad launches end before any training, with one line naming the field, the value and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launching import ROOT, launch, launcher_command
+
+FAST = ["--preset=debug", "--max_steps=3", "--warmup_steps=1", "--sample_max_new_tokens=0"]
+
+
+def write_json(path: Path, obj: dict) -> str:
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def zero2_with(tmp_path, **changes) -> str:
+    ds = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    ds.update(changes)
+    return write_json(tmp_path / "ds.json", ds)
+
+
+CASES = {
+    "typo key": (lambda t: [f"--deepspeed={zero2_with(t, zero_optimisation={'stage': 2})}"],
+                 "unknown key 'zero_optimisation'; did you mean 'zero_optimization'?"),
+    "batch conflict": (lambda t: [f"--deepspeed={zero2_with(t, train_micro_batch_size_per_gpu=16)}"],
+                       "train_micro_batch_size_per_gpu = 16 but --per_device_train_batch_size gives 8"),
+    "offload_param without ZeRO-3": (
+        lambda t: [f"--deepspeed={zero2_with(t, zero_optimization={'stage': 2, 'offload_param': {'device': 'cpu'}})}"],
+        "offload_param needs stage 3 (stage is 2)"),
+    "both precisions": (lambda t: ["--bf16", "--fp16"], "--bf16 and --fp16 are both set"),
+    "missing train file": (lambda t: [f"--train_file={t}/nope.txt"], "--train_file"),
+    "missing nvme path": (lambda t: ["--deepspeed=ds_configs/zero3_offload_nvme.json"],
+                          "nvme_path = '/local_nvme' does not exist"),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_fast_with_the_fix(case, corpus, tmp_path):
+    extra, message = CASES[case]
+    out = tmp_path / "out"
+    run = launch(launcher_command("python"), [*corpus["flags"], *FAST, *extra(tmp_path)], out, check=False)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_use_cpu_true_does_not_silently_drop_deepspeed(corpus, tmp_path):
+    """With `use_cpu: true` plain accelerate drops the DeepSpeed plugin and every rank trains alone on the
+    whole dataset. The script builds its Accelerator from the resolved JSON itself, so the run is still
+    ZeRO-2 on 2 ranks, as `verify_strategy` confirms (it would refuse otherwise: see the next test)."""
+    yaml = (ROOT / "accelerate_configs" / "zero2.yaml").read_text().replace("use_cpu: false", "use_cpu: true")
+    config = tmp_path / "zero2_cpu.yaml"
+    config.write_text(yaml)
+    cmd = launcher_command("accelerate", "zero2")
+    cmd[cmd.index("--config_file") + 1] = str(config)
+    run = launch(cmd, [*corpus["flags"], *FAST, "--per_device_train_batch_size=4"], tmp_path / "out")
+    assert run.strategy["strategy"] == "zero2" and run.strategy["module"] == "DeepSpeedEngine"
+    assert run.strategy["world_size"] == 2
+
+
+def test_verify_refuses_a_world_size_mismatch():
+    """What the silent trap looks like from inside: 2 ranks launched, accelerate running 1 process."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from recipes.distributed import Strategy, verify_strategy
+
+    net = torch.nn.Linear(4, 4)
+    fake = SimpleNamespace(num_processes=1, distributed_type="DistributedType.NO", unwrap_model=lambda m: m)
+    with pytest.raises(RuntimeError, match=r"the launcher started 2 ranks but accelerate runs 1 process\(es\)"):
+        verify_strategy(fake, net, Strategy("zero2", 2, deepspeed={"zero_optimization": {"stage": 2}}))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_wrap_class_missing_is_refused(corpus, tmp_path):
+    yaml = (ROOT / "accelerate_configs" / "fsdp.yaml").read_text()
+    yaml = yaml.replace(
+        "  fsdp_version: 2\n", "  fsdp_version: 2\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+    )
+    config = tmp_path / "fsdp_wrap.yaml"
+    config.write_text(yaml)
+    cmd = launcher_command("accelerate", "fsdp")
+    cmd[cmd.index("--config_file") + 1] = str(config)
+    run = launch(cmd, [*corpus["flags"], *FAST, "--per_device_train_batch_size=4"], tmp_path / "out", check=False)
+    assert run.returncode != 0
+    assert (
+        "names ['LlamaDecoderLayer'], which this model does not have; set it to ['ShardGPTDecoderLayer']" in run.stderr
+    )
