@@ -1,0 +1,76 @@
+"""Drives `recipes/step.py::train_step`, the training script's own step, on crafted global batches whose
+sequences count very different numbers of targets (-100 elsewhere, as padding would), under whatever strategy
+the launcher's config asks for. Writes the per-step losses and the final (gathered) weights."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from transformers import HfArgumentParser
+
+import model as shardgpt
+from recipes.config import RunConfig
+from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, verify_strategy
+from recipes.optim import make_optimizer, make_scheduler
+from recipes.step import train_step
+
+STEPS, SEQ = 6, 32
+
+
+def global_batches(global_size: int, vocab: int, seed: int = 1234):
+    """Each sample keeps its first k targets (k uniform in 1..SEQ) and ignores the rest."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        ids = torch.randint(0, vocab, (global_size, SEQ + 1), generator=g)
+        labels = ids[:, 1:].clone()
+        keep = torch.randint(1, SEQ + 1, (global_size, 1), generator=g)
+        labels[torch.arange(SEQ)[None] >= keep] = -100
+        yield ids[:, :-1], labels
+
+
+def rank_micro_batches(ids, labels, micro: int, accumulation: int, world: int, rank: int) -> list[dict]:
+    """The loader's layout: micro-step a on rank r takes rows [a*micro*world + r*micro, ... + micro)."""
+    count = (labels != -100).sum()  # targets in the whole global batch
+    starts = [a * micro * world + rank * micro for a in range(accumulation)]
+    return [{"input_ids": ids[s : s + micro], "shift_labels": labels[s : s + micro], "num_items_in_batch": count}
+            for s in starts]  # fmt: skip
+
+
+def main() -> None:
+    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
+    world = launched_world_size()
+    cfg.validate(world)
+    config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
+    strategy = requested_strategy(cfg, config.hidden_size)
+    accelerator = make_accelerator(cfg, strategy)  # collective
+    set_seed(cfg.seed)
+    net = shardgpt.ShardGPTForCausalLM(config)
+    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
+    scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
+    net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)  # collective
+    verify_strategy(accelerator, net, strategy)
+    net.train()
+    losses, counts = [], []
+    for step, (ids, labels) in enumerate(global_batches(cfg.global_batch_size(world), config.vocab_size), 1):
+        micro = rank_micro_batches(ids, labels, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                                   world, accelerator.process_index)  # fmt: skip
+        counts.append([int((m["shift_labels"] != -100).sum()) for m in micro])
+        loss, _ = train_step(accelerator, net, optimizer, scheduler, micro, world * cfg.gradient_accumulation_steps,
+                             cfg.max_grad_norm, step)  # fmt: skip  # collectives inside
+        losses.append(loss)
+    state = accelerator.get_state_dict(net)  # collective: gathers ZeRO/FSDP shards
+    out = Path(cfg.output_dir)
+    if accelerator.is_main_process:  # rank 0 only: file writes
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ga.json").write_text(json.dumps({"losses": losses, "micro_counts": counts}))
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "final.pt")
+    accelerator.wait_for_everyone()  # collective
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
