@@ -44,9 +44,10 @@ class Run:
         return json.loads((self.output_dir / "strategy.json").read_text())
 
 
-def launcher_command(launcher: str, config: str | None = None, nproc: int = 2) -> list[str]:
-    """The command line a user types, for `launcher` in python, torchrun, accelerate, deepspeed."""
-    script = str(ROOT / "recipes" / "train.py")
+def launcher_command(launcher: str, config: str | None = None, nproc: int = 2, script: str = "train.py") -> list[str]:
+    """The command line a user types, for `launcher` in python, torchrun, accelerate, deepspeed, running
+    `script` of recipes/."""
+    script = str(ROOT / "recipes" / script)
     port = str(free_port())
     if launcher == "python":
         return [sys.executable, script]

@@ -112,3 +112,24 @@ def test_non_finite_loss_stops_before_the_optimizer_step(corpus, tmp_path):
     assert latest_checkpoint(out) == out / "checkpoint-3"
     assert not (out / "checkpoint-4").exists() and not (out / "model.safetensors").exists()
     assert max(run.losses) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("fault", "resumed_from"), [("kill@12", 10), ("kill_in_save@10", 5)])
+def test_killed_run_resumes_to_the_same_weights(fault, resumed_from, corpus, tmp_path):
+    """Rank 0 is SIGKILLed (after step 12, or half way through saving checkpoint 10); the launcher tears the
+    job down; a relaunch with `--resume_from_checkpoint auto` ends with the uninterrupted run's weights."""
+    cmd = launcher_command("accelerate", "ddp")
+    args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
+    straight = launch(cmd, args, tmp_path / "straight")
+    out = tmp_path / "killed"
+    killed = launch(cmd, args, out, check=False, env={"SHARDGPT_FAULT": fault})
+    assert killed.returncode != 0 and not (out / "model.safetensors").exists()
+    if fault.startswith("kill_in_save"):
+        assert (out / "checkpoint-10").is_dir() and not (out / "checkpoint-10" / MARKER).exists()
+    assert latest_checkpoint(out) == out / f"checkpoint-{resumed_from}"
+    resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out)
+    assert f"resumed from {out / f'checkpoint-{resumed_from}'}" in resumed.stderr
+    final, expected = final_weights(resumed), final_weights(straight)
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
