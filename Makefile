@@ -38,4 +38,4 @@ presets: setup
 	$(PY) -m model
 
 bench: setup
-	$(PY) recipes/benchmark_model.py $(ARGS)
+	$(PY) recipes/benchmark.py $(ARGS)

@@ -38,6 +38,7 @@ from recipes.distributed import (
     verify_strategy,
 )
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
+from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
 from recipes.step import NonFiniteLossError, train_step
 
@@ -80,14 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
 
     # ------------------------------------------------------------------ model
-    # Vocabulary padded to a multiple of 128: tensor-core friendly shapes; the extra rows are never targets.
-    config.vocab_size = 128 * math.ceil(len(tokenizer) / 128)
-    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
-    config.bos_token_id = tokenizer.bos_token_id
-    net = shardgpt.ShardGPTForCausalLM(config)
-    if cfg.gradient_checkpointing:
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    net.config.use_cache = False  # training never reads a KV cache
+    # Vocabulary padded to a multiple of 128, special ids from the tokenizer (recipes/modeling.py).
+    net = build_model(config, tokenizer, cfg.gradient_checkpointing)
 
     # ------------------------------------------------------------------ optimizer
     fused = accelerator.device.type == "cuda" and "offload" not in strategy.name

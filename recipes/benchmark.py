@@ -1,0 +1,145 @@
+"""Training throughput and MFU of shardgpt against transformers' `LlamaForCausalLM` of identical shape.
+
+Both models live in one process with the same weights, the same fused AdamW and the same batch, and are
+timed in alternation (A, B, A, B, ...) so that drift in the machine's speed hits both alike. A step is
+forward, backward and optimizer step; warm-up steps are excluded; on GPUs each step is timed with CUDA
+events. MFU uses PaLM's FLOPs per token, `6 N + 12 L H Q T` (recipes/metrics.py), against the device's peak.
+
+    python recipes/benchmark.py                                   # CPU: tiny preset, fp32, a quick check
+    python recipes/benchmark.py --presets gpt2-124m gpt2-350m --seq_len 1024 --steps 50 --write docs/benchmarks.md
+    python recipes/benchmark.py --presets llama-1b --seq_len 2048 --batch_size 4 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from model import ShardGPTConfig, ShardGPTForCausalLM
+from model.export import to_llama
+from recipes.metrics import flops_per_token, peak_flops
+
+
+class Timer:
+    """Seconds of one step: CUDA events on a GPU (no host sync inside the step), wall clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+    def elapsed(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self.seconds
+
+
+def train_step(net, optimizer, x) -> None:
+    net(x, labels=x).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure(preset: str, args, device: torch.device, dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    ours = ShardGPTForCausalLM(ShardGPTConfig.from_preset(preset)).to(device, dtype).train()
+    llama = to_llama(ours).to(device, dtype).train()
+    llama.config._attn_implementation = "sdpa"
+    fused = device.type == "cuda"
+    nets = {"shardgpt": ours, "llama": llama}
+    opts = {k: torch.optim.AdamW(n.parameters(), lr=1e-4, fused=fused or None) for k, n in nets.items()}
+    x = torch.randint(0, ours.config.vocab_size, (args.batch_size, args.seq_len), device=device)
+    times = {k: [] for k in nets}
+    for i in range(args.warmup + args.steps):
+        for name, net in nets.items():
+            with Timer(device) as t:
+                train_step(net, opts[name], x)
+            if i >= args.warmup:
+                times[name].append(t)
+    tokens = args.batch_size * args.seq_len
+    peak = peak_flops(device, args.peak_flops)
+    flops = flops_per_token(ours.config, args.seq_len)
+    row = {"preset": preset, "params": sum(p.numel() for p in ours.parameters())}
+    for name in nets:
+        step = statistics.median(t.elapsed() for t in times[name])
+        row[f"{name}_tokens_per_sec"] = tokens / step
+        row[f"{name}_mfu"] = flops * tokens / step / peak if peak else None
+    row["ratio"] = row["shardgpt_tokens_per_sec"] / row["llama_tokens_per_sec"]
+    if device.type == "cuda":
+        row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    del nets, opts, ours, llama
+    return row
+
+
+def table(rows: list[dict], header: str) -> str:
+    def pct(v):
+        return f"{100 * v:.1f}%" if v is not None else "n/a"
+
+    lines = [
+        header,
+        "",
+        "| preset | params | shardgpt tokens/s | MFU | Llama tokens/s | MFU | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {r['shardgpt_tokens_per_sec']:,.0f} | "
+            f"{pct(r['shardgpt_mfu'])} | {r['llama_tokens_per_sec']:,.0f} | {pct(r['llama_mfu'])} | {r['ratio']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["tiny"])
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per model (the GPU goal asks for >= 50)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--peak_flops", type=float, default=None, help="peak FLOP/s of the device, for MFU")
+    p.add_argument("--write", default=None, help="append the table to this markdown file")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    rows = []
+    for preset in args.presets:
+        rows.append(measure(preset, args, device, dtype))
+        print(f"{preset}: {rows[-1]}", flush=True)
+    command = "python recipes/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = (
+        f"**{name}**, {str(dtype).replace('torch.', '')}, batch {args.batch_size} x seq {args.seq_len}, "
+        f"median of {args.steps} timed steps (forward, backward, AdamW) after {args.warmup} warm-up; torch "
+        f"{torch.__version__}, transformers {transformers.__version__}. Command: `{command.strip()}`"
+    )
+    text = table(rows, header)
+    print(text)
+    if args.write:
+        with Path(args.write).open("a") as f:
+            f.write("\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

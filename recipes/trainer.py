@@ -1,0 +1,227 @@
+"""Train shardgpt with `transformers.Trainer`: the model, data, flags and DeepSpeed JSONs of recipes/train.py,
+the loop of the Trainer.
+
+    python recipes/trainer.py --preset debug
+    torchrun --nproc_per_node 2 recipes/trainer.py --deepspeed ds_configs/zero2.json
+    deepspeed --num_gpus 2 recipes/trainer.py --deepspeed ds_configs/zero3.json
+    accelerate launch --config_file accelerate_configs/zero2.yaml recipes/trainer.py
+
+Its per-step losses equal recipes/train.py's for the same flags (docs/trainer.md): the same initial weights
+(recipes/modeling.py), data order (data.EpochSampler), AdamW groups and schedule (recipes/optim.py), and the
+same loss, the token mean over the global batch however it is split into micro batches and ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import set_seed
+from torch.utils.data import Subset
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments, default_data_collator
+from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
+
+from data import BlockDataset, EpochSampler, prepare_data
+from model import ShardGPTConfig
+from recipes.config import RunConfig
+from recipes.distributed import launched_world_size, requested_strategy, verify_strategy
+from recipes.metrics import MetricsWriter, flops_per_token, memory_gb, peak_flops
+from recipes.modeling import build_model
+from recipes.optim import make_optimizer, make_scheduler
+from recipes.train import print_sample
+
+IGNORE_INDEX = -100
+# RunConfig flags that TrainingArguments has under the same name and meaning.
+SAME_FLAGS = (
+    "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "max_steps",
+    "warmup_steps", "lr_scheduler_type", "seed", "bf16", "fp16", "torch_compile", "logging_steps", "save_total_limit",
+)  # fmt: skip
+
+
+class ShardGPTTrainer(Trainer):
+    """The Trainer with recipes/train.py's data order, optimizer, schedule and loss normalisation."""
+
+    def __init__(self, *args, run_config: RunConfig, fused_adamw: bool, **kwargs):
+        self.run_config, self.fused_adamw = run_config, fused_adamw
+        super().__init__(*args, **kwargs)
+
+    def _get_train_sampler(self, train_dataset=None):
+        # ShardedLoader's order; accelerate deals batch k to rank k % world, as ShardedLoader does.
+        n = len(self.train_dataset if train_dataset is None else train_dataset)
+        cfg = self.run_config
+        return EpochSampler(n, cfg.global_batch_size(self.args.world_size), cfg.seed)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # The Trainer counts targets only in batches that carry `labels`; ours carry `shift_labels`. The count
+        # over every micro batch and rank makes each micro batch's loss sum(CE) / targets in the global batch.
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        count = sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
+        if self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()  # collective
+        return batches, count
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:  # under DeepSpeed, called only when the JSON has no optimizer section
+            net = self.model if model is None else model
+            self.optimizer = make_optimizer(self.run_config, net, None, self.fused_adamw)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps, optimizer=None):
+        if self.lr_scheduler is None:  # under DeepSpeed, called only when the JSON has no scheduler section
+            optimizer = self.optimizer if optimizer is None else optimizer
+            self.lr_scheduler = make_scheduler(self.run_config, optimizer, None)
+        return self.lr_scheduler
+
+
+class MetricsCallback(TrainerCallback):
+    """Appends one JSON per log to output_dir/metrics.jsonl with recipes/train.py's keys (rank 0), and writes
+    strategy.json after refusing a run whose prepared model is not sharded as the launch asked."""
+
+    def __init__(self, trainer: Trainer, strategy, tokens_per_step: int, flops_per_step: float, peak):
+        self.trainer, self.strategy = trainer, strategy
+        self.tokens_per_step, self.flops_per_step, self.peak = tokens_per_step, flops_per_step, peak
+        self.metrics = MetricsWriter(trainer.accelerator, trainer.args.output_dir)
+        self.train_time, self.steps, self.t0 = 0.0, 0, 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        seen = verify_strategy(self.trainer.accelerator, self.trainer.model_wrapped, self.strategy)
+        if state.is_world_process_zero:
+            out = Path(args.output_dir)
+            (out / "strategy.json").write_text(json.dumps(seen, indent=2))
+            if args.deepspeed:  # as the Trainer resolved it
+                (out / "ds_config.json").write_text(json.dumps(args.hf_deepspeed_config.config, indent=2))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.train_time, self.steps = self.train_time + time.perf_counter() - self.t0, self.steps + 1
+        control.should_log |= state.global_step >= state.max_steps  # recipes/train.py logs the last step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            dt = self.train_time / max(self.steps, 1)
+            scheduler = kwargs.get("lr_scheduler")
+            record = {
+                "step": state.global_step,
+                "loss": logs["loss"],  # mean over the steps since the last log of the global batches' token means
+                # After the scheduler's step, as recipes/train.py logs it (the Trainer's learning_rate is before).
+                "lr": scheduler.get_last_lr()[0] if scheduler is not None else logs.get("learning_rate"),
+                "grad_norm": logs.get("grad_norm"),
+                "tokens_per_sec": self.tokens_per_step / dt if dt else None,
+                "step_time_s": dt,
+                "mfu": self.flops_per_step / dt / args.world_size / self.peak if self.peak and dt else None,
+                "epoch": logs.get("epoch"),
+                **memory_gb(args.device),
+            }
+            self.train_time, self.steps = 0.0, 0
+        elif "eval_loss" in logs:
+            loss = logs["eval_loss"]
+            record = {"step": state.global_step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))}
+        else:
+            return
+        self.metrics.write(record)  # rank 0 writes
+
+
+def cpu_ranks(strategy) -> dict:
+    """TrainingArguments for several CPU ranks (gloo), which the Trainer does not set up by itself: `use_cpu` gives
+    accelerate's MULTI_CPU DDP; under DeepSpeed it would start a process group with no backend and count a world
+    of 1, so accelerate's state is set up here, as recipes/train.py's Accelerator does, and the Trainer uses it."""
+    if torch.cuda.is_available() or strategy.world_size == 1:
+        return {}
+    if strategy.fsdp_env:
+        raise ValueError(
+            "FSDP through the Trainer needs GPUs (accelerate runs FSDP only on accelerator devices); on CPU ranks "
+            "use recipes/train.py, or a DeepSpeed config"
+        )
+    if strategy.deepspeed is None:
+        return {"use_cpu": True, "ddp_backend": "gloo"}
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo", timeout=timedelta(minutes=30))  # collective: initialises the process group
+    return {"accelerator_config": {"use_configured_state": True}}
+
+
+def training_arguments(cfg: RunConfig, strategy) -> TrainingArguments:
+    # The Trainer fills the JSON's "auto" values itself; it gets our resolved copy only for --nvme_path or an
+    # accelerate config's DeepSpeed section.
+    deepspeed = cfg.deepspeed if cfg.deepspeed and not cfg.nvme_path else strategy.deepspeed
+    return TrainingArguments(
+        **{name: getattr(cfg, name) for name in SAME_FLAGS},
+        activation_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        deepspeed=deepspeed,
+        logging_nan_inf_filter=False,  # a non-finite loss is logged as such
+        eval_strategy="steps",
+        eval_steps=cfg.eval_steps or cfg.max_steps,  # 0: only at the end, as recipes/train.py
+        prediction_loss_only=True,
+        label_names=["shift_labels"],
+        save_strategy="steps" if cfg.save_steps else "no",
+        save_steps=cfg.save_steps or None,
+        report_to=cfg.report_to.split(","),
+        remove_unused_columns=False,
+        ddp_find_unused_parameters=False,
+        **cpu_ranks(strategy),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
+    world = launched_world_size()
+    cfg.validate(world)
+    if cfg.streaming:
+        raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
+    config = ShardGPTConfig.from_preset(cfg.preset)
+    strategy = requested_strategy(cfg, config.hidden_size)  # the same checks of the JSON as recipes/train.py
+    args = training_arguments(cfg, strategy)
+    is_main = args.process_index == 0  # creating the arguments initialised the process group
+    set_seed(cfg.seed)  # then data, then model, in recipes/train.py's order: the same initial weights
+    packed = prepare_data(cfg, config.max_position_embeddings, is_main, args.distributed_state.wait_for_everyone)
+    cfg.check_data_size(len(packed.train), world)
+    net = build_model(config, packed.tokenizer, cfg.gradient_checkpointing)
+    validation = None
+    if packed.validation is not None and len(packed.validation):
+        validation = BlockDataset(packed.validation)
+        if cfg.max_eval_batches is not None:  # the blocks recipes/train.py evaluates on
+            cap = cfg.max_eval_batches * cfg.per_device_eval_batch_size * world
+            validation = Subset(validation, range(min(cap, len(validation))))
+    if validation is None:
+        args.eval_strategy = IntervalStrategy.NO
+    if is_main:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.output_dir) / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    trainer = ShardGPTTrainer(
+        model=net, args=args, train_dataset=BlockDataset(packed.train), eval_dataset=validation,
+        data_collator=default_data_collator, processing_class=packed.tokenizer, run_config=cfg,
+        fused_adamw=args.device.type == "cuda" and "offload" not in strategy.name,
+    )  # fmt: skip
+    tokens_per_step = cfg.global_batch_size(world) * cfg.block_size
+    flops = flops_per_token(config, cfg.block_size) * tokens_per_step
+    peak = peak_flops(args.device, cfg.peak_flops)
+    trainer.add_callback(MetricsCallback(trainer, strategy, tokens_per_step, flops, peak))
+    resume = cfg.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(cfg.output_dir) if resume == "auto" else resume)
+
+    trainer.model.config.use_cache = True
+    trainer.save_model(cfg.output_dir)  # collective under ZeRO-3: gathers the full weights
+    if is_main and cfg.sample_max_new_tokens:
+        print_sample(Path(cfg.output_dir), packed.tokenizer, cfg.sample_max_new_tokens)
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
+        if os.environ.get("SHARDGPT_TRACEBACK"):  # bad input ends with one line, as in recipes/train.py
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
