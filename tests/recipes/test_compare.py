@@ -1,0 +1,107 @@
+"""recipes/compare.py: one command runs several strategies on 2 CPU ranks and writes one report; a failing
+strategy is reported with its error while the others complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.compare import last_error, load_seconds, median_after_first
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 5
+GOOD = ("ddp", "zero2", "fsdp")
+
+
+def table_rows(report: str) -> dict[str, dict[str, str]]:
+    """The report's markdown table as {strategy: {column: cell}}."""
+    lines = [s for s in report.splitlines() if s.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip().removeprefix("|").removesuffix("|").split(" | ")]
+        rows[cells[0]] = dict(zip(head, cells, strict=False))
+    return rows
+
+
+def number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_compare_reports_every_strategy_and_the_failures(corpus, tmp_path):
+    # A launch that really starts and fails (the training script refuses a DeepSpeed JSON with a typo), and a
+    # config name that does not exist.
+    ds = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    ds["zero_optimisation"] = ds.pop("zero_optimization")
+    (tmp_path / "typo.json").write_text(json.dumps(ds))
+    yaml = (ROOT / "accelerate_configs" / "zero2.yaml").read_text()
+    (tmp_path / "typo_zero2.yaml").write_text(yaml.replace("ds_configs/zero2.json", str(tmp_path / "typo.json")))
+    out = tmp_path / "report"
+    strategies = ",".join([*GOOD, "nope", str(tmp_path / "typo_zero2.yaml")])
+    cmd = [
+        sys.executable, "recipes/compare.py", "--preset", "debug", "--strategies", strategies, "--steps", str(STEPS),
+        "--nproc", "2", "--no_trainer", "--output_dir", str(out), *corpus["flags"],
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "3/5 strategies ran" in p.stdout
+
+    rows = table_rows((out / "report.md").read_text())
+    assert list(rows) == [*GOOD, "nope", "typo_zero2"]
+    for name in GOOD:
+        row = rows[name]
+        assert row["in force (params/rank)"].startswith(name), row
+        assert number(row["tokens/s"]) > 0 and number(row["step time (s)"]) > 0
+        assert row["MFU"] == "n/a"  # CPU: no peak FLOP/s
+        per_rank = [number(v) for v in row["peak RSS per rank (GB)"].split(" / ")]
+        assert len(per_rank) == 2 and all(0.05 < v < 20 for v in per_rank)
+        assert number(row["checkpoint (MB)"]) > 0
+        assert 0 <= number(row["save (s)"]) < 60 and 0 <= number(row["load (s)"]) < 60
+        assert 2 < number(row["final loss"]) < 10
+        assert number(row["max abs loss diff vs ddp"]) < 1e-4  # the same model, data and global batch
+    assert (
+        "FAILED" in rows["nope"]["in force (params/rank)"]
+        and "no such config" in rows["nope"]["in force (params/rank)"]
+    )
+    failed = rows["typo_zero2"]["in force (params/rank)"]
+    assert "FAILED" in failed and "unknown key 'zero_optimisation'" in failed
+
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["name"]: r for r in results["runs"]}
+    assert [runs[n]["ok"] for n in (*GOOD, "nope", "typo_zero2")] == [True, True, True, False, False]
+    assert sorted(runs["ddp"]["losses"], key=int) == [str(s) for s in range(1, STEPS + 1)]
+    assert runs["fsdp"]["local_parameter_fraction"] == pytest.approx(0.5, abs=0.02)
+    assert "accelerate launch --config_file accelerate_configs/zero2.yaml" in runs["zero2"]["command"]
+    for png in ("memory.png", "throughput.png", "loss.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+        assert f"]({png})" in (out / "report.md").read_text()
+
+
+def test_error_line_and_log_parsing():
+    launcher_tail = (
+        "error: DeepSpeed config 'x.json': unknown key 'zero_optimisation'\n"
+        "Traceback (most recent call last):\n"
+        "subprocess.CalledProcessError: Command '['python', 'train.py']' returned non-zero exit status 2.\n"
+    )
+    assert last_error(launcher_tail, 1) == "error: DeepSpeed config 'x.json': unknown key 'zero_optimisation'"
+    assert last_error("[rank0]: RuntimeError: boom\n[rank0]:   \n", 1) == "RuntimeError: boom"
+    assert last_error("", 3) == "exit code 3"
+    log = (
+        "2026-01-02 03:04:05,100 INFO strategy in force: {...}\n"
+        "2026-01-02 03:04:05,350 INFO [RANK 0] Loading states from x\n"
+        "2026-01-02 03:04:06,025 INFO resumed from runs/x/checkpoint-5 at step 5\n"
+    )
+    assert load_seconds(log) == pytest.approx(0.925)
+    assert load_seconds("no stamps") is None
+    records = [{"tokens_per_sec": v} for v in (10.0, 100.0, 300.0, 200.0)]
+    assert median_after_first(records, "tokens_per_sec") == 200.0  # the first (warm-up) step is left out
+    assert median_after_first([{"mfu": None}], "mfu") is None

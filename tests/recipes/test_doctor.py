@@ -1,0 +1,121 @@
+"""recipes/doctor.py: the pre-launch checks on this machine, a good launch, bad launches, the NVMe write test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes import doctor
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_doctor(capfd, *args: str) -> tuple[int, str]:
+    """`python recipes/doctor.py ARGS`, in this process: (exit code, stdout)."""
+    capfd.readouterr()
+    code = doctor.main(list(args))
+    return code, capfd.readouterr().out
+
+
+def checks(stdout: str) -> dict[str, dict]:
+    return {c["name"]: c for c in json.loads(stdout)["checks"]}
+
+
+def test_good_launch_passes_and_reports_the_machine(tmp_path, capfd):
+    code, out = run_doctor(
+        capfd,
+        "--config_file", "accelerate_configs/zero3_offload_nvme.yaml", "--nvme_path", str(tmp_path), "--write_mb", "8",
+        "--json", "--", "--preset", "debug", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+        "2", "--output_dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert code == 0, out
+    found = checks(out)
+    assert not [c for c in found.values() if c["status"] == "FAIL"]
+    if not doctor.gpus():  # this machine: no GPU, said so, and gloo works
+        assert found["GPUs"]["status"] == "WARN" and "no GPU" in found["GPUs"]["detail"]
+        assert found["pinned memory"]["status"] == "n/a"
+        assert "gloo all-reduce ok" in found["process group"]["detail"]
+    assert found["DeepSpeed config"]["status"] == "OK"
+    assert found["accelerate config"]["status"] == "OK"
+    assert found[f"NVMe path {tmp_path}"]["status"] in ("OK", "WARN")
+    assert "MiB/s" in found[f"NVMe path {tmp_path}"]["detail"]
+    resolved = json.loads(out)["resolved"]
+    assert resolved["strategy"] == "zero3-offload-nvme on 2 rank(s)"
+    assert resolved["ZeRO stage"] == 3 and resolved["offload params"] == "nvme"
+    assert resolved["micro batch per rank"] == 4 and resolved["gradient accumulation"] == 2
+    assert resolved["global batch"].startswith("16 ")
+    assert resolved["precision"] == "fp32"
+    assert json.loads(out)["deepspeed"]["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path)
+    assert not list(tmp_path.glob(".shardgpt-doctor-*")), "the write test leaves no file behind"
+
+
+def test_table_output_for_the_machine_alone():
+    """The command line itself, in a fresh process: a table on stdout, exit 0 on this machine."""
+    p = subprocess.run([sys.executable, "recipes/doctor.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.splitlines()[0].split() == ["check", "status", "detail"]
+    for name in ("GPUs", "process group", "bf16", "DeepSpeed ops", "pinned memory", "libaio"):
+        assert any(line.startswith(name) for line in p.stdout.splitlines()), name
+    assert "0 FAIL: nothing blocks a launch" in p.stdout
+
+
+def test_typo_key_and_missing_nvme_path_fail_naming_the_field(tmp_path, capfd):
+    ds = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    ds["zero_optimisation"] = ds.pop("zero_optimization")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(ds))
+    code, out = run_doctor(
+        capfd, "--deepspeed", str(bad), "--num_processes", "2", "--nvme_path", "/no/such/nvme", "--",
+        "--output_dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert code == 1, out
+    fails = [line for line in out.splitlines() if "  FAIL  " in line]
+    assert any("DeepSpeed config" in f and "'zero_optimisation'; did you mean 'zero_optimization'?" in f for f in fails)
+    assert any("--nvme_path '/no/such/nvme' does not exist" in f for f in fails)
+    assert "blocking problems" in out
+
+
+def test_bad_accelerate_config_and_flags_fail(tmp_path, capfd):
+    yaml = tmp_path / "cpu.yaml"
+    yaml.write_text((ROOT / "accelerate_configs" / "zero2.yaml").read_text().replace("use_cpu: false", "use_cpu: true"))
+    code, out = run_doctor(capfd, "--config_file", str(yaml), "--json", "--", "--output_dir", str(tmp_path))
+    assert code == 1
+    found = checks(out)
+    assert found["accelerate config"]["status"] == "FAIL" and "use_cpu: true" in found["accelerate config"]["detail"]
+    # The YAML's own problem stops the launch checks; a good YAML with a bad flag reaches them.
+    code, out = run_doctor(capfd, "--config_file", "accelerate_configs/ddp.yaml", "--json", "--", "--max_steps", "0")
+    assert code == 1
+    assert "--max_steps 0 must be at least 1" in checks(out)["training flags"]["detail"]
+    code, out = run_doctor(capfd, "--config_file", "accelerate_configs/nope.yaml", "--json")
+    assert code == 1 and "no such file" in checks(out)["accelerate config"]["detail"]
+    code, out = run_doctor(capfd, "--config_file", "accelerate_configs/ddp.yaml", "--json", "--", "--bogus", "1")
+    assert code == 1 and "unknown flags ['--bogus', '1']" in checks(out)["training flags"]["detail"]
+
+
+def test_write_speed_on_tmp_path(tmp_path):
+    speed = doctor.measure_write_speed(tmp_path, megabytes=4)
+    assert speed > 0
+    assert list(tmp_path.iterdir()) == []
+    report = doctor.Report()
+    doctor.check_nvme(report, str(tmp_path), "--nvme_path", megabytes=4, need_bytes=None)
+    (check,) = report.checks
+    assert check.status in ("OK", "WARN") and "MiB/s (4 MiB, fsync)" in check.detail
+    doctor.check_nvme(report, str(tmp_path / "missing"), "--nvme_path", megabytes=4, need_bytes=None)
+    assert report.checks[-1].status == "FAIL" and "does not exist" in report.checks[-1].detail
+    doctor.check_nvme(report, str(tmp_path), "--nvme_path", megabytes=4, need_bytes=2**60)
+    assert report.checks[-1].status == "FAIL" and "need about" in report.checks[-1].detail
+
+
+@pytest.mark.parametrize("name", ["zero1", "fsdp", "fsdp_shard_grad_op", "zero3_offload_cpu"])
+def test_strategy_names_match_the_training_script(name):
+    """The name doctor prints is the one recipes/distributed.py reports in strategy.json."""
+    launch = doctor.read_launch_config(ROOT / "accelerate_configs" / f"{name}.yaml")
+    ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    ds = json.loads((ROOT / ds_file).read_text()) if ds_file else None
+    expected = {"zero1": "zero1", "fsdp": "fsdp", "fsdp_shard_grad_op": "fsdp-shard-grad-op",
+                "zero3_offload_cpu": "zero3-offload-cpu"}  # fmt: skip
+    assert doctor.strategy_name(launch, ds, 2) == expected[name]
