@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from data import DataArguments
+from model import PRESETS
 
-PRESET_NAMES = ("debug", "tiny", "gpt2-124m", "gpt2-350m", "llama-1b", "llama-3b", "llama-7b")
+PRESET_NAMES = tuple(PRESETS)
 SCHEDULERS = ("cosine", "linear", "constant")
 TRACKERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow")
 

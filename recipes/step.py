@@ -66,6 +66,5 @@ def clip_gradients(accelerator, net, max_norm: float) -> float | None:
     """Clip (unless DeepSpeed clips itself, from `gradient_clipping`) and return the global gradient norm."""
     if accelerator.distributed_type.name == "DEEPSPEED":
         return None  # DeepSpeed clips inside its step and reports the norm after it
-    if max_norm > 0:
-        return accelerator.clip_grad_norm_(net.parameters(), max_norm).item()
-    return accelerator.clip_grad_norm_(net.parameters(), float("inf")).item()
+    limit = max_norm if max_norm > 0 else float("inf")  # 0 disables clipping; the norm is still measured
+    return accelerator.clip_grad_norm_(net.parameters(), limit).item()

@@ -150,9 +150,10 @@ def main(argv: list[str] | None = None) -> None:
         if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
             val = evaluate(accelerator, net, packed.validation, cfg)  # collective: all ranks, reduced sums
             if val is not None:
-                metrics.write({"step": step, "eval_loss": val, "eval_perplexity": math.exp(min(val, 50))})
+                perplexity = math.exp(min(val, 50))  # capped: exp overflows for a diverged model
+                metrics.write({"step": step, "eval_loss": val, "eval_perplexity": perplexity})
                 if is_main:
-                    progress.write(f"step {step:>6} | eval loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+                    progress.write(f"step {step:>6} | eval loss {val:.4f} | perplexity {perplexity:.2f}")
             net.train()
 
         if cfg.save_steps and step % cfg.save_steps == 0:
