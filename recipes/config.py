@@ -104,7 +104,7 @@ class RunConfig(DataArguments):
         if self.warmup_steps > self.max_steps:
             raise ValueError(
                 f"--warmup_steps {self.warmup_steps} exceeds --max_steps {self.max_steps}: "
-                f"pass --warmup_steps {self.max_steps // 10} or fewer"
+                f"pass --warmup_steps {self.max_steps} or fewer (about a tenth, {self.max_steps // 10}, is usual)"
             )
         if self.lr_scheduler_type not in SCHEDULERS:
             raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULERS)}")

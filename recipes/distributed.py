@@ -15,9 +15,13 @@ train unless the prepared model really is sharded the way the config says:
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -208,3 +212,32 @@ def _local_numel(p: torch.Tensor) -> int:
 
 def _global_numel(p: torch.Tensor) -> int:
     return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+
+
+BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...] = BAD_INPUT) -> NoReturn:
+    """Run a launched script's `main` and end the process. Bad input (and `errors`) ends with one line,
+    `error: ...`, and exit status 2 instead of a traceback (set SHARDGPT_TRACEBACK=1 to see it).
+
+    A rank that used a process group exits without interpreter finalization. In torch 2.13 the gloo
+    backend's worker threads outlive `destroy_process_group` once DDP, FSDP or DeepSpeed have held the
+    group (they keep it alive from C++; the threads are still there after garbage collection), and a
+    rank that had finished and written everything has been seen to abort during finalization with
+    "terminate called without an active exception" (exit -6), failing a completed run. Everything is
+    flushed here first; the script has already finished its trackers and destroyed the group."""
+    try:
+        main()
+        code = 0
+    except errors as e:
+        if os.environ.get("SHARDGPT_TRACEBACK"):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    if launched_world_size() <= 1:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import sys
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -49,7 +47,13 @@ from transformers import HfArgumentParser
 import model as shardgpt
 from data import ShardedLoader
 from recipes.config import RunConfig
-from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, verify_strategy
+from recipes.distributed import (
+    launched_world_size,
+    make_accelerator,
+    requested_strategy,
+    run_rank,
+    verify_strategy,
+)
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
 from recipes.step import train_step
@@ -327,10 +331,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
-        if os.environ.get("SHARDGPT_TRACEBACK"):
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_rank(main)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -31,10 +29,12 @@ from recipes import faults
 from recipes.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from recipes.config import RunConfig
 from recipes.distributed import (
+    BAD_INPUT,
     check_fsdp_wrap,
     launched_world_size,
     make_accelerator,
     requested_strategy,
+    run_rank,
     verify_strategy,
 )
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
@@ -212,11 +212,5 @@ def print_sample(folder: Path, tokenizer, max_new_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, NonFiniteLossError) as e:
-        # Bad input and stopped runs end with one clear line, not a traceback (unless asked for).
-        if os.environ.get("SHARDGPT_TRACEBACK"):
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    # Bad input and a stopped run end with one line and exit status 2 (see `run_rank`).
+    run_rank(main, (*BAD_INPUT, NonFiniteLossError))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +30,7 @@ from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 from data import BlockDataset, EpochSampler, prepare_data
 from model import ShardGPTConfig
 from recipes.config import RunConfig
-from recipes.distributed import launched_world_size, requested_strategy, verify_strategy
+from recipes.distributed import launched_world_size, requested_strategy, run_rank, verify_strategy
 from recipes.metrics import MetricsWriter, flops_per_token, memory_gb, peak_flops
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
@@ -214,14 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer.save_model(cfg.output_dir)  # collective under ZeRO-3: gathers the full weights
     if is_main and cfg.sample_max_new_tokens:
         print_sample(Path(cfg.output_dir), packed.tokenizer, cfg.sample_max_new_tokens)
-    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.wait_for_everyone()  # collective: nobody tears the group down before the export
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
-        if os.environ.get("SHARDGPT_TRACEBACK"):  # bad input ends with one line, as in recipes/train.py
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_rank(main)

@@ -5,7 +5,6 @@ the launcher's config asks for. Writes the per-step losses and the final (gather
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -14,7 +13,13 @@ from transformers import HfArgumentParser
 
 import model as shardgpt
 from recipes.config import RunConfig
-from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, verify_strategy
+from recipes.distributed import (
+    launched_world_size,
+    make_accelerator,
+    requested_strategy,
+    run_rank,
+    verify_strategy,
+)
 from recipes.optim import make_optimizer, make_scheduler
 from recipes.step import train_step
 
@@ -73,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank(main)

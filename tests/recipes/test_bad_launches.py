@@ -95,3 +95,22 @@ def test_fsdp_wrap_class_missing_is_refused(corpus, tmp_path):
     assert (
         "names ['LlamaDecoderLayer'], which this model does not have; set it to ['ShardGPTDecoderLayer']" in run.stderr
     )
+
+
+@pytest.mark.parametrize(("body", "code", "stream", "text"), [
+    ("print('finished', end='')", 0, "stdout", "finished"),
+    ("raise ValueError('--block_size 0 must be at least 1')", 2, "stderr", "error: --block_size 0 must be at least 1"),
+])  # fmt: skip
+def test_a_launched_rank_ends_with_its_status_and_all_its_output(body, code, stream, text):
+    """`run_rank` ends a launched rank without interpreter finalization; what the rank printed into a pipe
+    (block-buffered) still arrives, and bad input still ends with one line and status 2."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"from recipes.distributed import run_rank\ndef main():\n    {body}\nrun_rank(main)\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == code, p.stderr[-2000:]
+    assert getattr(p, stream).strip() == text
