@@ -17,6 +17,6 @@ def build_model(config: ShardGPTConfig, tokenizer, gradient_checkpointing: bool 
     config.bos_token_id = tokenizer.bos_token_id
     net = ShardGPTForCausalLM(config)
     if gradient_checkpointing:
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     net.config.use_cache = False  # training never reads a KV cache
     return net

@@ -128,7 +128,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     ours(x, labels=x).loss.backward()
     plain = {n: p.grad.clone() for n, p in ours.named_parameters()}
     ours.zero_grad()
-    ours.gradient_checkpointing_enable()
+    ours.activation_checkpointing_enable()
     assert all(layer.gradient_checkpointing for layer in ours.model.layers)
     ours(x, labels=x).loss.backward()
     for n, p in ours.named_parameters():
