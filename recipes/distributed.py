@@ -11,6 +11,8 @@ train unless the prepared model really is sharded the way the config says:
 - FSDP on CPU: accelerate enables FSDP only for GPU-like device types, although torch's FSDP2 shards a
   model on CPU with gloo. `enable_fsdp_on_cpu` sets accelerate's state to FSDP, so `prepare` runs
   accelerate's own FSDP2 code path (`fully_shard` per decoder layer) exactly as on GPUs.
+- ZeRO-3 with NVMe parameter offload on CPU swapped fp32 parameters through bf16 buffers (a DeepSpeed
+  dtype fallback for devices without fp16); `keep_zero3_param_dtype` keeps the model's dtype.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         step_scheduler_with_optimizer=False,
     )
     if strategy.deepspeed is not None:
+        keep_zero3_param_dtype()
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
     elif on_cpu:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
@@ -139,6 +142,32 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
     if strategy.fsdp_env and accelerator.distributed_type != DistributedType.FSDP and on_cpu:
         enable_fsdp_on_cpu(accelerator, cfg.mixed_precision)
     return accelerator
+
+
+def keep_zero3_param_dtype() -> None:
+    """Make ZeRO-3 keep the model's parameter dtype where the device has no fp16 (CPU).
+
+    When the engine partitions an existing model it passes the model's dtype to `zero.Init`, but
+    `InsertPostInitMethodToModuleSubClasses._set_dtype` (deepspeed 0.19.8) reads
+    `dtype or torch.float16 if fp16_supported else torch.bfloat16 ...`, which on a device without fp16
+    ignores the dtype and answers bf16. Under NVMe parameter offload the swapper then stores fp32
+    partitions in bf16 buffers: measured on the `tiny` preset, the embedding was rounded to bf16 when
+    `prepare` returned (max error 2.4e-4) and the step-1 loss moved by 7e-6 relative. On GPUs the
+    expression already returns the given dtype, so nothing is changed there."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
+
+    if get_accelerator().is_fp16_supported() or getattr(ZeroInit._set_dtype, "keeps_given_dtype", False):
+        return
+    upstream = ZeroInit._set_dtype
+
+    def _set_dtype(self, ds_config, dtype):
+        upstream(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    _set_dtype.keeps_given_dtype = True
+    ZeroInit._set_dtype = _set_dtype
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator, mixed_precision: str) -> None:

@@ -30,7 +30,13 @@ from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 from data import BlockDataset, EpochSampler, prepare_data
 from model import ShardGPTConfig
 from recipes.config import RunConfig
-from recipes.distributed import launched_world_size, requested_strategy, run_rank, verify_strategy
+from recipes.distributed import (
+    keep_zero3_param_dtype,
+    launched_world_size,
+    requested_strategy,
+    run_rank,
+    verify_strategy,
+)
 from recipes.metrics import MetricsWriter, flops_per_token, memory_gb, peak_flops
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
@@ -144,6 +150,7 @@ def cpu_ranks(strategy) -> dict:
     if strategy.deepspeed is None:
         return {"use_cpu": True, "ddp_backend": "gloo"}
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    keep_zero3_param_dtype()  # the engine's ZeRO-3 partitions keep fp32 on CPU (see recipes/distributed.py)
     PartialState(backend="gloo", timeout=timedelta(minutes=30))  # collective: initialises the process group
     return {"accelerator_config": {"use_configured_state": True}}
 
