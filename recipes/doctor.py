@@ -31,8 +31,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OK, WARN, FAIL, NA = "OK", "WARN", "FAIL", "n/a"
-# The DeepSpeed ops this project's configs use: CPU Adam (offload), async I/O (NVMe), fused Adam (GPUs).
-USED_OPS = ("cpu_adam", "async_io", "fused_adam")
+# The DeepSpeed ops a launch of this project JIT-compiles at first use: the optimizer (fused Adam on GPUs, CPU Adam
+# under offload), async I/O for NVMe offload and, on CPU ranks, pinned buffers and shared-memory collectives.
+GPU_OPS = ("fused_adam", "cpu_adam", "async_io")
+CPU_OPS = ("cpu_adam", "async_io", "pin_memory", "deepspeed_shm_comm")
+STALE_LOCK_S = 900  # an op build holds its lock file minutes at most; an older one was left by a killed build
 DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "FSDP", "DEEPSPEED", "XLA")
 SLOW_DISK_MBPS = 500  # below this, NVMe offload's swapping dominates the step (a local NVMe writes > 1 GB/s)
 
@@ -189,7 +192,7 @@ def check_ops(report: Report, build: bool) -> None:
         detail += f"; not buildable here: {', '.join(incompatible)}"
     detail += f"; prebuilt: {', '.join(prebuilt) or 'none (compiled at first use, JIT)'}"
     status = OK
-    if missing and set(USED_OPS) - set(prebuilt):
+    if missing and set(used_ops()) - set(prebuilt):
         status, detail = WARN, detail + f"; no {' or '.join(missing)} on PATH: JIT builds will fail"
     needed_missing = [op for op in ("cpu_adam",) if op in incompatible]
     if needed_missing:
@@ -199,14 +202,32 @@ def check_ops(report: Report, build: bool) -> None:
         build_ops(report)
 
 
-def build_ops(report: Report) -> None:
-    """Compile (or load from the extension cache) the ops this project's configs use."""
-    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+def used_ops() -> tuple[str, ...]:
+    import torch
 
-    for name in USED_OPS:
+    return GPU_OPS if torch.cuda.is_available() else CPU_OPS
+
+
+def build_ops(report: Report, names: tuple[str, ...] | None = None) -> None:
+    """Compile (or load from the extension cache) `names`, by default the ops a launch here uses, so that no
+    rank compiles them inside a timed launch."""
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    from torch.utils.cpp_extension import _get_build_directory
+
+    for name in names or used_ops():
         builder = ALL_OPS.get(name)
         if builder is None or not builder.is_compatible(verbose=False):
             report.add(f"build {name}", NA, "not buildable for this accelerator")
+            continue
+        # torch waits forever on a build's lock file; one that outlived its build would hang every launch.
+        lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            age = (time.time() - lock.stat().st_mtime) / 60
+            report.add(
+                f"build {name}", FAIL,
+                f"{lock} is {age:.0f} min old: a build of {name} was killed and left it, and every rank that loads "
+                f"{name} would wait on it forever; remove it (rm {lock}) and rerun",
+            )  # fmt: skip
             continue
         t0 = time.perf_counter()
         try:
@@ -603,7 +624,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--write_mb", type=int, default=64, help="MiB written by the NVMe write test.")
     p.add_argument(
         "--build-ops", "--build_ops", dest="build_ops", action="store_true",
-        help="Compile (or load) DeepSpeed's cpu_adam, async_io and fused_adam ops: minutes the first time.",
+        help=f"Compile (or load) the DeepSpeed ops launches use (GPUs: {', '.join(GPU_OPS)}; CPU ranks: "
+        f"{', '.join(CPU_OPS)}): minutes the first time, cached in ~/.cache/torch_extensions.",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="Print the checks as JSON instead of a table.")
     p.add_argument("--show_ds_config", action="store_true", help="Also print the whole resolved DeepSpeed JSON.")

@@ -8,6 +8,24 @@ import shutil
 import pytest
 
 
+def pytest_collection_finish(session):
+    """Compile DeepSpeed's C++ ops once, before any launch, when launched tests were selected.
+
+    DeepSpeed compiles them the first time a rank needs them (minutes on a 2-core machine, then cached in
+    ~/.cache/torch_extensions). Inside a launch that time counts against the launch's timeout, and a rank
+    killed mid-build leaves the cache's lock file behind, so every later launch waits on it forever."""
+    if session.config.option.collectonly or not any(i.get_closest_marker("multiproc") for i in session.items):
+        return
+    from recipes.doctor import Report, build_ops
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reporter.write_line("DeepSpeed ops: compiling or loading (minutes the first time, cached after)")
+    report = Report()
+    build_ops(report)
+    for check in report.checks:
+        reporter.write_line(f"  {check.name}: {check.status} {check.detail}")
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict:
     """A small text corpus, its trained tokenizer and packed cache, built once for every launch."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -74,15 +75,25 @@ def launch(
         **(env or {}),
     }
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    # A session of its own, so a timeout kills the ranks too, not only the launcher that started them.
+    p = subprocess.Popen(
+        [*cmd, *args, "--output_dir", str(output_dir)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
     try:
-        p = subprocess.run(
-            [*cmd, *args, "--output_dir", str(output_dir)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as e:
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"launch timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{err[-6000:]}")
-    run = Run(output_dir, p.stdout, p.stderr, p.returncode)
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        pytest.fail(
+            f"launch timed out after {timeout}s: {' '.join(cmd + args)}\n"
+            f"--- stdout tail ---\n{stdout[-4000:]}\n--- stderr tail ---\n{stderr[-6000:]}"
+        )
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    run = Run(output_dir, stdout, stderr, p.returncode)
     if check and p.returncode != 0:
-        pytest.fail(f"launch failed ({p.returncode}): {' '.join(cmd + args)}\n--- stderr tail ---\n{p.stderr[-8000:]}")
+        pytest.fail(f"launch failed ({p.returncode}): {' '.join(cmd + args)}\n--- stderr tail ---\n{stderr[-8000:]}")
     return run

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,17 @@ def test_strategy_names_match_the_training_script(name):
     expected = {"zero1": "zero1", "fsdp": "fsdp", "fsdp_shard_grad_op": "fsdp-shard-grad-op",
                 "zero3_offload_cpu": "zero3-offload-cpu"}  # fmt: skip
     assert doctor.strategy_name(launch, ds, 2) == expected[name]
+
+
+def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, monkeypatch):
+    # torch waits on an extension's lock file for as long as it exists; the doctor names it instead.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    old = time.time() - doctor.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    report = doctor.Report()
+    doctor.build_ops(report, names=("cpu_adam",))
+    (check,) = report.checks
+    assert check.status == "FAIL" and f"rm {lock}" in check.detail and "16 min old" in check.detail
