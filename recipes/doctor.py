@@ -35,7 +35,7 @@ OK, WARN, FAIL, NA = "OK", "WARN", "FAIL", "n/a"
 # under offload), async I/O for NVMe offload and, on CPU ranks, pinned buffers and shared-memory collectives.
 GPU_OPS = ("fused_adam", "cpu_adam", "async_io")
 CPU_OPS = ("cpu_adam", "async_io", "pin_memory", "deepspeed_shm_comm")
-STALE_LOCK_S = 900  # an op build holds its lock file minutes at most; an older one was left by a killed build
+STALE_LOCK_S = 3600  # no op build takes an hour: an older lock file was left by a killed build
 DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "FSDP", "DEEPSPEED", "XLA")
 SLOW_DISK_MBPS = 500  # below this, NVMe offload's swapping dominates the step (a local NVMe writes > 1 GB/s)
 
@@ -208,9 +208,31 @@ def used_ops() -> tuple[str, ...]:
     return GPU_OPS if torch.cuda.is_available() else CPU_OPS
 
 
-def build_ops(report: Report, names: tuple[str, ...] | None = None) -> None:
+def stale_lock(build_dir: Path) -> Path | None:
+    """The lock file of an extension build that nobody is running any more, else None.
+
+    torch's JIT build holds `<build_dir>/lock` while ninja compiles in that directory, and any process that
+    loads the op waits for as long as the file exists. A rank killed mid-build leaves it behind for good."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age >= STALE_LOCK_S:
+        return lock
+    if age < 60 or not Path("/proc").is_dir():  # just taken (ninja may not have started), or no way to look
+        return None
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):  # ninja and the compiler run in the build directory
+        with contextlib.suppress(OSError):
+            if cwd.resolve() == build_dir.resolve():
+                return None
+    return lock
+
+
+def build_ops(report: Report, names: tuple[str, ...] | None = None, remove_stale_locks: bool = False) -> None:
     """Compile (or load from the extension cache) `names`, by default the ops a launch here uses, so that no
-    rank compiles them inside a timed launch."""
+    rank compiles them inside a timed launch. A lock file left by a killed build fails the op's check, or is
+    removed with `remove_stale_locks`, instead of making this wait forever."""
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
     from torch.utils.cpp_extension import _get_build_directory
 
@@ -219,16 +241,14 @@ def build_ops(report: Report, names: tuple[str, ...] | None = None) -> None:
         if builder is None or not builder.is_compatible(verbose=False):
             report.add(f"build {name}", NA, "not buildable for this accelerator")
             continue
-        # torch waits forever on a build's lock file; one that outlived its build would hang every launch.
-        lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            age = (time.time() - lock.stat().st_mtime) / 60
-            report.add(
-                f"build {name}", FAIL,
-                f"{lock} is {age:.0f} min old: a build of {name} was killed and left it, and every rank that loads "
-                f"{name} would wait on it forever; remove it (rm {lock}) and rerun",
-            )  # fmt: skip
-            continue
+        lock = stale_lock(Path(_get_build_directory(builder.name, verbose=False)))
+        if lock is not None:
+            left = f"{lock} was left by a killed build of {name}; every rank that loads {name} would wait on it forever"
+            if not remove_stale_locks:
+                report.add(f"build {name}", FAIL, f"{left}: remove it (rm {lock}) and rerun")
+                continue
+            lock.unlink(missing_ok=True)
+            report.add(f"lock {name}", WARN, f"{left}: removed it")
         t0 = time.perf_counter()
         try:
             with contextlib.redirect_stdout(io.StringIO()):

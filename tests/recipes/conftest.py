@@ -11,9 +11,9 @@ import pytest
 def pytest_collection_finish(session):
     """Compile DeepSpeed's C++ ops once, before any launch, when launched tests were selected.
 
-    DeepSpeed compiles them the first time a rank needs them (minutes on a 2-core machine, then cached in
-    ~/.cache/torch_extensions). Inside a launch that time counts against the launch's timeout, and a rank
-    killed mid-build leaves the cache's lock file behind, so every later launch waits on it forever."""
+    DeepSpeed compiles them the first time a rank needs them: minutes on 2 cores, then cached in
+    ~/.cache/torch_extensions. Inside a launch that time counts against the launch's timeout, and a build killed
+    midway leaves a lock file on which every later load waits forever; the suite removes such a lock."""
     if session.config.option.collectonly or not any(i.get_closest_marker("multiproc") for i in session.items):
         return
     from recipes.doctor import Report, build_ops
@@ -21,7 +21,7 @@ def pytest_collection_finish(session):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     reporter.write_line("DeepSpeed ops: compiling or loading (minutes the first time, cached after)")
     report = Report()
-    build_ops(report)
+    build_ops(report, remove_stale_locks=True)
     for check in report.checks:
         reporter.write_line(f"  {check.name}: {check.status} {check.detail}")
 

@@ -124,14 +124,31 @@ def test_strategy_names_match_the_training_script(name):
 
 
 def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, monkeypatch):
-    # torch waits on an extension's lock file for as long as it exists; the doctor names it instead.
+    # torch waits on an extension's lock file for as long as it exists; the doctor names it, or removes it.
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / "cpu_adam" / "lock"
-    lock.parent.mkdir()
+    build_dir = tmp_path / "cpu_adam"
+    build_dir.mkdir()
+    lock = build_dir / "lock"
     lock.touch()
-    old = time.time() - doctor.STALE_LOCK_S - 60
+    assert doctor.stale_lock(build_dir) is None  # just taken: a build may be starting
+    old = time.time() - 120
     os.utime(lock, (old, old))
+    with subprocess.Popen(["sleep", "30"], cwd=build_dir) as compiler:  # a build is running in the directory
+        try:
+            assert doctor.stale_lock(build_dir) is None
+        finally:
+            compiler.kill()
+    assert doctor.stale_lock(build_dir) == lock
+
     report = doctor.Report()
     doctor.build_ops(report, names=("cpu_adam",))
     (check,) = report.checks
-    assert check.status == "FAIL" and f"rm {lock}" in check.detail and "16 min old" in check.detail
+    assert check.status == "FAIL" and f"rm {lock}" in check.detail and lock.exists()
+
+    report = doctor.Report()
+    with monkeypatch.context() as m:
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+        m.setattr(ALL_OPS["cpu_adam"], "load", lambda verbose=False: None)  # no compiler run in the test
+        doctor.build_ops(report, names=("cpu_adam",), remove_stale_locks=True)
+    assert [c.status for c in report.checks] == ["WARN", "OK"] and not lock.exists()
