@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -256,6 +257,13 @@ def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...]
     rank that had finished and written everything has been seen to abort during finalization with
     "terminate called without an active exception" (exit -6), failing a completed run. Everything is
     flushed here first; the script has already finished its trackers and destroyed the group."""
+    # DeepSpeed (0.19.8) calls torch's deprecated collective names; under ZeRO-3 the FutureWarning was
+    # printed again and again (2,384 times in a 30-step `tiny` run), burying everything else on stderr.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        category=FutureWarning,
+    )
     try:
         main()
         code = 0
