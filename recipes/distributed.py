@@ -37,6 +37,7 @@ from accelerate.utils import (
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from .config import RunConfig, load_json, offload_devices, resolve_deepspeed, zero_stage
+from .ops import check_op_cache, launch_ops
 
 
 def env_flag(name: str) -> bool:
@@ -114,6 +115,22 @@ def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:
         raise ValueError(
             f"the FSDP config's fsdp_transformer_layer_cls_to_wrap names {missing}, which this model does not have; "
             f"set it to {sorted(model._no_split_modules)} or remove it (the model's _no_split_modules are used)"
+        )
+
+
+def check_deepspeed_ops(strategy: Strategy) -> None:
+    """Before any process group: refuse a launch whose ranks would wait forever on a lock left by a killed
+    build of a DeepSpeed op, and say which ops this launch compiles (minutes, otherwise silent)."""
+    if strategy.deepspeed is None:
+        return
+    to_build = check_op_cache(launch_ops(strategy.deepspeed, torch.cuda.is_available()))
+    if to_build and int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line per node
+        ops = f"{', '.join(to_build)} op{'s' if len(to_build) > 1 else ''}"
+        print(
+            f"DeepSpeed compiles its {ops} now, on first use here: minutes with no output, cached for later "
+            "launches (`python recipes/doctor.py --build-ops` compiles ahead)",
+            file=sys.stderr,
+            flush=True,
         )
 
 

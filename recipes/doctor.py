@@ -29,13 +29,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recipes.ops import CPU_OPS, GPU_OPS, build_dir, check_op_cache, stale_lock, used_ops
+
 ROOT = Path(__file__).resolve().parents[1]
 OK, WARN, FAIL, NA = "OK", "WARN", "FAIL", "n/a"
-# The DeepSpeed ops a launch of this project JIT-compiles at first use: the optimizer (fused Adam on GPUs, CPU Adam
-# under offload), async I/O for NVMe offload and, on CPU ranks, pinned buffers and shared-memory collectives.
-GPU_OPS = ("fused_adam", "cpu_adam", "async_io")
-CPU_OPS = ("cpu_adam", "async_io", "pin_memory", "deepspeed_shm_comm")
-STALE_LOCK_S = 3600  # no op build takes an hour: an older lock file was left by a killed build
 DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "FSDP", "DEEPSPEED", "XLA")
 SLOW_DISK_MBPS = 500  # below this, NVMe offload's swapping dominates the step (a local NVMe writes > 1 GB/s)
 
@@ -192,6 +189,11 @@ def check_ops(report: Report, build: bool) -> None:
         detail += f"; not buildable here: {', '.join(incompatible)}"
     detail += f"; prebuilt: {', '.join(prebuilt) or 'none (compiled at first use, JIT)'}"
     status = OK
+    try:
+        uncached = check_op_cache(used_ops())
+        detail += f"; not compiled yet (--build-ops): {', '.join(uncached)}" if uncached else "; launches' ops cached"
+    except ValueError as e:  # a lock left by a killed build: a launch would hang on it
+        status, detail = FAIL, f"{detail}; {e}"
     if missing and set(used_ops()) - set(prebuilt):
         status, detail = WARN, detail + f"; no {' or '.join(missing)} on PATH: JIT builds will fail"
     needed_missing = [op for op in ("cpu_adam",) if op in incompatible]
@@ -202,46 +204,18 @@ def check_ops(report: Report, build: bool) -> None:
         build_ops(report)
 
 
-def used_ops() -> tuple[str, ...]:
-    import torch
-
-    return GPU_OPS if torch.cuda.is_available() else CPU_OPS
-
-
-def stale_lock(build_dir: Path) -> Path | None:
-    """The lock file of an extension build that nobody is running any more, else None.
-
-    torch's JIT build holds `<build_dir>/lock` while ninja compiles in that directory, and any process that
-    loads the op waits for as long as the file exists. A rank killed mid-build leaves it behind for good."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return None
-    if age >= STALE_LOCK_S:
-        return lock
-    if age < 60 or not Path("/proc").is_dir():  # just taken (ninja may not have started), or no way to look
-        return None
-    for cwd in Path("/proc").glob("[0-9]*/cwd"):  # ninja and the compiler run in the build directory
-        with contextlib.suppress(OSError):
-            if cwd.resolve() == build_dir.resolve():
-                return None
-    return lock
-
-
 def build_ops(report: Report, names: tuple[str, ...] | None = None, remove_stale_locks: bool = False) -> None:
     """Compile (or load from the extension cache) `names`, by default the ops a launch here uses, so that no
     rank compiles them inside a timed launch. A lock file left by a killed build fails the op's check, or is
     removed with `remove_stale_locks`, instead of making this wait forever."""
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
-    from torch.utils.cpp_extension import _get_build_directory
 
     for name in names or used_ops():
         builder = ALL_OPS.get(name)
         if builder is None or not builder.is_compatible(verbose=False):
             report.add(f"build {name}", NA, "not buildable for this accelerator")
             continue
-        lock = stale_lock(Path(_get_build_directory(builder.name, verbose=False)))
+        lock = stale_lock(build_dir(builder.name))
         if lock is not None:
             left = f"{lock} was left by a killed build of {name}; every rank that loads {name} would wait on it forever"
             if not remove_stale_locks:

@@ -30,6 +30,7 @@ from recipes.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from recipes.config import RunConfig
 from recipes.distributed import (
     BAD_INPUT,
+    check_deepspeed_ops,
     check_fsdp_wrap,
     launched_world_size,
     make_accelerator,
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg.validate(world)
     config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
     strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
+    check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
         check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(config))
 

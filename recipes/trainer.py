@@ -31,6 +31,7 @@ from data import BlockDataset, EpochSampler, prepare_data
 from model import ShardGPTConfig
 from recipes.config import RunConfig
 from recipes.distributed import (
+    check_deepspeed_ops,
     keep_zero3_param_dtype,
     launched_world_size,
     requested_strategy,
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
     config = ShardGPTConfig.from_preset(cfg.preset)
     strategy = requested_strategy(cfg, config.hidden_size)  # the same checks of the JSON as recipes/train.py
+    check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     args = training_arguments(cfg, strategy)
     is_main = args.process_index == 0  # creating the arguments initialised the process group
     set_seed(cfg.seed)  # then data, then model, in recipes/train.py's order: the same initial weights

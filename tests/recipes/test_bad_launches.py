@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,21 @@ def test_a_launched_rank_ends_with_its_status_and_all_its_output(body, code, str
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == code, p.stderr[-2000:]
     assert getattr(p, stream).strip() == text
+
+
+@pytest.mark.slow
+def test_a_stale_op_build_lock_fails_fast_instead_of_hanging(corpus, tmp_path):
+    """torch waits for as long as an op's build lock exists; one left by a killed build used to hang every rank
+    of every later DeepSpeed launch, silently. The script names the file and the fix instead."""
+    lock = tmp_path / "extensions" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - 2 * 3600,) * 2)
+    out = tmp_path / "out"
+    args = [*corpus["flags"], *FAST, "--deepspeed=ds_configs/zero1.json"]
+    run = launch(launcher_command("python"), args, out, check=False, timeout=120,
+                 env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")})  # fmt: skip
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"rm {lock}" in last, last
+    assert not (out / "metrics.jsonl").exists()
