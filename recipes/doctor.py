@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.ops import CPU_OPS, GPU_OPS, build_dir, check_op_cache, stale_lock, used_ops
+from recipes.ops import CPU_OPS, GPU_OPS, build_dir, check_op_cache, left_by_killed_build, stale_lock, used_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 OK, WARN, FAIL, NA = "OK", "WARN", "FAIL", "n/a"
@@ -189,16 +189,16 @@ def check_ops(report: Report, build: bool) -> None:
         detail += f"; not buildable here: {', '.join(incompatible)}"
     detail += f"; prebuilt: {', '.join(prebuilt) or 'none (compiled at first use, JIT)'}"
     status = OK
-    try:
-        uncached = check_op_cache(used_ops())
+    ops = used_ops()
+    if missing and set(ops) - set(prebuilt):
+        status, detail = WARN, detail + f"; no {' or '.join(missing)} on PATH: JIT builds will fail"
+    if "cpu_adam" in incompatible:
+        status, detail = WARN, detail + "; cpu_adam missing: CPU offload configs cannot run"
+    try:  # last: a FAIL here must not be lowered to a WARN above
+        uncached = check_op_cache(ops)
         detail += f"; not compiled yet (--build-ops): {', '.join(uncached)}" if uncached else "; launches' ops cached"
     except ValueError as e:  # a lock left by a killed build: a launch would hang on it
         status, detail = FAIL, f"{detail}; {e}"
-    if missing and set(used_ops()) - set(prebuilt):
-        status, detail = WARN, detail + f"; no {' or '.join(missing)} on PATH: JIT builds will fail"
-    needed_missing = [op for op in ("cpu_adam",) if op in incompatible]
-    if needed_missing:
-        status, detail = WARN, detail + "; cpu_adam missing: CPU offload configs cannot run"
     report.add("DeepSpeed ops", status, detail)
     if build:
         build_ops(report)
@@ -217,7 +217,7 @@ def build_ops(report: Report, names: tuple[str, ...] | None = None, remove_stale
             continue
         lock = stale_lock(build_dir(builder.name))
         if lock is not None:
-            left = f"{lock} was left by a killed build of {name}; every rank that loads {name} would wait on it forever"
+            left = left_by_killed_build(name, lock)
             if not remove_stale_locks:
                 report.add(f"build {name}", FAIL, f"{left}: remove it (rm {lock}) and rerun")
                 continue

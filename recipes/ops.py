@@ -21,13 +21,11 @@ CPU_OPS = ("cpu_adam", "async_io", "pin_memory", "deepspeed_shm_comm")
 STALE_LOCK_S = 3600  # no op build takes an hour: an older lock file was left by a killed build
 
 
-def used_ops(on_gpu: bool | None = None) -> tuple[str, ...]:
+def used_ops() -> tuple[str, ...]:
     """Every op a launch on this machine's accelerator may compile."""
-    if on_gpu is None:
-        import torch
+    import torch
 
-        on_gpu = torch.cuda.is_available()
-    return GPU_OPS if on_gpu else CPU_OPS
+    return GPU_OPS if torch.cuda.is_available() else CPU_OPS
 
 
 def launch_ops(ds: dict, on_gpu: bool) -> tuple[str, ...]:
@@ -41,7 +39,8 @@ def launch_ops(ds: dict, on_gpu: bool) -> tuple[str, ...]:
     if "nvme" in devices.values():
         ops.append("async_io")
     if not on_gpu:
-        ops += ["pin_memory"] if set(devices.values()) != {"none"} else []
+        if set(devices.values()) != {"none"}:
+            ops.append("pin_memory")
         ops.append("deepspeed_shm_comm")  # DeepSpeed's CPU accelerator loads it for its collectives
     return tuple(ops)
 
@@ -72,6 +71,10 @@ def stale_lock(directory: Path) -> Path | None:
     return lock
 
 
+def left_by_killed_build(name: str, lock: Path) -> str:
+    return f"{lock} was left by a killed build of DeepSpeed's {name} op; every rank that loads it would wait forever"
+
+
 def check_op_cache(names: tuple[str, ...]) -> list[str]:
     """Refuse a launch that would wait forever on a lock left by a killed build; return the ops of `names`
     that are neither installed prebuilt nor in the JIT cache, i.e. that this launch will compile."""
@@ -84,10 +87,7 @@ def check_op_cache(names: tuple[str, ...]) -> list[str]:
         directory = build_dir(name)
         lock = stale_lock(directory)
         if lock is not None:
-            raise ValueError(
-                f"{lock} was left by a killed build of DeepSpeed's {name} op, and every rank would wait on it "
-                f"forever: remove it (rm {lock}) and launch again"
-            )
+            raise ValueError(f"{left_by_killed_build(name, lock)}: remove it (rm {lock}) and launch again")
         if not any(directory.glob(f"{name}*.so")):
             to_build.append(name)
     return to_build
