@@ -77,6 +77,7 @@ def save_checkpoint(
     accelerator.wait_for_everyone()  # collective: nobody writes into a directory being removed
     accelerator.save_state(str(path))  # collective under DeepSpeed/FSDP: each rank writes its shard
     faults.maybe_kill("kill_in_save", step, accelerator.is_main_process)
+    faults.maybe_kill_mid_shard(step, path, accelerator.is_main_process)
     if accelerator.is_main_process:
         _write_json(path / STATE, trainer_state)
     accelerator.wait_for_everyone()  # collective: every shard is on disk before the marker says so

@@ -3,13 +3,16 @@
 `SHARDGPT_FAULT` holds `kind@step` items, comma-separated; nothing happens when it is unset:
 - `nan@N`: the loss of step N becomes NaN (every rank), as an overflow would make it;
 - `kill@N`: rank 0 SIGKILLs itself after finishing step N, as a preempted node would;
-- `kill_in_save@N`: rank 0 SIGKILLs itself in the middle of saving checkpoint N (shards written, no marker).
+- `kill_in_save@N`: rank 0 SIGKILLs itself in the middle of saving checkpoint N (shards written, no marker);
+- `kill_mid_shard@N`: rank 0 cuts the largest file of checkpoint N to half its size and SIGKILLs itself before
+  the marker: what a kill while that shard was being written leaves on disk.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 
 def _faults() -> set[tuple[str, int]]:
@@ -24,3 +27,12 @@ def active(kind: str, step: int) -> bool:
 def maybe_kill(kind: str, step: int, is_main_process: bool) -> None:
     if is_main_process and active(kind, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_kill_mid_shard(step: int, checkpoint: Path, is_main_process: bool) -> None:
+    if not (is_main_process and active("kill_mid_shard", step)):
+        return
+    largest = max((f for f in checkpoint.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.truncate(largest.stat().st_size // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
