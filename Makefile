@@ -17,9 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev,tracking]"
-	@# DeepSpeed's NVMe offload (async_io op) needs libaio's headers; install them where we may.
+	@# DeepSpeed's NVMe offload (async_io op) needs libaio's headers: installed here where we may, else set-up
+	@# stops saying how (the NVMe tests would fail without them).
 	@if ! test -e /usr/include/libaio.h && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		apt-get install -y -q libaio-dev >/dev/null || echo "note: libaio-dev not installed; NVMe offload tests will be skipped"; fi
+		apt-get install -y -q libaio-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libaio-dev >/dev/null; }; fi
+	@test -e /usr/include/libaio.h || { echo "error: libaio's headers (/usr/include/libaio.h) are missing; DeepSpeed's NVMe offload needs them: run 'sudo apt-get install libaio-dev' (or install libaio-devel), then 'make setup'" >&2; exit 1; }
 	touch $@
 
 train: setup

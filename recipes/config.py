@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data import DataArguments
-from model import PRESETS
+from model import PRESETS, ShardGPTConfig
 
 PRESET_NAMES = tuple(PRESETS)
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -35,6 +35,9 @@ class RunConfig(DataArguments):
     `data.DataArguments`; the strategy (DDP, FSDP, ZeRO) comes from the launcher's config file."""
 
     preset: str = arg("tiny", f"Model size: one of {', '.join(PRESET_NAMES)} (`python -m model` lists them).")
+    config_overrides: str | None = arg(
+        None, "Replace fields of the preset, as run_clm.py does: `intermediate_size=4096,num_hidden_layers=4`."
+    )
     output_dir: str = arg("runs/tiny", "Checkpoints, metrics and the exported model go here.")
     overwrite_output_dir: bool = arg(False, "Start afresh in an output_dir that already holds checkpoints.")
     deepspeed: str | None = arg(None, "A DeepSpeed JSON (ds_configs/*.json) for the deepspeed launcher/torchrun.")
@@ -81,12 +84,30 @@ class RunConfig(DataArguments):
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def model_config(self) -> ShardGPTConfig:
+        """The preset's config with --config_overrides applied (numbers and true/false only)."""
+        overrides, preset = {}, ShardGPTConfig.from_preset(self.preset)
+        for item in (self.config_overrides or "").split(","):
+            if not item.strip():
+                continue
+            key, _, value = (part.strip() for part in item.partition("="))
+            if not hasattr(preset, key) or not value:
+                raise ValueError(
+                    f"--config_overrides {self.config_overrides!r}: {item.strip()!r} is not `field=value` with a "
+                    f"field of ShardGPTConfig, such as {', '.join(PRESETS[self.preset])}"
+                )
+            overrides[key] = json.loads(value.lower()) if value.lower() in ("true", "false") else float(value)
+            if isinstance(overrides[key], float) and overrides[key].is_integer():
+                overrides[key] = int(overrides[key])
+        return ShardGPTConfig.from_preset(self.preset, **overrides)
+
     # ---------------------------------------------------------------- validation
 
     def validate(self, world_size: int) -> None:
         """Every flag-level check, before any process group, model or data exists."""
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"--preset {self.preset!r} is unknown; valid presets: {', '.join(PRESET_NAMES)}")
+        self.model_config()  # a bad --config_overrides fails here, naming the field
         positive = (
             "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
             "max_steps", "logging_steps",
@@ -193,8 +214,20 @@ def check_deepspeed_keys(ds: dict, source: str) -> None:
 
         try:
             DeepSpeedZeroConfig(strict=True, **{k: v for k, v in zero.items() if v != "auto"})
-        except Exception as e:  # pydantic.ValidationError, the message names the field
-            raise ValueError(f"DeepSpeed config {source}: zero_optimization is invalid: {e}") from None
+        except Exception as e:  # pydantic.ValidationError
+            raise ValueError(f"DeepSpeed config {source}: {zero_config_error(e, DeepSpeedZeroConfig)}") from None
+
+
+def zero_config_error(error, model) -> str:
+    """The first problem of a pydantic ValidationError of `zero_optimization`, with its fix."""
+    first = error.errors()[0] if hasattr(error, "errors") else {"loc": (), "msg": str(error), "type": ""}
+    field = ".".join(str(part) for part in ("zero_optimization", *first["loc"]))
+    if first["type"] == "extra_forbidden":
+        known = [n for name, f in model.model_fields.items() for n in (name, f.alias) if n]
+        close = difflib.get_close_matches(str(first["loc"][-1]), known, n=1)
+        fix = f"did you mean {close[0]!r}?" if close else "remove it (DeepSpeed would silently ignore it)"
+        return f"unknown key {field}; {fix}"
+    return f"{field} = {first.get('input')!r}: {first['msg']}; fix the value (DeepSpeed's ZeRO config reference)"
 
 
 def zero_stage(ds: dict) -> int:
@@ -213,15 +246,23 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
     ds = copy.deepcopy(ds)
     micro, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
 
-    def own(section: dict, key: str, value, flag: str) -> None:
+    def own(section: dict, key: str, value, flag: str, where: str = "") -> None:
         """Fill an `"auto"` (or absent) value; a fixed one must equal the flag's."""
         current = section.get(key, "auto")
         if current == "auto":
             section[key] = value
         elif current != value and not (isinstance(value, float) and abs(float(current) - value) <= 1e-12):
+            given = (
+                f"{flag} gives {value!r}" if not isinstance(value, bool) else f"{flag} is {'on' if value else 'off'}"
+            )
+            pass_it = (
+                f"pass {flag} {current}"
+                if not isinstance(value, bool)
+                else f"{'' if current else 'do not '}pass {flag}"
+            )
             raise ValueError(
-                f"DeepSpeed config {source}: {key} = {current!r} but {flag} gives {value!r}; "
-                f'set {key} to "auto" in the JSON, or pass {flag} {current}'
+                f"DeepSpeed config {source}: {where}{key} = {current!r} but {given}; "
+                f'set {where}{key} to "auto" in the JSON, or {pass_it}'
             )
 
     own(ds, "train_micro_batch_size_per_gpu", micro, "--per_device_train_batch_size")
@@ -238,15 +279,15 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
 
     for dtype, flag in (("bf16", cfg.bf16), ("fp16", cfg.fp16)):
         section = ds.setdefault(dtype, {})
-        own(section, "enabled", flag, f"--{dtype}" if flag else f"--{dtype} (off)")
+        own(section, "enabled", flag, f"--{dtype}", where=f"{dtype}.")
     if ds["bf16"]["enabled"] and ds["fp16"]["enabled"]:
         raise ValueError(f"DeepSpeed config {source}: bf16 and fp16 are both enabled: enable one")
 
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
-        own(params, "lr", cfg.learning_rate, "--learning_rate")
-        own(params, "weight_decay", cfg.weight_decay, "--weight_decay")
-        own(params, "eps", cfg.adam_epsilon, "--adam_epsilon")
+        own(params, "lr", cfg.learning_rate, "--learning_rate", "optimizer.params.")
+        own(params, "weight_decay", cfg.weight_decay, "--weight_decay", "optimizer.params.")
+        own(params, "eps", cfg.adam_epsilon, "--adam_epsilon", "optimizer.params.")
         betas = [cfg.adam_beta1, cfg.adam_beta2]
         if params.get("betas", "auto") == "auto":
             params["betas"] = betas
@@ -295,7 +336,9 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ValueError(
-            f'DeepSpeed config {source}: no flag resolves {", ".join(leftover)} = "auto"; give them values'
+            f'DeepSpeed config {source}: no flag resolves {", ".join(leftover)} = "auto"; set them to values in '
+            "the JSON (the flags fill batch sizes, clipping, precision, optimizer and scheduler values and ZeRO's "
+            "bucket sizes)"
         )
     return ds
 

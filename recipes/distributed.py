@@ -215,7 +215,7 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
             "DeepSpeed and FSDP: set `use_cpu: false` (this script uses gloo on CPU by itself)"
         )
     unwrapped = accelerator.unwrap_model(model)
-    total = sum(_global_numel(p) for p in unwrapped.parameters())
+    total = parameter_count(unwrapped)
     local = sum(_local_numel(p) for p in unwrapped.parameters())
     seen = {
         "strategy": strategy.name,
@@ -223,11 +223,14 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
         "world_size": world,
         "parameters": total,
         "local_parameter_fraction": round(local / total, 4),
-        "module": type(model).__name__,
     }
 
     def refuse(why: str):
-        raise RuntimeError(f"asked for {strategy.name} on {world} ranks, but {why}; seen: {seen}")
+        raise RuntimeError(
+            f"asked for {strategy.name} on {world} ranks, but {why}: the launch's config was not applied as written; "
+            "check the accelerate YAML's distributed_type and `use_cpu: false`, or the --deepspeed JSON's "
+            f"zero_optimization.stage; seen: {seen}"
+        )
 
     if strategy.deepspeed is not None:
         from deepspeed import DeepSpeedEngine
@@ -247,6 +250,98 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
     elif world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         refuse(f"the prepared model is a {type(model).__name__}, not DistributedDataParallel")
     return seen
+
+
+def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
+    """What the prepared objects say is in force, read from them rather than from the config that asked:
+    the wrapper and optimizer classes, the ZeRO stage, where parameters and optimizer states live, and
+    FSDP2's resharding and offload policy. Written to strategy.json beside the shares `StateShares` measures."""
+    chain = [type(optimizer).__name__]  # accelerate's wrapper, the ZeRO optimizer, the torch optimizer
+    inner = optimizer
+    while getattr(inner, "optimizer", None) is not None:
+        inner = inner.optimizer
+        chain.append(type(inner).__name__)
+    seen = {"engine": type(model).__name__, "optimizer_chain": chain, "zero_stage": 0,
+            "offload_param": "none", "offload_optimizer": "none"}  # fmt: skip
+    if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
+        zero = model.optimizer
+        seen["zero_stage"] = model.zero_optimization_stage()
+        if seen["zero_stage"] == 3:
+            seen["offload_param"] = _device(zero.offload_param, zero.params_in_nvme_and_cpu)
+            # DeepSpeed swaps only partitions of 1 MiB or more; smaller ones stay in host memory.
+            on_nvme = [p.ds_tensor.ds_numel for p in model.module.parameters() if _on_nvme(p.ds_tensor)]
+            seen["local_parameter_fraction_on_nvme"] = round(sum(on_nvme) / parameter_count(model), 4)
+            seen["offload_optimizer"] = _device(zero.offload_optimizer, zero.swap_optimizer)
+            seen["gradients_partitioned_in_backward"] = True
+        else:
+            seen["offload_optimizer"] = _device(getattr(zero, "cpu_offload", False), False)
+            seen["gradients_partitioned_in_backward"] = bool(zero.partition_gradients)
+        return seen
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    groups = [(type(m).__name__, g) for m in model.modules() if (g := _fsdp_param_group(m)) is not None]
+    if groups:  # FSDP2: a parameter group per decoder layer, one for the tail (embedding, norm), the root's
+        # accelerate keeps the tail's and the root's parameters gathered after the forward, by design.
+        seen["reshard_after_forward"] = sorted(
+            {g._reshard_after_forward for name, g in groups if name.removeprefix("FSDP") in layers}
+        )
+        policies = sorted({type(g.offload_policy).__name__ for _, g in groups})
+        seen["fsdp_offload_policy"] = policies
+        offloaded = policies == ["CPUOffloadPolicy"]  # shards, their gradients and Adam's states on the host
+        seen["offload_param"] = seen["offload_optimizer"] = "cpu" if offloaded else "none"
+    return seen
+
+
+def _on_nvme(partition: torch.Tensor) -> bool:
+    location = getattr(partition, "final_location", None)
+    return getattr(location, "value", location) == "nvme"
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(_global_numel(p) for p in model.parameters())
+
+
+def _device(offloaded: bool, to_nvme: bool) -> str:
+    return "nvme" if offloaded and to_nvme else "cpu" if offloaded else "none"
+
+
+def _fsdp_param_group(module: torch.nn.Module):
+    state = getattr(module, "_get_fsdp_state", lambda: None)()
+    return getattr(state, "_fsdp_param_group", None)
+
+
+class StateShares:
+    """This rank's share of the gradients and of Adam's states, measured at the first optimizer step.
+
+    A pre-step hook on the torch optimizer that really updates (DeepSpeed's ZeRO optimizers call it once per
+    partition or sub-group) counts the local elements of the gradients it is given; after the step, the local
+    elements of `exp_avg`. Divided by the model's parameter count: 1 for whole copies, about 1/N when sharded
+    (ZeRO pads partitions). Optimizer states swapped to NVMe are not in memory and count 0 here."""
+
+    def __init__(self, optimizer):
+        self.chain = [optimizer]
+        while getattr(self.chain[-1], "optimizer", None) is not None:
+            self.chain.append(self.chain[-1].optimizer)
+        self.inner = self.chain[-1]
+        self.grads: dict[int, int] = {}
+        self.handle = self.inner.register_step_pre_hook(self._count_grads)
+
+    def _count_grads(self, optimizer, *_):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.grads[id(p)] = _local_numel(p.grad)
+
+    def read(self, parameters: int) -> dict:
+        """After the first optimizer step: the shares, and the hook removed."""
+        self.handle.remove()
+        states = sum(_local_numel(s["exp_avg"]) for s in self.inner.state.values() if "exp_avg" in s)
+        swapper = next((o.optimizer_swapper for o in self.chain if getattr(o, "optimizer_swapper", None)), None)
+        swapped = [i.numel() for i in swapper.swap_params_info.values() if i.has_state_tensors] if swapper else []
+        return {
+            "local_gradient_fraction": round(sum(self.grads.values()) / parameters, 4),
+            "local_optimizer_state_fraction": round(states / parameters, 4),
+            "local_optimizer_state_fraction_on_nvme": round(sum(swapped) / parameters, 4),
+        }
 
 
 def _local_numel(p: torch.Tensor) -> int:

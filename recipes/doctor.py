@@ -438,10 +438,9 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     except Exception as e:
         report.add("training flags", FAIL, str(e))
         return
-    import model as shardgpt
     from model.__main__ import count_parameters
 
-    config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
+    config = cfg.model_config()
     params = count_parameters(config)
     precision = cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32"
     report.add(

@@ -44,7 +44,6 @@ import torch
 from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
-import model as shardgpt
 from data import ShardedLoader
 from recipes.config import RunConfig
 from recipes.distributed import (
@@ -270,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
     cfg.validate(world)
-    config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
+    config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
     set_seed(cfg.seed)

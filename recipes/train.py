@@ -30,10 +30,12 @@ from recipes.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from recipes.config import RunConfig
 from recipes.distributed import (
     BAD_INPUT,
+    StateShares,
     check_deepspeed_ops,
     check_fsdp_wrap,
     launched_world_size,
     make_accelerator,
+    observe_strategy,
     requested_strategy,
     run_rank,
     verify_strategy,
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
     cfg.validate(world)
-    config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
+    config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
@@ -95,9 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     # Wraps the model in DDP, FSDP2 or a DeepSpeedEngine as the launch asked (collective: shards/broadcasts).
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
     seen = verify_strategy(accelerator, net, strategy)  # refuses a run that would not shard as asked
+    seen |= observe_strategy(net, optimizer)  # engine, optimizer, offload and resharding, as prepared
+    shares = StateShares(optimizer)  # gradient and optimizer-state shares, measured at the first step
     logger.info("strategy in force: %s", seen)
-    if is_main:  # rank 0 only
-        (out / "strategy.json").write_text(json.dumps(seen, indent=2))
     if cfg.report_to != "none":
         accelerator.init_trackers("shardgpt", config={k: v for k, v in cfg.to_dict().items() if v is not None})
 
@@ -130,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         loss_sum, steps_since_log = loss_sum + loss, steps_since_log + 1
         progress.update(1)
+        if shares is not None:  # this process's first optimizer step has run
+            seen |= shares.read(seen["parameters"])
+            shares = None
+            if is_main:  # rank 0 only: every rank holds the same shares
+                (out / "strategy.json").write_text(json.dumps(seen, indent=2))
 
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             dt = train_time / steps_since_log  # training only: evaluation and saving are not counted
@@ -171,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     if is_main:  # rank 0 only: file writes
         unwrapped = accelerator.unwrap_model(net)
         unwrapped.config.use_cache = True
+        if unwrapped.config.tie_word_embeddings:  # ZeRO-1/2's state dict repeats tied weights; store them once
+            for tied in unwrapped._tied_weights_keys:
+                state_dict.pop(tied, None)
         unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out)
         logger.info("exported the model, tokenizer and configs to %s", out)

@@ -28,7 +28,6 @@ from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArg
 from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from data import BlockDataset, EpochSampler, prepare_data
-from model import ShardGPTConfig
 from recipes.config import RunConfig
 from recipes.distributed import (
     check_deepspeed_ops,
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg.validate(world)
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
-    config = ShardGPTConfig.from_preset(cfg.preset)
+    config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # the same checks of the JSON as recipes/train.py
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     args = training_arguments(cfg, strategy)

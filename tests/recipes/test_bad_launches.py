@@ -24,30 +24,33 @@ def zero2_with(tmp_path, **changes) -> str:
     return write_json(tmp_path / "ds.json", ds)
 
 
+# case: (extra flags, what the error names, the fix it gives)
 CASES = {
     "typo key": (lambda t: [f"--deepspeed={zero2_with(t, zero_optimisation={'stage': 2})}"],
-                 "unknown key 'zero_optimisation'; did you mean 'zero_optimization'?"),
+                 "unknown key 'zero_optimisation'", "did you mean 'zero_optimization'?"),
     "batch conflict": (lambda t: [f"--deepspeed={zero2_with(t, train_micro_batch_size_per_gpu=16)}"],
-                       "train_micro_batch_size_per_gpu = 16 but --per_device_train_batch_size gives 8"),
+                       "train_micro_batch_size_per_gpu = 16 but --per_device_train_batch_size gives 8",
+                       "or pass --per_device_train_batch_size 16"),
     "offload_param without ZeRO-3": (
         lambda t: [f"--deepspeed={zero2_with(t, zero_optimization={'stage': 2, 'offload_param': {'device': 'cpu'}})}"],
-        "offload_param needs stage 3 (stage is 2)"),
-    "both precisions": (lambda t: ["--bf16", "--fp16"], "--bf16 and --fp16 are both set"),
-    "missing train file": (lambda t: [f"--train_file={t}/nope.txt"], "--train_file"),
+        "offload_param needs stage 3 (stage is 2)", "set stage to 3, or remove offload_param"),
+    "both precisions": (lambda t: ["--bf16", "--fp16"], "--bf16 and --fp16 are both set", "choose one precision"),
+    "missing train file": (lambda t: [f"--train_file={t}/nope.txt"], "--train_file", "matches no file: pass an "
+                           "existing path or glob"),
     "missing nvme path": (lambda t: ["--deepspeed=ds_configs/zero3_offload_nvme.json"],
-                          "nvme_path = '/local_nvme' does not exist"),
+                          "nvme_path = '/local_nvme' does not exist", "or pass --nvme_path DIR"),
 }  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_fails_fast_with_the_fix(case, corpus, tmp_path):
-    extra, message = CASES[case]
+    extra, field, fix = CASES[case]
     out = tmp_path / "out"
     run = launch(launcher_command("python"), [*corpus["flags"], *FAST, *extra(tmp_path)], out, check=False)
     assert run.returncode == 2, run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, last
+    assert last.startswith("error: ") and field in last and fix in last, last
     assert not (out / "metrics.jsonl").exists()
 
 
@@ -63,7 +66,7 @@ def test_use_cpu_true_does_not_silently_drop_deepspeed(corpus, tmp_path):
     cmd = launcher_command("accelerate", "zero2")
     cmd[cmd.index("--config_file") + 1] = str(config)
     run = launch(cmd, [*corpus["flags"], *FAST, "--per_device_train_batch_size=4"], tmp_path / "out")
-    assert run.strategy["strategy"] == "zero2" and run.strategy["module"] == "DeepSpeedEngine"
+    assert run.strategy["strategy"] == "zero2" and run.strategy["engine"] == "DeepSpeedEngine"
     assert run.strategy["world_size"] == 2
 
 
@@ -81,6 +84,47 @@ def test_verify_refuses_a_world_size_mismatch():
         verify_strategy(fake, net, Strategy("zero2", 2, deepspeed={"zero_optimization": {"stage": 2}}))
 
 
+# What `verify_strategy` says when the prepared model is not what was asked for (tests/recipes/verify_worker.py).
+REFUSALS = {
+    "fsdp": {
+        "as launched": "ok",
+        "asked for FSDP": "ok",
+        "asked for ZeRO-2": "the prepared model is a FSDPShardGPTForCausalLM, not a DeepSpeedEngine",
+        "asked for ZeRO-3": "the prepared model is a FSDPShardGPTForCausalLM, not a DeepSpeedEngine",
+        "asked for DDP": "the prepared model is a FSDPShardGPTForCausalLM, not DistributedDataParallel",
+        "as launched, not sharded": "parameters (FSDP should hold about 1/2)",
+    },
+    "zero3": {
+        "as launched": "ok",
+        "asked for ZeRO-3": "ok",
+        "asked for ZeRO-2": "the engine runs ZeRO stage 3",
+        "asked for FSDP": "accelerate runs DistributedType.DEEPSPEED",
+        "asked for DDP": "the prepared model is a DeepSpeedEngine, not DistributedDataParallel",
+        "as launched, not sharded": "parameters (ZeRO-3 should hold about 1/2)",
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("config", sorted(REFUSALS))
+def test_verify_strategy_refuses_what_is_not_in_force(config, tmp_path):
+    """Each refusal branch of `verify_strategy`, forced on a real 2-rank launch: the wrong engine, the wrong ZeRO
+    stage, the wrong wrapper, and a model that is not sharded. Every refusal names the fix."""
+    cmd = launcher_command("accelerate", config)
+    cmd[-1] = str(ROOT / "tests" / "recipes" / "verify_worker.py")
+    launch(cmd, ["--preset=debug"], tmp_path / "out")
+    seen = json.loads((tmp_path / "out" / "refusals.json").read_text())
+    assert seen.keys() == REFUSALS[config].keys()
+    for case, expected in REFUSALS[config].items():
+        if expected == "ok":
+            assert seen[case] == "ok", f"{case}: {seen[case]}"
+        else:
+            assert expected in seen[case] and "the launch's config was not applied as written" in seen[case], (
+                f"{case}: {seen[case]}"
+            )
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_fsdp_wrap_class_missing_is_refused(corpus, tmp_path):
@@ -94,9 +138,14 @@ def test_fsdp_wrap_class_missing_is_refused(corpus, tmp_path):
     cmd[cmd.index("--config_file") + 1] = str(config)
     run = launch(cmd, [*corpus["flags"], *FAST, "--per_device_train_batch_size=4"], tmp_path / "out", check=False)
     assert run.returncode != 0
-    assert (
-        "names ['LlamaDecoderLayer'], which this model does not have; set it to ['ShardGPTDecoderLayer']" in run.stderr
-    )
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, run.stderr[-3000:]  # one line from each rank, before any process group
+    assert all(
+        "fsdp_transformer_layer_cls_to_wrap names ['LlamaDecoderLayer'], which this model does not have; set it to "
+        "['ShardGPTDecoderLayer'] or remove it" in line
+        for line in errors
+    ), errors
+    assert "Traceback" not in run.stderr.split(errors[-1])[0] and not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize(("body", "code", "stream", "text"), [

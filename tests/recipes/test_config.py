@@ -38,53 +38,69 @@ def test_global_batch_arithmetic():
     assert cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2).global_batch_size(3) == 24
 
 
+# (the JSON's change, what the error names, the fix it gives)
 BAD_JSON = [
-    ({"train_batch_size": 24}, "train_batch_size = 24 but micro 4 x accumulation 2 x world 2 = 16"),
-    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu = 8 but --per_device_train_batch_size"),
-    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 2"),
-    ({"gradient_clipping": 0.5}, "gradient_clipping = 0.5 but --max_grad_norm gives 1.0"),
-    ({"bf16": {"enabled": True}}, "enabled = True but --bf16 (off) gives False"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "lr = 0.1 but --learning_rate gives 0.001"),
-    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation'; did you mean 'zero_optimization'?"),
-    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "zero_optimization is invalid"),
-    ({"wall_clock": True}, "unknown key 'wall_clock'; did you mean 'wall_clock_breakdown'?"),
-    (
-        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/no/such/nvme"}}},
-        "offload_param.nvme_path = '/no/such/nvme' does not exist",
-    ),
-    ({"steps_per_print": "auto"}, 'no flag resolves steps_per_print = "auto"'),
-]
+    ({"train_batch_size": 24}, "train_batch_size = 24 but micro 4 x accumulation 2 x world 2 = 16",
+     'set train_batch_size to "auto"'),
+    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu = 8 but --per_device_train_batch_size "
+     "gives 4", "or pass --per_device_train_batch_size 8"),
+    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 2",
+     'set gradient_accumulation_steps to "auto" in the JSON, or pass --gradient_accumulation_steps 4'),
+    ({"gradient_clipping": 0.5}, "gradient_clipping = 0.5 but --max_grad_norm gives 1.0",
+     "or pass --max_grad_norm 0.5"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled = True but --bf16 is off", 'set bf16.enabled to "auto" in the JSON, '
+     "or pass --bf16"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "optimizer.params.lr = 0.1 but --learning_rate gives "
+     "0.001", "or pass --learning_rate 0.1"),
+    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation'", "did you mean 'zero_optimization'?"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "unknown key zero_optimization.overlap_com",
+     "did you mean 'overlap_comm'?"),
+    ({"zero_optimization": {"stage": 7}}, "zero_optimization.stage = 7", "fix the value"),
+    ({"wall_clock": True}, "unknown key 'wall_clock'", "did you mean 'wall_clock_breakdown'?"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/no/such/nvme"}}},
+     "offload_param.nvme_path = '/no/such/nvme' does not exist", "or pass --nvme_path DIR"),
+    ({"steps_per_print": "auto"}, 'no flag resolves steps_per_print = "auto"', "set them to values in the JSON"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("ds", "message"), BAD_JSON, ids=[m[:30] for _, m in BAD_JSON])
-def test_bad_deepspeed_json_names_the_field_and_fix(ds, message):
+@pytest.mark.parametrize(("ds", "field", "fix"), BAD_JSON, ids=[m[:30] for _, m, _ in BAD_JSON])
+def test_bad_deepspeed_json_names_the_field_and_fix(ds, field, fix):
     c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2)
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         resolve_deepspeed(ds, c, world_size=2, hidden_size=64, source="'x.json'")
-    assert message in str(err.value)
+    assert field in str(err.value) and fix in str(err.value), str(err.value)
 
 
+# (the flags, what the error names, the fix it gives)
 BAD_FLAGS = [
-    (dict(bf16=True, fp16=True), "--bf16 and --fp16 are both set"),
-    (dict(per_device_train_batch_size=0), "--per_device_train_batch_size 0 must be at least 1"),
-    (dict(gradient_accumulation_steps=0), "--gradient_accumulation_steps 0 must be at least 1"),
-    (dict(preset="gpt9"), "--preset 'gpt9' is unknown; valid presets: debug, tiny"),
-    (dict(warmup_steps=50, max_steps=10), "--warmup_steps 50 exceeds --max_steps 10"),
-    (dict(lr_scheduler_type="step"), "--lr_scheduler_type 'step': choose one of cosine, linear, constant"),
-    (dict(learning_rate=0.0), "--learning_rate 0.0 must be positive"),
-    (dict(report_to="tensorbord"), "--report_to 'tensorbord': unknown ['tensorbord']"),
-    (dict(deepspeed="ds_configs/zero9.json"), "--deepspeed 'ds_configs/zero9.json': no such file"),
-    (dict(nvme_path="/no/such/dir"), "--nvme_path '/no/such/dir' does not exist"),
-    (dict(save_total_limit=0), "--save_total_limit 0 must be at least 1"),
-    (dict(min_lr_ratio=2.0), "--min_lr_ratio 2.0 must be in [0, 1]"),
-]
+    (dict(bf16=True, fp16=True), "--bf16 and --fp16 are both set", "choose one precision"),
+    (dict(per_device_train_batch_size=0), "--per_device_train_batch_size 0", "must be at least 1"),
+    (dict(gradient_accumulation_steps=0), "--gradient_accumulation_steps 0", "must be at least 1"),
+    (dict(preset="gpt9"), "--preset 'gpt9' is unknown", "valid presets: debug, tiny"),
+    (dict(config_overrides="hiden_size=32"), "--config_overrides 'hiden_size=32'", "such as vocab_size, hidden_size"),
+    (dict(warmup_steps=50, max_steps=10), "--warmup_steps 50 exceeds --max_steps 10",
+     "pass --warmup_steps 10 or fewer"),
+    (dict(lr_scheduler_type="step"), "--lr_scheduler_type 'step'", "choose one of cosine, linear, constant"),
+    (dict(learning_rate=0.0), "--learning_rate 0.0", "must be positive"),
+    (dict(report_to="tensorbord"), "--report_to 'tensorbord': unknown ['tensorbord']", "choose from ('none'"),
+    (dict(deepspeed="ds_configs/zero9.json"), "--deepspeed 'ds_configs/zero9.json': no such file",
+     "pick one of ds_configs/*.json"),
+    (dict(nvme_path="/no/such/dir"), "--nvme_path '/no/such/dir' does not exist", "mkdir -p /no/such/dir"),
+    (dict(save_total_limit=0), "--save_total_limit 0", "must be at least 1 (or unset to keep all)"),
+    (dict(min_lr_ratio=2.0), "--min_lr_ratio 2.0", "must be in [0, 1]"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("kw", "message"), BAD_FLAGS, ids=[m[:30] for _, m in BAD_FLAGS])
-def test_bad_flags_fail_before_anything_starts(kw, message):
+@pytest.mark.parametrize(("kw", "field", "fix"), BAD_FLAGS, ids=[m[:30] for _, m, _ in BAD_FLAGS])
+def test_bad_flags_fail_before_anything_starts(kw, field, fix):
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         cfg(**kw).validate(world_size=2)
-    assert message in str(err.value)
+    assert field in str(err.value) and fix in str(err.value), str(err.value)
+
+
+def test_config_overrides_replace_fields_of_the_preset():
+    config = cfg(preset="debug", config_overrides="intermediate_size=8192, tie_word_embeddings=false").model_config()
+    assert (config.intermediate_size, config.tie_word_embeddings, config.hidden_size) == (8192, False, 64)
 
 
 def test_existing_checkpoints_are_not_trained_over(tmp_path):

@@ -112,8 +112,11 @@ def test_predict_every_strategy():
 
 def test_predict_matches_deepspeeds_estimators():
     """DeepSpeed's own estimates for ZeRO-2 and ZeRO-3 (no offload), llama-1b on 8 GPUs: 2 psi + 18 psi / Nd
-    and 4 x largest layer + 18 psi / Nd. The planner's parameters and optimizer states are DeepSpeed's; its
-    gradients add what those estimates leave out (see docs/memory.md), within 10% overall."""
+    and 4 x largest layer + 18 psi / Nd. The planner's parameters and optimizer states are DeepSpeed's, exactly.
+    Overall they differ by what the estimates leave out (docs/memory.md): ZeRO-2 within 10% (measured 8.1%);
+    ZeRO-3 within 20% (measured 16.8%: the planner adds the step's fp32 copy of a sub-group's gradients and sizes
+    the gathered parameters as the largest module plus the prefetch bucket, where DeepSpeed's estimate takes 4 x
+    the largest layer). The planner itself is held to measured memory in tests/recipes/test_memory.py."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 

@@ -40,25 +40,47 @@ def run_records(out):
     return path.read_text().splitlines() if path.exists() else []
 
 
+def losses_logged_after(out, before: int, first: int, last: int) -> dict[int, float]:
+    """The losses a resumed run appended to metrics.jsonl (past its first `before` lines): exactly one record for
+    each of the steps first..last, so a step it failed to log cannot pass on the straight run's record."""
+    records = [json.loads(line) for line in run_records(out)[before:]]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == list(range(first, last + 1)), f"the resumed run logged steps {steps}"
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
 def final_weights(run) -> dict[str, torch.Tensor]:
     return load_file(run.output_dir / "model.safetensors")
+
+
+_STRAIGHT: dict[str, object] = {}
+
+
+def straight_run(config: str, corpus, tmp_path_factory):
+    """20 steps with a checkpoint every 5, once per strategy for every test of this module that needs it."""
+    if config not in _STRAIGHT:
+        out = tmp_path_factory.mktemp(f"straight-{config}")
+        args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
+        _STRAIGHT[config] = launch(launcher_command("accelerate", config), args, out / "run")
+    return _STRAIGHT[config]
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("launcher", "config"), STRATEGIES, ids=lambda v: str(v))
-def test_resume_continues_exactly(launcher, config, corpus, tmp_path):
+def test_resume_continues_exactly(launcher, config, corpus, tmp_path, tmp_path_factory):
     """20 straight steps (checkpoints every 5), then: drop what came after step 10 and resume to 20, then drop
     what came after 15 (a checkpoint the resumed process wrote) and resume again. Steps 11-20 and the final
     weights must be bitwise those of the straight run."""
     cmd = launcher_command(launcher, config)
+    straight = straight_run(config, corpus, tmp_path_factory)
     out = tmp_path / "run"
+    shutil.copytree(straight.output_dir, out)
     args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
-    straight = launch(cmd, args, out)
     losses, weights = straight.losses, final_weights(straight)
     # The resumed-from state is far from a fresh one, so a resume that silently restarted from the initial
     # weights (or the first batches) could not match the straight run's later steps.
-    assert losses[11] < losses[1] - 0.3
+    assert sorted(losses) == list(range(1, 21)) and losses[11] < losses[1] - 0.3
 
     for resume_from in (10, 15):
         for step in range(resume_from + 5, 21, 5):
@@ -66,9 +88,10 @@ def test_resume_continues_exactly(launcher, config, corpus, tmp_path):
         (out / "model.safetensors").unlink()
         state = json.loads((out / f"checkpoint-{resume_from}" / "trainer_state.json").read_text())
         assert state["step"] == resume_from and state["loader"]["step"] == resume_from
+        before = len(run_records(out))
         resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out)
         assert f"resumed from {out / f'checkpoint-{resume_from}'}" in resumed.stderr
-        again = resumed.losses  # later records (the resumed run's) replace earlier ones of the same step
+        again = losses_logged_after(out, before, resume_from + 1, 20)
         for step in range(resume_from + 1, 21):
             assert again[step] == losses[step], f"resume from {resume_from}, step {step}"
         final = final_weights(resumed)
@@ -114,22 +137,41 @@ def test_non_finite_loss_stops_before_the_optimizer_step(corpus, tmp_path):
     assert max(run.losses) == 3
 
 
+KILLS = [
+    ("ddp", "kill@12", 10),
+    ("ddp", "kill_in_save@10", 5),
+    ("ddp", "kill_mid_shard@10", 5),
+    ("fsdp", "kill_mid_shard@10", 5),
+    ("zero3", "kill_mid_shard@10", 5),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("fault", "resumed_from"), [("kill@12", 10), ("kill_in_save@10", 5)])
-def test_killed_run_resumes_to_the_same_weights(fault, resumed_from, corpus, tmp_path):
-    """Rank 0 is SIGKILLed (after step 12, or half way through saving checkpoint 10); the launcher tears the
-    job down; a relaunch with `--resume_from_checkpoint auto` ends with the uninterrupted run's weights."""
-    cmd = launcher_command("accelerate", "ddp")
+@pytest.mark.parametrize(("config", "fault", "resumed_from"), KILLS, ids=lambda v: str(v))
+def test_killed_run_resumes_to_the_same_weights(config, fault, resumed_from, corpus, tmp_path, tmp_path_factory):
+    """Rank 0 is SIGKILLed after step 12, after the shards of checkpoint 10 are written but before its marker, or
+    while a shard of checkpoint 10 is being written (its largest file cut short); the launcher tears the job
+    down; a relaunch with `--resume_from_checkpoint auto` skips the half-written checkpoint and ends with the
+    uninterrupted run's weights."""
+    cmd = launcher_command("accelerate", config)
     args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
-    straight = launch(cmd, args, tmp_path / "straight")
+    straight = straight_run(config, corpus, tmp_path_factory)
     out = tmp_path / "killed"
     killed = launch(cmd, args, out, check=False, env={"SHARDGPT_FAULT": fault})
     assert killed.returncode != 0 and not (out / "model.safetensors").exists()
-    if fault.startswith("kill_in_save"):
+    if "save" in fault or "shard" in fault:
         assert (out / "checkpoint-10").is_dir() and not (out / "checkpoint-10" / MARKER).exists()
+    if "shard" in fault:  # a file of the killed save is shorter than the same file of a complete save
+        whole = straight.output_dir / "checkpoint-10"
+        cut = [f for f in whole.rglob("*") if f.is_file() and (out / "checkpoint-10" / f.relative_to(whole)).exists()
+               and (out / "checkpoint-10" / f.relative_to(whole)).stat().st_size < f.stat().st_size]  # fmt: skip
+        assert cut, "no file of checkpoint-10 was cut short"
     assert latest_checkpoint(out) == out / f"checkpoint-{resumed_from}"
+    before = len(run_records(out))
     resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out)
     assert f"resumed from {out / f'checkpoint-{resumed_from}'}" in resumed.stderr
+    again = losses_logged_after(out, before, resumed_from + 1, 20)
+    assert all(again[s] == straight.losses[s] for s in again), "the resumed run's losses differ"
     final, expected = final_weights(resumed), final_weights(straight)
     assert all(torch.equal(final[k], expected[k]) for k in expected)

@@ -1,0 +1,67 @@
+"""Launched by test_bad_launches.py: the strategy a launch prepared, checked by `verify_strategy` against what
+it is and against each thing it is not, with the "not sharded" case forced by counting every parameter as held
+whole on this rank. Rank 0 writes {case: the refusal, or "ok"} to refusals.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from unittest import mock
+
+from accelerate.utils import set_seed
+from transformers import HfArgumentParser
+
+from recipes import distributed
+from recipes.config import RunConfig
+from recipes.distributed import Strategy, make_accelerator, requested_strategy, run_rank, verify_strategy
+from recipes.modeling import build_model
+from recipes.optim import make_optimizer
+
+
+class Vocabulary:
+    eos_token_id = bos_token_id = 0
+
+    def __len__(self) -> int:
+        return 128
+
+
+def main() -> None:
+    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
+    config = cfg.model_config()
+    strategy = requested_strategy(cfg, config.hidden_size)
+    accelerator = make_accelerator(cfg, strategy)  # collective: the process group
+    set_seed(cfg.seed)
+    net = build_model(config, Vocabulary())
+    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
+    net, optimizer = accelerator.prepare(net, optimizer)  # collective
+    world = strategy.world_size
+    cases = {
+        "as launched": strategy,
+        "asked for ZeRO-2": Strategy("zero2", world, deepspeed={"zero_optimization": {"stage": 2}}),
+        "asked for ZeRO-3": Strategy("zero3", world, deepspeed={"zero_optimization": {"stage": 3}}),
+        "asked for FSDP": Strategy("fsdp", world, fsdp_env={"FSDP_VERSION": "2"}),
+        "asked for DDP": Strategy("ddp", world),
+    }
+    seen = {}
+    for name, asked in cases.items():
+        seen[name] = check(accelerator, net, asked)
+    # Every parameter counted as whole on this rank: what a strategy that did not shard would show.
+    with mock.patch.object(distributed, "_local_numel", distributed._global_numel):
+        seen["as launched, not sharded"] = check(accelerator, net, strategy)
+    if accelerator.is_main_process:  # rank 0 only: the file write
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.output_dir) / "refusals.json").write_text(json.dumps(seen, indent=2))
+    accelerator.wait_for_everyone()  # collective
+    accelerator.end_training()
+
+
+def check(accelerator, net, asked: Strategy) -> str:
+    try:
+        verify_strategy(accelerator, net, asked)
+    except RuntimeError as e:
+        return str(e)
+    return "ok"
+
+
+if __name__ == "__main__":
+    run_rank(main)
