@@ -53,11 +53,12 @@ def launched_world_size() -> int:
 class Strategy:
     """What the launch asked for, resolved before any process group exists."""
 
-    name: str  # single, ddp, fsdp[-shard-grad-op][-offload], zero{1,2,3}[-offload-cpu|-offload-nvme]
+    name: str  # single, ddp, fsdp[-hybrid][-shard-grad-op][-offload], zero{1,2,3}[-offload-cpu|-offload-nvme]
     world_size: int
     deepspeed: dict | None = None  # the resolved DeepSpeed config
     deepspeed_source: str | None = None
     fsdp_env: dict = field(default_factory=dict)
+    shard_size: int | None = None  # ranks one copy of the model is sharded over (hybrid FSDP: fewer than all)
 
     @property
     def zero_stage(self) -> int:
@@ -92,15 +93,22 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         return Strategy(name, world, deepspeed=ds, deepspeed_source=source)
     if use_fsdp:
         fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
-        name = "fsdp"
+        # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.
+        shard_size = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", world)) if parallelism_config() else world
+        name = "fsdp-hybrid" if shard_size < world else "fsdp"
         if fsdp_env.get("FSDP_SHARDING_STRATEGY") == "SHARD_GRAD_OP" or fsdp_env.get(
             "FSDP_RESHARD_AFTER_FORWARD", "true"
         ).lower() in ("false", "shard_grad_op"):
             name += "-shard-grad-op"
         if fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
             name += "-offload"
-        return Strategy(name, world, fsdp_env=fsdp_env)
+        return Strategy(name, world, fsdp_env=fsdp_env, shard_size=shard_size)
     return Strategy("ddp" if world > 1 else "single", world)
+
+
+def parallelism_config() -> bool:
+    """Whether the accelerate config has a `parallelism_config` block (`accelerate launch` exports it)."""
+    return env_flag("ACCELERATE_USE_PARALLELISM_CONFIG")
 
 
 def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:
@@ -156,9 +164,16 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
     elif on_cpu:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
+    fsdp_on_cpu = bool(strategy.fsdp_env) and on_cpu
+    if fsdp_on_cpu and parallelism_config():
+        # accelerate checks a parallelism_config against the state's distributed type when the Accelerator is
+        # built, which on CPU is MULTI_CPU until FSDP is switched on: the config is applied after that instead.
+        os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
-    if strategy.fsdp_env and accelerator.distributed_type != DistributedType.FSDP and on_cpu:
+    if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
         enable_fsdp_on_cpu(accelerator, cfg.mixed_precision)
+    if fsdp_on_cpu and strategy.shard_size != strategy.world_size:
+        apply_parallelism_config_on_cpu(accelerator)
     return accelerator
 
 
@@ -200,6 +215,18 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, mixed_precision: str) -> None:
     # Both shared states: every new AcceleratorState() copies PartialState's fields over its own.
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
+
+
+def apply_parallelism_config_on_cpu(accelerator: Accelerator) -> None:
+    """The YAML's parallelism_config (hybrid shard: dp_replicate x dp_shard) on CPU ranks, as accelerate applies
+    it on GPUs: the config and its device mesh on the state, checked against the now-FSDP accelerator. Building
+    the mesh is a collective."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    config = ParallelismConfig()  # sizes from the PARALLELISM_CONFIG_* variables of `accelerate launch`
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh("cpu")
+    config._validate_accelerator(accelerator)
 
 
 def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: Strategy) -> dict:
@@ -245,8 +272,9 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
     elif strategy.fsdp_env:
         if accelerator.distributed_type != DistributedType.FSDP:
             refuse(f"accelerate runs {accelerator.distributed_type}")
-        if world > 1 and local > total / world * 1.05 + 1024:
-            refuse(f"this rank holds {local} of {total} parameters (FSDP should hold about 1/{world})")
+        shards = strategy.shard_size or world
+        if shards > 1 and local > total / shards * 1.05 + 1024:
+            refuse(f"this rank holds {local} of {total} parameters (FSDP should hold about 1/{shards})")
     elif world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         refuse(f"the prepared model is a {type(model).__name__}, not DistributedDataParallel")
     return seen

@@ -413,7 +413,8 @@ def strategy_name(launch: dict | None, ds: dict | None, world: int) -> str:
         return f"zero{zero_stage(ds)}" + (f"-offload-{offload}" if offload else "")
     if launch and launch.get("distributed_type") == "FSDP":
         fsdp = launch.get("fsdp_config") or {}
-        name = "fsdp"
+        shard = (launch.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size", world)
+        name = "fsdp-hybrid" if shard < world else "fsdp"
         if fsdp.get("fsdp_sharding_strategy") == "SHARD_GRAD_OP" or fsdp.get("fsdp_reshard_after_forward") is False:
             name += "-shard-grad-op"
         return name + ("-offload" if fsdp.get("fsdp_offload_params") else "")

@@ -30,9 +30,11 @@ from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 from data import BlockDataset, EpochSampler, prepare_data
 from recipes.config import RunConfig
 from recipes.distributed import (
+    StateShares,
     check_deepspeed_ops,
     keep_zero3_param_dtype,
     launched_world_size,
+    observe_strategy,
     requested_strategy,
     run_rank,
     verify_strategy,
@@ -87,28 +89,34 @@ class ShardGPTTrainer(Trainer):
 
 
 class MetricsCallback(TrainerCallback):
-    """Appends one JSON per log to output_dir/metrics.jsonl with recipes/train.py's keys (rank 0), and writes
-    strategy.json after refusing a run whose prepared model is not sharded as the launch asked."""
+    """Appends one JSON per log to output_dir/metrics.jsonl with recipes/train.py's keys (rank 0), refuses a run
+    whose prepared model is not sharded as the launch asked, and writes what is in force to strategy.json."""
 
     def __init__(self, trainer: Trainer, strategy, tokens_per_step: int, flops_per_step: float, peak):
         self.trainer, self.strategy = trainer, strategy
         self.tokens_per_step, self.flops_per_step, self.peak = tokens_per_step, flops_per_step, peak
         self.metrics = MetricsWriter(trainer.accelerator, trainer.args.output_dir)
         self.train_time, self.steps, self.t0 = 0.0, 0, 0.0
+        self.seen, self.shares = {}, None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        seen = verify_strategy(self.trainer.accelerator, self.trainer.model_wrapped, self.strategy)
-        if state.is_world_process_zero:
-            out = Path(args.output_dir)
-            (out / "strategy.json").write_text(json.dumps(seen, indent=2))
-            if args.deepspeed:  # as the Trainer resolved it
-                (out / "ds_config.json").write_text(json.dumps(args.hf_deepspeed_config.config, indent=2))
+        model, optimizer = self.trainer.model_wrapped, self.trainer.optimizer
+        self.seen = verify_strategy(self.trainer.accelerator, model, self.strategy)
+        self.seen |= observe_strategy(model, optimizer)
+        self.shares = StateShares(optimizer)  # measured at the first optimizer step, as recipes/train.py does
+        if state.is_world_process_zero and args.deepspeed:  # as the Trainer resolved it
+            (Path(args.output_dir) / "ds_config.json").write_text(json.dumps(args.hf_deepspeed_config.config, indent=2))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.train_time, self.steps = self.train_time + time.perf_counter() - self.t0, self.steps + 1
+        if self.shares is not None:  # the first optimizer step has run
+            self.seen |= self.shares.read(self.seen["parameters"])
+            self.shares = None
+            if state.is_world_process_zero:  # rank 0 only
+                (Path(args.output_dir) / "strategy.json").write_text(json.dumps(self.seen, indent=2))
         control.should_log |= state.global_step >= state.max_steps  # recipes/train.py logs the last step
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -76,7 +76,10 @@ def test_two_nodes_train_like_one(single, config, per_node, extra, corpus, tmp_p
     one = launch(launcher_command("accelerate", single), [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=4"],
                  tmp_path / "one_node")  # fmt: skip
     two = launch_two_nodes(config, [*corpus["flags"], *TRAIN, *micro], tmp_path / "two_nodes", per_node, extra)
-    assert two.strategy["world_size"] == 2 * per_node and two.strategy["strategy"] == one.strategy["strategy"]
+    hybrid = "fsdp-hybrid" if "hybrid" in config else one.strategy["strategy"]
+    assert two.strategy["world_size"] == 2 * per_node and two.strategy["strategy"] == hybrid
+    # Each rank holds what one node's ranks hold: hybrid sharding shards over a node's 2 ranks, not all 4.
+    assert two.strategy["local_parameter_fraction"] == one.strategy["local_parameter_fraction"]
     assert sorted(two.losses) == sorted(one.losses) == list(range(1, STEPS + 1))
     # Same ranks: the same sums in the same order. Four ranks sum the gradients in another order (see
     # test_strategies' tolerance).
