@@ -7,15 +7,17 @@ The unit tests drive the checkpoint marker's verification and the preemption plu
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from launching import launch, launcher_command
+from launching import BIN, ROOT, Run, free_port, launch, launcher_command
 from safetensors.torch import load_file
 
 from recipes.checkpoint import (
@@ -314,3 +316,51 @@ def test_disk_filling_during_a_save_is_said_and_every_rank_exits(corpus, small_d
     assert f"error: --output_dir '{out}' ran out of space while saving checkpoint-4: it needs about " in run.stderr
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert latest_checkpoint(out) == out / "checkpoint-2" and max(run.losses) == 4
+
+
+FAKE_SLURM = {
+    # `scontrol show hostnames` names this machine; any other call (the requeue) is recorded.
+    "scontrol": '[ "$1 $2" = "show hostnames" ] && echo localhost || echo "$@" >> "$FAKE_SLURM_LOG"\n',
+    # srun without its options runs the one task here, in its place (as srun's task, it receives the signals).
+    "srun": 'while [[ $1 == --* ]]; do shift; done\nexec "$@"\n',
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_slurm_script_requeues_and_the_ranks_save_on_its_signal(corpus, tmp_path):
+    """recipes/slurm/accelerate.sbatch on one node, with `srun` and `scontrol` replaced by stand-ins: SIGUSR1 to
+    the batch script (what `--signal=B:USR1@300` sends before the time limit) requeues the job and makes both
+    ranks save a complete checkpoint and stop; the script passes `--resume_from_checkpoint auto` for the rerun."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    out, log = tmp_path / "out", tmp_path / "slurm.log"
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+             "SLURM_GPUS_ON_NODE": "2", "MAIN_PORT": str(free_port()), "FAKE_SLURM_LOG": str(log)}  # fmt: skip
+    env = {**os.environ, **slurm, "PATH": f"{bin_dir}:{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    args = [*corpus["flags"], *TRAIN, "--max_steps=5000", "--save_steps=0", "--output_dir", str(out)]
+    script = ROOT / "recipes" / "slurm" / "accelerate.sbatch"
+    job = subprocess.Popen(
+        ["bash", str(script), str(ROOT / "accelerate_configs" / "ddp.yaml"), *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended or stalled before step 3"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGUSR1)
+        _, stderr = job.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert log.read_text().split() == ["requeue", "4242"]
+    assert "shardgpt: SIGUSR1 received: requeueing job 4242" in stderr
+    sig, step, checkpoint = stop_line(Run(out, "", stderr, job.returncode))
+    assert sig == "SIGTERM" and 3 <= step < 5000 and latest_checkpoint(out) == checkpoint
+    assert json.loads((out / "run_config.json").read_text())["resume_from_checkpoint"] == "auto"
