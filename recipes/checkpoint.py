@@ -26,6 +26,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import faults
 from .distributed import all_ranks_max
@@ -190,13 +191,19 @@ def _disk_filled(write, directory: Path) -> int:
     "unexpected pos") on a filesystem now full; 0 when it succeeded. Other errors propagate."""
     try:
         write()
-    except Exception as e:
-        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-        if not (full or shutil.disk_usage(directory).free < MARGIN):
+    except (Exception, CheckpointException) as e:  # torch.distributed.checkpoint's is a BaseException
+        if not (_no_space(e) or shutil.disk_usage(directory).free < MARGIN):
             raise
-        logger.warning("a write failed on a full disk: %s", e)
+        logger.warning("a write failed on a full disk: %s", str(e).splitlines()[0])
         return 1
     return 0
+
+
+def _no_space(e: BaseException) -> bool:
+    """ENOSPC or a full quota, raised here or, under FSDP, by any rank's torch.distributed.checkpoint writer."""
+    if isinstance(e, CheckpointException):
+        return any(_no_space(error) for error, _ in e.failures.values())
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def save_checkpoint(

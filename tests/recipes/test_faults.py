@@ -304,13 +304,15 @@ def test_no_room_for_the_next_checkpoint_is_said_before_writing(corpus, small_di
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_disk_filling_during_a_save_is_said_and_every_rank_exits(corpus, small_disk):
-    """DDP on an 8 MB disk that another writer fills just as checkpoint-4 is being written (after the free-space
-    check): the write fails with ENOSPC, every rank learns it through the collective after the save and exits
-    (no hang), one line says the disk is full; the partial checkpoint-4 is removed and checkpoint-2 is intact."""
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])
+def test_disk_filling_during_a_save_is_said_and_every_rank_exits(config, corpus, small_disk):
+    """An 8 MB disk that another writer fills just as checkpoint-4 is being written (after the free-space check):
+    the writes fail with ENOSPC (DDP: rank 0's; FSDP and ZeRO-3: every rank's shard), every rank learns it through
+    the collective after the save and exits (no hang), one line says the disk is full; the partial checkpoint-4 is
+    removed and checkpoint-2 is intact."""
     out = small_disk("8m") / "out"
     args = [*corpus["flags"], *TRAIN, "--save_steps=2"]
-    cmd = launcher_command("accelerate", "ddp")
+    cmd = launcher_command("accelerate", config)
     run = launch(cmd, args, out, check=False, timeout=LAUNCH_TIMEOUT, env={"SHARDGPT_FAULT": "fill_disk@4"})
     assert run.returncode != 0
     assert f"error: --output_dir '{out}' ran out of space while saving checkpoint-4: it needs about " in run.stderr
