@@ -65,7 +65,7 @@ def is_complete(path: Path) -> bool:
 
 
 def crc32(path: Path) -> str:
-    """CRC-32 of a file, streamed (about 2.4 GB/s on one core of the 2-core test machine)."""
+    """CRC-32 of a file, streamed: about 3.5 GB/s over files just written (docs/checkpoints.md)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -83,7 +83,10 @@ def damage(path: Path, checksums: bool = True) -> str | None:
     """Why a complete checkpoint cannot be trusted (a file missing, of another size, or with another checksum
     than its marker recorded), or None when it is intact. A marker from before files were recorded has nothing
     to check against."""
-    recorded = json.loads((path / MARKER).read_text()).get("files")
+    try:
+        recorded = json.loads((path / MARKER).read_text()).get("files")
+    except ValueError:
+        return f"{path / MARKER} is not valid JSON"
     if recorded is None:
         logger.warning("%s: its marker records no file sizes or checksums; it is not verified", path)
         return None
@@ -170,7 +173,7 @@ def resolve_resume_once(accelerator: Accelerator, arg: str | None, output_dir: s
 def expected_size(output_dir: str | os.PathLike, parameters: int) -> int:
     """Bytes the next checkpoint will take: the newest complete one's, or an estimate for the first."""
     for _, path in reversed(checkpoints(output_dir)):
-        if is_complete(path):
+        if is_complete(path) and damage(path, checksums=False) is None:
             files = json.loads((path / MARKER).read_text()).get("files")
             if files is not None:
                 return sum(f["size"] for f in files.values()) + MARGIN

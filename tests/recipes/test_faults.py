@@ -128,6 +128,13 @@ def test_damaged_file_is_refused_naming_it(hurt, tmp_path):
         resolve_resume(str(path), str(tmp_path))
 
 
+def test_unreadable_marker_is_damage(tmp_path):
+    path = write_checkpoint(tmp_path, 5, {"optimizer.bin": b"o"})
+    (path / MARKER).write_text('{"step": 5, "fi')  # cut by a bad copy
+    with pytest.raises(ValueError, match=rf"is damaged: {re.escape(str(path / MARKER))} is not valid JSON"):
+        resolve_resume(str(path), str(tmp_path))
+
+
 def test_auto_falls_back_to_the_newest_intact_checkpoint(tmp_path, caplog):
     for step in (5, 10, 15):
         write_checkpoint(tmp_path, step, {"optimizer.bin": bytes([step]) * 1000})
@@ -280,7 +287,7 @@ def small_disk(tmp_path):
 
     yield make
     for where in mounts:
-        subprocess.run(["umount", str(where)], check=True)
+        subprocess.run(["umount", "--lazy", str(where)], check=True)
 
 
 @pytest.mark.slow
