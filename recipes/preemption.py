@@ -3,7 +3,7 @@
 `PREEMPTED` (75).
 
 The signal may reach every rank at a different moment, one rank only, or only the launcher: torchrun and
-`accelerate launch` (torch elastic's agent) forward SIGTERM to every rank and SIGKILL them
+`accelerate launch` (both run torch elastic's launcher) forward SIGTERM to every rank and SIGKILL them
 TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default); the single-node `deepspeed` launcher forwards
 SIGTERM and SIGINT and kills 30 seconds later. A SIGUSR1 sent to those launchers kills the launcher (torchrun
 handles it only when listed in TORCHELASTIC_SIGNALS_TO_HANDLE), so SLURM's should go to the ranks or be turned
