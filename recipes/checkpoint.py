@@ -44,6 +44,8 @@ _CHUNK = 1 << 24
 class CheckpointSpaceError(RuntimeError):
     """The output directory cannot hold the next checkpoint; nothing already saved was touched."""
 
+    same_on_every_rank = True  # every rank raises it after the same collective: rank 0 reports it for all
+
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +166,9 @@ def resolve_resume_once(accelerator: Accelerator, arg: str | None, output_dir: s
     kind, value = verdict[0]
     if kind == "ok":
         return value
-    raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(value)
+    error = (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(value)
+    error.same_on_every_rank = True  # rank 0's verdict: rank 0 reports it for all
+    raise error
 
 
 # ---------------------------------------------------------------------- disk space

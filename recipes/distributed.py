@@ -278,9 +278,14 @@ def all_ranks_max(values: list[int], device: torch.device) -> list[int]:
     return t.tolist()
 
 
+def _is_rank_0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...] = BAD_INPUT) -> NoReturn:
     """Run a launched script's `main` and end the process. Bad input (and `errors`) ends with one line,
-    `error: ...`, and exit status 2 instead of a traceback (set SHARDGPT_TRACEBACK=1 to see it). A run stopped
+    `error: ...`, and exit status 2 instead of a traceback (set SHARDGPT_TRACEBACK=1 to see it); an error that
+    every rank raises alike (its `same_on_every_rank` is true) is printed by rank 0 alone. A run stopped
     by a preemption signal after its checkpoint ends with rank 0's one line and exit status `PREEMPTED` (75).
 
     A rank that used a process group exits without interpreter finalization. In torch 2.13 the gloo
@@ -302,10 +307,11 @@ def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...]
     except errors as e:
         if os.environ.get("SHARDGPT_TRACEBACK"):
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not (getattr(e, "same_on_every_rank", False) and not _is_rank_0()):  # else rank 0 says it for all
+            print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
     except Preempted as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # rank 0 only: one line for the whole run
+        if _is_rank_0():  # rank 0 only: one line for the whole run
             print(e, file=sys.stderr, flush=True)
         code = PREEMPTED
     if launched_world_size() <= 1:

@@ -253,8 +253,9 @@ def test_trainer_path_preempted_then_resumed_is_exact(corpus, tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_damaged_newest_checkpoint_auto_resumes_from_the_one_before(straight, corpus, tmp_path):
-    """One byte of the newest DDP checkpoint's optimizer state flipped after the save: `auto` warns, naming the
-    file, resumes from the checkpoint before, and ends with the straight run's weights. Truncating or altering
+    """One byte of the newest DDP checkpoint's optimizer state flipped after the save: a resume from it is refused
+    in one line naming the file; `auto` warns, naming the file, resumes from the checkpoint before, and ends with
+    the straight run's weights. Truncating or altering
     a file of either rank in the DDP checkpoint is caught."""
     assert_damage_is_caught(straight.output_dir / "checkpoint-10", "random_states_1.pkl", tmp_path / "ddp")
     out = tmp_path / "out"
@@ -263,8 +264,11 @@ def test_damaged_newest_checkpoint_auto_resumes_from_the_one_before(straight, co
     flip_byte(out / "checkpoint-10" / "optimizer.bin")
     cmd = launcher_command("accelerate", "ddp")
     args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
-    resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out, timeout=LAUNCH_TIMEOUT)
     damaged = out / "checkpoint-10"
+    refused = launch(cmd, [*args, f"--resume_from_checkpoint={damaged}"], out, check=False, timeout=LAUNCH_TIMEOUT)
+    line = f"error: --resume_from_checkpoint '{damaged}' is damaged: {damaged / 'optimizer.bin'} has CRC-32"
+    assert refused.returncode != 0 and refused.stderr.count(line) == 1  # one line, rank 0's, naming the file
+    resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out, timeout=LAUNCH_TIMEOUT)
     assert f"skipping damaged checkpoint {damaged}: {damaged / 'optimizer.bin'} has CRC-32" in resumed.stderr
     assert f"resumed from {out / 'checkpoint-5'}" in resumed.stderr
     final, expected = final_weights(out), final_weights(straight.output_dir)
@@ -303,6 +307,7 @@ def test_no_room_for_the_next_checkpoint_is_said_before_writing(corpus, small_di
     line = re.search(r"error: --output_dir '(.+)' has no space for checkpoint-4: it needs about ([\d,]+) bytes, "
                      r"([\d,]+) are free; .*--save_total_limit.*another --output_dir", run.stderr)  # fmt: skip
     assert line and line[1] == str(out), run.stderr[-4000:]
+    assert run.stderr.count("error: --output_dir") == 1  # rank 0 says it for every rank
     needed, free = (int(v.replace(",", "")) for v in line.groups()[1:])
     assert needed > free and needed == expected_size(out, 0)  # the size of checkpoint-2, as measured by its marker
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"] and latest_checkpoint(out)
@@ -323,6 +328,7 @@ def test_disk_filling_during_a_save_is_said_and_every_rank_exits(config, corpus,
     run = launch(cmd, args, out, check=False, timeout=LAUNCH_TIMEOUT, env={"SHARDGPT_FAULT": "fill_disk@4"})
     assert run.returncode != 0
     assert f"error: --output_dir '{out}' ran out of space while saving checkpoint-4: it needs about " in run.stderr
+    assert run.stderr.count("error: --output_dir") == 1
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert latest_checkpoint(out) == out / "checkpoint-2" and max(run.losses) == 4
 
