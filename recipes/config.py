@@ -66,13 +66,22 @@ class RunConfig(DataArguments):
     max_eval_batches: int | None = arg(50, "Cap on evaluation batches per rank (None: every validation block).")
     save_steps: int = arg(100, "Save a resumable checkpoint every N steps (0: never).")
     save_total_limit: int | None = arg(2, "Keep only the newest N checkpoints.")
-    resume_from_checkpoint: str | None = arg(None, "A checkpoint directory, or `auto` for the newest complete one.")
+    resume_from_checkpoint: str | None = arg(
+        None, "A checkpoint directory, or `auto` for the newest complete and intact one."
+    )
+    skip_checkpoint_checksum: bool = arg(
+        False, "On resume, check only the sizes of the checkpoint's files, not their CRC-32 (faster on huge ones)."
+    )
     report_to: str = arg("none", f"Trackers, comma-separated: {', '.join(TRACKERS)}.")
     peak_flops: float | None = arg(None, "Peak FLOP/s of one device for MFU (default: from a table of GPUs).")
     sample_max_new_tokens: int = arg(64, "Tokens of the greedy sample printed at the end (0: none).")
     local_rank: int = arg(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
 
     # ---------------------------------------------------------------- derived values
+
+    @property
+    def verify_checksums(self) -> bool:
+        return not self.skip_checkpoint_checksum
 
     @property
     def mixed_precision(self) -> str:

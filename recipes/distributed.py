@@ -385,11 +385,31 @@ def _global_numel(p: torch.Tensor) -> int:
 
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
+PREEMPTED = 75  # exit status of a run stopped by a signal after its checkpoint: EX_TEMPFAIL, "try again later"
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving a checkpoint (recipes/preemption.py)."""
+
+
+def all_ranks_max(values: list[int], device: torch.device) -> list[int]:
+    """Element-wise maximum of small integers over the ranks: every rank gets the same answer (a collective when
+    the process group exists; the values themselves on a single process)."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # collective: every rank
+    return t.tolist()
+
+
+def _is_rank_0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...] = BAD_INPUT) -> NoReturn:
     """Run a launched script's `main` and end the process. Bad input (and `errors`) ends with one line,
-    `error: ...`, and exit status 2 instead of a traceback (set SHARDGPT_TRACEBACK=1 to see it).
+    `error: ...`, and exit status 2 instead of a traceback (set SHARDGPT_TRACEBACK=1 to see it); an error that
+    every rank raises alike (its `same_on_every_rank` is true) is printed by rank 0 alone. A run stopped
+    by a preemption signal after its checkpoint ends with rank 0's one line and exit status `PREEMPTED` (75).
 
     A rank that used a process group exits without interpreter finalization. In torch 2.13 the gloo
     backend's worker threads outlive `destroy_process_group` once DDP, FSDP or DeepSpeed have held the
@@ -410,8 +430,13 @@ def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...]
     except errors as e:
         if os.environ.get("SHARDGPT_TRACEBACK"):
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not (getattr(e, "same_on_every_rank", False) and not _is_rank_0()):  # else rank 0 says it for all
+            print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+    except Preempted as e:
+        if _is_rank_0():  # rank 0 only: one line for the whole run
+            print(e, file=sys.stderr, flush=True)
+        code = PREEMPTED
     if launched_world_size() <= 1:
         sys.exit(code)
     logging.shutdown()

@@ -5,7 +5,13 @@
 - `kill@N`: rank 0 SIGKILLs itself after finishing step N, as a preempted node would;
 - `kill_in_save@N`: rank 0 SIGKILLs itself in the middle of saving checkpoint N (shards written, no marker);
 - `kill_mid_shard@N`: rank 0 cuts the largest file of checkpoint N to half its size and SIGKILLs itself before
-  the marker: what a kill while that shard was being written leaves on disk.
+  the marker: what a kill while that shard was being written leaves on disk;
+- `fill_disk@N`: rank 0 fills the output directory's filesystem with a file `fill` just before writing checkpoint N,
+  after the free-space check, as another job writing to the same disk would;
+- `term_launcher@N`: rank 0 sends SIGTERM to its parent (the launcher) after step N, as SLURM or a spot-instance
+  preemption does; the launcher forwards it to every rank;
+- `usr1_last_rank@N`: the last rank alone sends itself SIGUSR1 after step N (SLURM's `--signal`): the other ranks
+  only learn it through the ranks' agreement.
 """
 
 from __future__ import annotations
@@ -27,6 +33,25 @@ def active(kind: str, step: int) -> bool:
 def maybe_kill(kind: str, step: int, is_main_process: bool) -> None:
     if is_main_process and active(kind, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_signal(step: int, rank: int, world_size: int) -> None:
+    if rank == 0 and active("term_launcher", step):
+        os.kill(os.getppid(), signal.SIGTERM)
+    if rank == world_size - 1 and active("usr1_last_rank", step):
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def maybe_fill_disk(step: int, directory: Path, is_main_process: bool) -> None:
+    if not (is_main_process and active("fill_disk", step)):
+        return
+    with open(directory / "fill", "wb", buffering=0) as f:
+        for size in (1 << 20, 1 << 12, 1):  # down to the last byte the filesystem takes
+            try:
+                while f.write(bytes(size)):
+                    pass
+            except OSError:
+                continue
 
 
 def maybe_kill_mid_shard(step: int, checkpoint: Path, is_main_process: bool) -> None:

@@ -26,7 +26,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 import model as shardgpt
 from data import ShardedLoader, iter_eval_batches, prepare_data
 from recipes import faults
-from recipes.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from recipes.checkpoint import CheckpointSpaceError, load_checkpoint, resolve_resume_once, save_checkpoint
 from recipes.config import RunConfig
 from recipes.distributed import (
     BAD_INPUT,
@@ -43,6 +43,7 @@ from recipes.distributed import (
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
+from recipes.preemption import Preempted, PreemptionWatch, stop_message
 from recipes.step import NonFiniteLossError, train_step
 
 logger = logging.getLogger("shardgpt")
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # ------------------------------------------------------------------ resume
     step = 0
-    resume = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    # Rank 0 picks and verifies the checkpoint (sizes, and checksums unless skipped); collective: every rank gets it.
+    resume = resolve_resume_once(accelerator, cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums)
     if resume is not None:
         state = load_checkpoint(accelerator, resume, config.to_dict())  # collective: every rank loads its shard
         loader.load_state_dict(state["loader"])
@@ -121,7 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     loss_scale = world * cfg.gradient_accumulation_steps
     progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
     batches = iter(loader)
+    preemption = PreemptionWatch()  # from here on SIGTERM and SIGUSR1 stop the run after a checkpoint
     net.train()
+
+    def save() -> Path:  # collective: every rank saves its share
+        state = {"step": step, "loader": loader.state_dict(), "model_config": config.to_dict(),
+                 "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
+        return save_checkpoint(accelerator, cfg.output_dir, step, state, cfg.save_total_limit)
+
     train_time, loss_sum, steps_since_log = 0.0, 0.0, 0
     while step < cfg.max_steps:
         t0 = time.perf_counter()
@@ -165,11 +174,12 @@ def main(argv: list[str] | None = None) -> None:
                     progress.write(f"step {step:>6} | eval loss {val:.4f} | perplexity {perplexity:.2f}")
             net.train()
 
-        if cfg.save_steps and step % cfg.save_steps == 0:
-            state = {"step": step, "loader": loader.state_dict(), "model_config": config.to_dict(),
-                     "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
-            save_checkpoint(accelerator, cfg.output_dir, step, state, cfg.save_total_limit)  # collective
+        saved = save() if cfg.save_steps and step % cfg.save_steps == 0 else None  # collective
         faults.maybe_kill("kill", step, is_main)
+        faults.maybe_signal(step, accelerator.process_index, world)
+        stop = preemption.agreed(accelerator.device)  # collective: every rank stops after the same step
+        if stop is not None and step < cfg.max_steps:
+            raise Preempted(stop_message(stop, step, saved or save()))  # save: collective
     progress.close()
 
     # ------------------------------------------------------------------ export
@@ -224,5 +234,6 @@ def print_sample(folder: Path, tokenizer, max_new_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    # Bad input and a stopped run end with one line and exit status 2 (see `run_rank`).
-    run_rank(main, (*BAD_INPUT, NonFiniteLossError))
+    # Bad input, a stopped run and a full disk end with one line and exit status 2; a preempted run with one line
+    # and exit status 75 (see `run_rank`).
+    run_rank(main, (*BAD_INPUT, NonFiniteLossError, CheckpointSpaceError))

@@ -28,6 +28,7 @@ from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArg
 from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from data import BlockDataset, EpochSampler, prepare_data
+from recipes import faults
 from recipes.config import RunConfig
 from recipes.distributed import (
     StateShares,
@@ -42,6 +43,7 @@ from recipes.distributed import (
 from recipes.metrics import MetricsWriter, flops_per_token, memory_gb, peak_flops
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
+from recipes.preemption import Preempted, PreemptionWatch, stop_message
 from recipes.train import print_sample
 
 IGNORE_INDEX = -100
@@ -144,6 +146,21 @@ class MetricsCallback(TrainerCallback):
         self.metrics.write(record)  # rank 0 writes
 
 
+class PreemptionCallback(TrainerCallback):
+    """SIGTERM or SIGUSR1 (recipes/preemption.py): after the step in flight every rank, agreeing through a
+    collective, has the Trainer save a checkpoint and stop; `main` then ends the run with exit status 75."""
+
+    def __init__(self):
+        self.watch = PreemptionWatch()
+        self.signal = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        faults.maybe_signal(state.global_step, args.process_index, args.world_size)
+        self.signal = self.watch.agreed(args.device)  # collective: every rank stops after the same step
+        if self.signal is not None and state.global_step < state.max_steps:
+            control.should_save = control.should_training_stop = True  # the Trainer saves (collective), then stops
+
+
 def cpu_ranks(strategy) -> dict:
     """TrainingArguments for several CPU ranks (gloo), which the Trainer does not set up by itself: `use_cpu` gives
     accelerate's MULTI_CPU DDP; under DeepSpeed it would start a process group with no backend and count a world
@@ -222,8 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     flops = flops_per_token(config, cfg.block_size) * tokens_per_step
     peak = peak_flops(args.device, cfg.peak_flops)
     trainer.add_callback(MetricsCallback(trainer, strategy, tokens_per_step, flops, peak))
+    preemption = PreemptionCallback()
+    trainer.add_callback(preemption)
     resume = cfg.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=get_last_checkpoint(cfg.output_dir) if resume == "auto" else resume)
+    step = trainer.state.global_step
+    if preemption.signal is not None and step < cfg.max_steps:
+        raise Preempted(stop_message(preemption.signal, step, Path(cfg.output_dir) / f"checkpoint-{step}"))
 
     trainer.model.config.use_cache = True
     trainer.save_model(cfg.output_dir)  # collective under ZeRO-3: gathers the full weights
