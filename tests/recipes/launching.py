@@ -24,21 +24,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metrics_lines(output_dir: Path) -> list[str]:
+    path = output_dir / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
 @dataclass
 class Run:
     output_dir: Path
     stdout: str
     stderr: str
     returncode: int
+    records_before: int = 0  # lines metrics.jsonl already held when this launch started (a resumed run appends)
 
     @property
     def records(self) -> list[dict]:
-        path = self.output_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [json.loads(line) for line in metrics_lines(self.output_dir)]
 
     @property
     def losses(self) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in self.records if "loss" in r}
+
+    @property
+    def own_losses(self) -> dict[int, float]:
+        """The losses this launch logged itself, one per step (a resumed run's, not those it continued from)."""
+        steps = [r["step"] for r in self.records[self.records_before :] if "loss" in r]
+        assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
+        return {r["step"]: r["loss"] for r in self.records[self.records_before :] if "loss" in r}
 
     @property
     def strategy(self) -> dict:
@@ -75,6 +87,7 @@ def launch(
         **(env or {}),
     }
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    before = len(metrics_lines(Path(output_dir)))
     # A session of its own, so a timeout kills the ranks too, not only the launcher that started them.
     p = subprocess.Popen(
         [*cmd, *args, "--output_dir", str(output_dir)],
@@ -93,7 +106,7 @@ def launch(
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    run = Run(output_dir, stdout, stderr, p.returncode)
+    run = Run(output_dir, stdout, stderr, p.returncode, before)
     if check and p.returncode != 0:
         pytest.fail(f"launch failed ({p.returncode}): {' '.join(cmd + args)}\n--- stderr tail ---\n{stderr[-8000:]}")
     return run

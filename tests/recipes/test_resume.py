@@ -35,20 +35,6 @@ def test_latest_checkpoint_skips_incomplete_ones(tmp_path):
         resolve_resume(str(tmp_path / "checkpoint-99"), str(tmp_path))
 
 
-def run_records(out):
-    path = out / "metrics.jsonl"
-    return path.read_text().splitlines() if path.exists() else []
-
-
-def losses_logged_after(out, before: int, first: int, last: int) -> dict[int, float]:
-    """The losses a resumed run appended to metrics.jsonl (past its first `before` lines): exactly one record for
-    each of the steps first..last, so a step it failed to log cannot pass on the straight run's record."""
-    records = [json.loads(line) for line in run_records(out)[before:]]
-    steps = [r["step"] for r in records if "loss" in r]
-    assert steps == list(range(first, last + 1)), f"the resumed run logged steps {steps}"
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
 def final_weights(run) -> dict[str, torch.Tensor]:
     return load_file(run.output_dir / "model.safetensors")
 
@@ -88,10 +74,10 @@ def test_resume_continues_exactly(launcher, config, corpus, tmp_path, tmp_path_f
         (out / "model.safetensors").unlink()
         state = json.loads((out / f"checkpoint-{resume_from}" / "trainer_state.json").read_text())
         assert state["step"] == resume_from and state["loader"]["step"] == resume_from
-        before = len(run_records(out))
         resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out)
         assert f"resumed from {out / f'checkpoint-{resume_from}'}" in resumed.stderr
-        again = losses_logged_after(out, before, resume_from + 1, 20)
+        again = resumed.own_losses  # this run's records alone: a step it failed to log cannot pass
+        assert sorted(again) == list(range(resume_from + 1, 21)), f"the resumed run logged steps {sorted(again)}"
         for step in range(resume_from + 1, 21):
             assert again[step] == losses[step], f"resume from {resume_from}, step {step}"
         final = final_weights(resumed)
@@ -106,11 +92,10 @@ def test_auto_resume_skips_a_half_written_checkpoint(corpus, tmp_path):
     # Simulate a save killed half way: checkpoint-15 exists but has no marker.
     shutil.copytree(out / "checkpoint-10", out / "checkpoint-15")
     (out / "checkpoint-15" / MARKER).unlink()
-    before = len(run_records(out))
     args = [*corpus["flags"], *TRAIN, "--save_steps=5", "--max_steps=12", "--resume_from_checkpoint=auto"]
     run = launch(cmd, args, out)
     assert "skipping" in run.stderr and "checkpoint-15" in run.stderr
-    assert [r["step"] for r in run.records[before:] if "loss" in r] == [11, 12]  # resumed from step 10
+    assert sorted(run.own_losses) == [11, 12]  # resumed from step 10
 
 
 @pytest.mark.slow
@@ -168,10 +153,10 @@ def test_killed_run_resumes_to_the_same_weights(config, fault, resumed_from, cor
                and (out / "checkpoint-10" / f.relative_to(whole)).stat().st_size < f.stat().st_size]  # fmt: skip
         assert cut, "no file of checkpoint-10 was cut short"
     assert latest_checkpoint(out) == out / f"checkpoint-{resumed_from}"
-    before = len(run_records(out))
     resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out)
     assert f"resumed from {out / f'checkpoint-{resumed_from}'}" in resumed.stderr
-    again = losses_logged_after(out, before, resumed_from + 1, 20)
+    again = resumed.own_losses
+    assert sorted(again) == list(range(resumed_from + 1, 21)), f"the resumed run logged steps {sorted(again)}"
     assert all(again[s] == straight.losses[s] for s in again), "the resumed run's losses differ"
     final, expected = final_weights(resumed), final_weights(straight)
     assert all(torch.equal(final[k], expected[k]) for k in expected)
