@@ -530,8 +530,8 @@ def write_report(results: list[Result], args, extra: list[str], out: Path, machi
         "",
         "How the columns are measured:",
         "",
-        "- **in force**: the strategy the training script verified after `prepare` (`strategy.json`) and the "
-        "share of the parameters one rank holds.",
+        "- **in force**: the strategy the training script verified after `prepare` and read from the prepared "
+        "objects at its first step (`strategy.json`), and the share of the parameters one rank holds.",
         "- **tokens/s**, **step time**, **MFU**: medians over the logged steps after the first (the script "
         "times the training step only, logging every step); MFU is n/a on CPU (no peak FLOP/s).",
         "- **peak RSS per rank**: each worker's resident host memory, sampled every "
