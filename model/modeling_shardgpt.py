@@ -256,6 +256,9 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
             use_cache = self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        # Position ids from the caller may pack several documents into one row, which the mask then keeps apart.
+        # Ones made here cannot, and looking for packing in them costs a device sync per training forward.
+        packed_position_ids = position_ids
         if position_ids is None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past).unsqueeze(0)
@@ -266,7 +269,7 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
-            position_ids=position_ids,
+            position_ids=packed_position_ids,
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
