@@ -2,7 +2,8 @@
 
 Each item runs in a subprocess where this project cannot be imported (`contract_worker.py`), on the exported
 folder loaded with `trust_remote_code=True`, as a user of the export would load it. The quick items share one
-subprocess; the slow ones (compilation, continuous batching) get one each. An item the worker cannot run here
+subprocess; the slow ones (flex_attention and compiled generation, which compile; continuous batching) get one
+each. An item the worker cannot run here
 (flash attention and hub kernels without a GPU, caches that need CUDA or an optional package, or anything
 Llama itself fails on here) is skipped with the reason, never passed.
 """
