@@ -71,9 +71,16 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
 
 
 def load_tokenizer(args: DataArguments, corpus: Corpus, root: Path, verbose: bool) -> PreTrainedTokenizerFast:
-    """`--tokenizer_name` if given, else the cached BPE for this corpus and vocab size (trained if absent)."""
+    """`--tokenizer_name` if given, else the cached BPE for this corpus and vocab size (trained if absent).
+
+    Loaded with the settings that users of the trained model need, which `save_pretrained` then writes beside
+    the model: the context the model is trained on as `model_max_length` (not the library's "no limit" 1e30),
+    and padding on the left, where batched generation needs it. Neither changes how the corpus is tokenized:
+    packing neither pads nor truncates, and the cache key reads only the backend.
+    """
+    for_the_model = dict(model_max_length=args.block_size, padding_side="left")
     if args.tokenizer_name:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, cache_dir=args.cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, cache_dir=args.cache_dir, **for_the_model)
         if not tokenizer.is_fast:
             raise ValueError(f"--tokenizer_name {args.tokenizer_name!r} has no fast (Rust) version: pick one that does")
         if tokenizer.eos_token_id is None:
@@ -95,4 +102,4 @@ def load_tokenizer(args: DataArguments, corpus: Corpus, root: Path, verbose: boo
             train_bpe(documents, args.tokenizer_vocab_size).save_pretrained(tmp)
     elif verbose:
         print(f"Reusing the tokenizer cached at {entry}")
-    return AutoTokenizer.from_pretrained(entry)
+    return AutoTokenizer.from_pretrained(entry, **for_the_model)

@@ -54,6 +54,22 @@ class ShardGPTConfig(PretrainedConfig):
 
     model_type = "shardgpt"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Llama's tensor- and pipeline-parallel plans (`from_pretrained(tp_plan="auto")`, vLLM's transformers backend):
+    # the modules have Llama's names and shapes, so they shard the same way.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     vocab_size: int = 8192
     hidden_size: int = 256

@@ -2,6 +2,10 @@
 
 Parameter names are those of `transformers.LlamaForCausalLM` (`model.embed_tokens`,
 `model.layers.N.self_attn.q_proj`, ..., `model.norm`, `lm_head`), so a state dict copies across key for key.
+The forward is built from transformers' own parts as `modeling_llama.py` is: the mask from `masking_utils`,
+the attention kernel from `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flex_attention, flash attention, hub
+kernels), hidden states and attention weights recorded by `capture_outputs`, the loss from `loss_function`.
+So every `attn_implementation`, cache and output option of transformers applies to it as it does to Llama.
 The module imports nothing distributed: DDP, FSDP and DeepSpeed are applied from outside. This file is copied
 beside every checkpoint, so it imports only torch, transformers and its own configuration.
 """
@@ -9,6 +13,7 @@ beside every checkpoint, so it imports only torch, transformers and its own conf
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,40 +21,57 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.integrations import use_kernel_forward_from_hub
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_shardgpt import ShardGPTConfig
 
 
+@use_kernel_forward_from_hub("RMSNorm")
 class ShardGPTRMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 whatever the input dtype (as Llama does)."""
+    """x / rms(x) * weight, computed in fp32 whatever the input dtype (as Llama does). The attribute names are
+    Llama's, which the hub's RMSNorm kernels read when `use_kernels=True`."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * x.to(dtype)
 
 
-def rotary_cos_sin(config: ShardGPTConfig, position_ids: torch.Tensor, dtype: torch.dtype):
+class ShardGPTRotaryEmbedding(nn.Module):
     """cos and sin of the rotary angles, each (B, T, head_dim), for `position_ids` (B, T).
 
-    Computed from the config on every forward (one small outer product per forward, shared by all layers)
-    rather than kept in a buffer: a buffer would be cast by `.to(bf16)`, left empty by meta-device and
-    ZeRO-3 initialisation, and must be rebuilt after `from_pretrained`.
+    The inverse frequencies are computed from the config on every forward (one small outer product per
+    forward, shared by all layers) rather than kept in a buffer as Llama does: a buffer would be cast by
+    `.to(bf16)`, left empty by meta-device and ZeRO-3 initialisation, and must be rebuilt after `from_pretrained`.
     """
-    dim = config.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=position_ids.device).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponent)  # (head_dim/2,)
-    freqs = position_ids[..., None].float() * inv_freq  # (B, T, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def __init__(self, config: ShardGPTConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dim = self.head_dim
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=position_ids.device).float() / dim
+        inv_freq = 1.0 / (self.rope_theta**exponent)  # (head_dim/2,)
+        freqs = position_ids[..., None].float() * inv_freq  # (B, T, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -63,39 +85,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-def causal_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor | None:
-    """Boolean mask (B or 1, 1, q_len, kv_len), True where a query may attend, or None when plain causal
-    attention (`is_causal=True`, the fast path for training) or no mask at all (one new token, no padding)
-    is exact.
-
-    Queries are the last `q_len` of `kv_len` positions (a KV cache holds the first ones), so query i sits at
-    absolute position `kv_len - q_len + i`. `attention_mask` (B, kv_len) marks real tokens with 1 and padding
-    with 0, as transformers' tokenizers and `generate()` produce it.
-    """
-    padded = attention_mask is not None and not bool(attention_mask.all())
-    if not padded and (q_len == kv_len or q_len == 1):
-        return None
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    allowed = torch.arange(kv_len, device=device)[None, :] <= q_pos  # (q_len, kv_len)
-    allowed = allowed[None, None]
-    if padded:
-        allowed = allowed & attention_mask[:, None, None, -kv_len:].bool()
-        # A left-padded row has queries that see no key at all; let them see themselves so softmax is finite.
-        # Their outputs are padding and never used.
-        allowed = allowed | (
-            ~allowed.any(-1, keepdim=True) & torch.eye(q_len, kv_len, dtype=torch.bool, device=device)[None, None]
-        )
-    return allowed
-
-
-def eager_attention(q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-    """Attention written out, for checking SDPA: q (B, H, T, D), k and v (B, H, S, D)."""
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, S)
-    if is_causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return F.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention written out, the `attn_implementation="eager"` of the attention interface: query (B, H, T, D),
+    key and value (B, KV, S, D), `attention_mask` additive (B or 1, 1, T, S) as `create_causal_mask` builds it
+    for eager. Returns the output (B, T, H, D) and the attention weights (B, H, T, S)."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    weights = (query @ key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
 
 
 class ShardGPTAttention(nn.Module):
@@ -104,33 +114,40 @@ class ShardGPTAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        # Read by the attention interface: grouped-query attention, the softmax scale, and causal masking.
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
         self.o_proj.is_residual_projection = True  # read by `_init_weights`
 
-    def forward(self, x, cos, sin, mask, past_key_values: Cache | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        # -1 heads, not the config's count: under tensor parallelism each rank holds a slice of the heads.
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)  # (B, KV, S, D), S = cached + T
-        if self.num_kv_heads != self.num_heads:
-            # Each group of query heads reads one key/value head. An explicit repeat (not SDPA's enable_gqa)
-            # keeps every SDPA backend, the flash kernels included, available.
-            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-        is_causal = mask is None and k.shape[-2] == T and T > 1
-        if self.config._attn_implementation == "eager":
-            y = eager_attention(q, k, v, mask, is_causal)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+            k, v = past_key_values.update(k, v, self.layer_idx)  # (B, KV, S, D)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        y, weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)
+        return self.o_proj(y.reshape(*input_shape, -1).contiguous()), weights
 
 
 class ShardGPTMLP(nn.Module):
@@ -159,8 +176,18 @@ class ShardGPTDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = ShardGPTRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ShardGPTRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states, cos, sin, mask=None, past_key_values=None, **kwargs) -> torch.Tensor:
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask, past_key_values)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attn, _ = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values, **kwargs
+        )
+        h = hidden_states + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -171,7 +198,13 @@ class ShardGPTPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["ShardGPTDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
+    # Attention goes through transformers' attention interface, so all its kernels apply, as for Llama.
     _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"hidden_states": ShardGPTDecoderLayer, "attentions": ShardGPTAttention}
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -198,9 +231,11 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(ShardGPTDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = ShardGPTRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = ShardGPTRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
 
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -209,31 +244,52 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        # Unlike Llama, the config's `use_cache` is not applied in training: a cache there would only copy every
+        # layer's keys and values. An explicit `use_cache=True` still builds one.
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        B, T, _ = inputs_embeds.shape
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        # Position ids from the caller may pack several documents into one row, which the mask then keeps apart.
+        # Ones made here cannot, and looking for packing in them costs a device sync per training forward.
+        packed_position_ids = position_ids
         if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=inputs_embeds.device)[None].expand(B, T)
-        cos, sin = rotary_cos_sin(self.config, position_ids, inputs_embeds.dtype)
-        mask = causal_mask(attention_mask, T, past + T, inputs_embeds.device)
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past).unsqueeze(0)
 
-        h = inputs_embeds
+        # None when the attention kernel's own causal masking is exact (training: no padding): the fast path.
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=packed_position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
-            # positional args: gradient checkpointing's reentrant path only tracks positional tensors
-            h = layer(h, cos, sin, mask, past_key_values if use_cache else None)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=past_key_values)
+            # hidden states positional: gradient checkpointing's reentrant path only tracks positional tensors
+            hidden_states = layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 
 class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: ShardGPTConfig):
         super().__init__(config)
@@ -241,6 +297,7 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -252,8 +309,8 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
         shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         use_cache: bool | None = None,
-        logits_to_keep: int = 0,
-        **kwargs,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """`labels` (B, T) are shifted here, as in transformers: position t predicts `labels[t + 1]`.
         `shift_labels` (B, T) are already shifted (position t predicts `shift_labels[t]`), which lets a
@@ -262,42 +319,38 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
         With `num_items_in_batch` the loss is the *sum* over tokens divided by that count, so several
         micro batches (or ranks) with different numbers of counted tokens add up to the mean over all of
         them: gradient accumulation then weights tokens, not micro batches. Without it, the mean here.
+        Both are transformers' `ForCausalLMLoss` (`self.loss_function`), in fp32.
         """
-        out = self.model(
+        outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            **kwargs,
         )
-        h = out.last_hidden_state
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        logits = self.lm_head(h)  # (B, T, vocab)
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))  # (B, T, vocab)
 
         loss = None
+        if shift_labels is not None:
+            shift_labels = shift_labels.contiguous()  # the loss flattens it with `.view`; a slice of a batch is not
         if labels is not None or shift_labels is not None:
-            if shift_labels is None:
-                shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
-            loss = causal_lm_loss(logits, shift_labels, num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+            loss = self.loss_function(
+                logits=logits,
+                labels=labels,
+                vocab_size=self.config.vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                shift_labels=shift_labels,
+                **kwargs,
+            )
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
 
 
-def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-    """Cross-entropy in fp32 of logits (B, T, V) against already-shifted targets (B, T), -100 ignored."""
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        shift_labels.flatten().to(logits.device),
-        ignore_index=-100,
-        reduction=reduction,
-    )
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
-
-
-__all__ = ["ShardGPTForCausalLM", "ShardGPTModel", "ShardGPTPreTrainedModel", "causal_lm_loss"]
+__all__ = ["ShardGPTForCausalLM", "ShardGPTModel", "ShardGPTPreTrainedModel"]

@@ -285,25 +285,28 @@ def bytes_by_category(items: list[Item], where: str = "gpu") -> dict[str, int]:
 def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool) -> int:
     """Tensors autograd saves for the backward (no logits: see `logits_bytes`), at the start of the backward.
 
-    Per decoder layer and token, with h hidden, f ffn, a heads, e bytes of the compute dtype:
-      e (8h + 4f) + 8h + 4a + 8
+    Per decoder layer and token, with h hidden, g = key/value heads x head_dim, f ffn, a heads, e bytes of
+    the compute dtype:
+      e (6h + 2g + 4f) + 8h + 4a + 8
     = each RMSNorm: its fp32 input (4h), 1/rms (4), the normalised input and the output (2 e h);
-      attention: q, k, v after rotary and GQA repeat, and the output, saved by SDPA (4 e h; flash and
-      memory-efficient kernels keep no T x T matrix) and its fp32 log-sum-exp (4a); o_proj reads SDPA's
-      output itself; MLP: gate and up outputs, silu(gate) and the product (4 e f).
-    Once per forward: the token ids (8), rotary cos and sin (2 e head_dim), the final norm (4h + 4 + 2 e h)
-    and cross-entropy's scalar (4 bytes in all).
+      attention: q after rotary and the output (2 e h), k after rotary and v with their own heads (2 e g:
+      SDPA reads grouped-query heads itself, `enable_gqa`), saved by SDPA (flash and memory-efficient
+      kernels keep no T x T matrix) and its fp32 log-sum-exp (4a); o_proj reads SDPA's output itself;
+      MLP: gate and up outputs, silu(gate) and the product (4 e f).
+    Once per forward: the token ids (8), the final norm (4h + 4 + 2 e h) per token; rotary cos and sin
+    (2 e head_dim) per position, shared by the batch; cross-entropy's scalar (4 bytes in all).
     With activation checkpointing each layer keeps only its input (e h per token) and one layer at a time
     is recomputed in the backward with all of its activations.
     """
     c = config
     h, f, a = c.hidden_size, c.intermediate_size, c.num_attention_heads
+    g = c.num_key_value_heads * c.head_dim
     tokens = micro_batch * seq_len
-    layer = e * (8 * h + 4 * f) + 8 * h + 4 * a + 8
-    once = 8 + 2 * e * c.head_dim + 4 * h + 4 + 2 * e * h
+    layer = e * (6 * h + 2 * g + 4 * f) + 8 * h + 4 * a + 8
+    once = 8 + 4 * h + 4 + 2 * e * h
     kept = e * h if checkpointing else layer  # per layer: its input only, or everything it saves
     recomputed = layer if checkpointing else 0  # the one layer being recomputed in the backward
-    return (c.num_hidden_layers * kept + recomputed + once) * tokens + 4
+    return (c.num_hidden_layers * kept + recomputed + once) * tokens + 2 * e * c.head_dim * seq_len + 4
 
 
 def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int) -> int:

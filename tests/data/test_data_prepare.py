@@ -7,6 +7,8 @@ each document's ids followed by EOS, concatenated, cut into rows of block_size +
 import itertools
 import json
 import random
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from data import DataArguments, PackedStream, ShardedLoader, prepare_data
 from data.cache import is_complete
 from data.packing import storage_dtype
 from data.sources import load_corpus, stdlib_files
+from data.tokenizer import tokenizer_fingerprint
+from model import ShardGPTConfig, ShardGPTForCausalLM
 
 # Prose and code words, so the trained BPE has merges of both kinds to learn.
 WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by"]
@@ -73,6 +77,46 @@ def test_txt_globs_paragraph_documents_and_trained_tokenizer(tmp_path, capsys):
     assert len(reloaded) == 300
     assert reloaded.eos_token == reloaded.bos_token == reloaded.pad_token == "<|endoftext|>"
     assert reloaded.decode(reloaded.encode(first[0], add_special_tokens=False)) == first[0]
+
+
+LOAD_TOKENIZER_WITHOUT_PROJECT = """
+import json, sys
+sys.path = [p for p in sys.path if p not in ("", {root!r})]
+for name in ("model", "data", "recipes"):  # make the project unimportable, even if pip-installed
+    sys.modules[name] = None
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained({folder!r}, trust_remote_code={remote})
+batch = tok(["the of and to in", "the"], padding=True)
+print(json.dumps([type(tok).__name__, tok.model_max_length, tok.padding_side, batch["attention_mask"][1]]))
+"""
+
+
+def test_tokenizer_exported_beside_the_model_knows_the_context_and_pads_left(tmp_path):
+    # The run's tokenizer is the one the training scripts save beside the model.
+    write_jsonl(tmp_path / "corpus.jsonl", documents(40))
+    packed = prepare_data(data_args(tmp_path, train_file=str(tmp_path / "corpus.jsonl")))
+    tok = packed.tokenizer
+    assert (tok.model_max_length, tok.padding_side) == (BLOCK, "left")
+    # Settings only: the cache key (the backend's serialisation) is that of the tokenizer as loaded.
+    fresh = AutoTokenizer.from_pretrained(tok.name_or_path)
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(fresh) and fresh.model_max_length > 1e20
+
+    folder = tmp_path / "export"
+    ShardGPTForCausalLM(ShardGPTConfig.from_preset("debug")).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    assert "auto_map" not in json.loads((folder / "tokenizer_config.json").read_text())  # no tokenizer code
+    root = str(Path(__file__).resolve().parents[2])
+    # The model's config is remote code, which AutoTokenizer reads first: with either answer given up front,
+    # nothing is asked (stdin is closed, so a prompt would fail the load) and the plain tokenizer loads.
+    for remote in (True, False):
+        code = LOAD_TOKENIZER_WITHOUT_PROJECT.format(root=root, folder=str(folder), remote=remote)
+        run = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True
+        )
+        assert run.returncode == 0 and "Do you wish" not in run.stdout + run.stderr, run.stdout + run.stderr
+        name, max_length, side, short_row_mask = json.loads(run.stdout.strip().splitlines()[-1])
+        assert (name, max_length, side) == ("TokenizersBackend", BLOCK, "left")
+        assert short_row_mask[0] == 0 and short_row_mask[-1] == 1  # the padding is on the left
 
 
 def test_jsonl_with_a_named_text_column_and_held_out_documents(tmp_path):
