@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from .cache import atomic_directory, fingerprint, is_complete
 from .packing import TEXT
+from .sources import unreachable
 
 if TYPE_CHECKING:
     from .arguments import DataArguments
@@ -73,7 +74,12 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
 def load_tokenizer(args: DataArguments, corpus: Corpus, root: Path, verbose: bool) -> PreTrainedTokenizerFast:
     """`--tokenizer_name` if given, else the cached BPE for this corpus and vocab size (trained if absent)."""
     if args.tokenizer_name:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, cache_dir=args.cache_dir)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, cache_dir=args.cache_dir)
+        except OSError as error:  # not on the hub, not a folder, or the hub unreachable and nothing cached
+            if Path(args.tokenizer_name).is_dir():
+                raise
+            raise ValueError(unreachable("--tokenizer_name", args.tokenizer_name, error, "HF_HUB_OFFLINE")) from error
         if not tokenizer.is_fast:
             raise ValueError(f"--tokenizer_name {args.tokenizer_name!r} has no fast (Rust) version: pick one that does")
         if tokenizer.eos_token_id is None:
