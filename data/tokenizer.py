@@ -79,7 +79,10 @@ def load_tokenizer(args: DataArguments, corpus: Corpus, root: Path, verbose: boo
         except OSError as error:  # not on the hub, not a folder, or the hub unreachable and nothing cached
             if Path(args.tokenizer_name).is_dir():
                 raise
-            raise ValueError(unreachable("--tokenizer_name", args.tokenizer_name, error, "HF_HUB_OFFLINE")) from error
+            instead = "pass a local tokenizer folder, or leave --tokenizer_name out (a BPE is trained on the corpus)"
+            raise ValueError(
+                unreachable("--tokenizer_name", args.tokenizer_name, error, instead, "HF_HUB_OFFLINE")
+            ) from error
         if not tokenizer.is_fast:
             raise ValueError(f"--tokenizer_name {args.tokenizer_name!r} has no fast (Rust) version: pick one that does")
         if tokenizer.eos_token_id is None:

@@ -364,6 +364,7 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
         "strategy": strategy.name,
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "world_size": world,
+        "mixed_precision": accelerator.mixed_precision,  # what accelerate autocasts to (DeepSpeed: its bf16/fp16)
         "parameters": total,
         "local_parameter_fraction": round(local / total, 4),
     }
@@ -433,6 +434,7 @@ def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
         seen["reshard_after_forward"] = sorted(
             {g._reshard_after_forward for name, g in groups if name.removeprefix("FSDP") in layers}
         )
+        seen["fsdp_param_dtype"] = sorted({str(g.mp_policy.param_dtype).removeprefix("torch.") for _, g in groups})
         policies = sorted({type(g.offload_policy).__name__ for _, g in groups})
         seen["fsdp_offload_policy"] = policies
         offloaded = policies == ["CPUOffloadPolicy"]  # shards, their gradients and Adam's states on the host
