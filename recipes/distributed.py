@@ -172,6 +172,12 @@ def fsdp1_strategy(fsdp_env: dict, world: int) -> Strategy:
                 "builds its intra-node groups from the GPU count): use fsdp_version: 2 with a parallelism_config "
                 "(dp_replicate_size x dp_shard_size), which runs hybrid sharding on CPU"
             )
+    if fsdp_env.get("FSDP_USE_ORIG_PARAMS", "true").lower() != "true":
+        raise ValueError(
+            "fsdp_use_orig_params: false with fsdp_version: 1 flattens each wrapped module's parameters into one, so "
+            "AdamW's weight decay could not skip norms and biases, and accelerate would leave the optimizer holding "
+            "the replaced parameters (nothing trains): set fsdp_use_orig_params: true"
+        )
     suffix = {"FULL_SHARD": "", "SHARD_GRAD_OP": "-shard-grad-op", "NO_SHARD": "-no-shard"}.get(sharding)
     if suffix is None:
         raise ValueError(
@@ -191,8 +197,11 @@ def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:
     """An FSDP config's wrap policy must be one the model can be wrapped with, checked on the model's module tree
     before any process group: accelerate would otherwise fail deep inside `prepare`."""
     policy = strategy.fsdp_env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper()
+    min_num_params = int(strategy.fsdp_env.get("FSDP_MIN_NUM_PARAMS", "0"))
     if policy == "SIZE_BASED_WRAP" and fsdp_version(strategy.fsdp_env) == 2:
-        check_fsdp2_size_wrap(int(strategy.fsdp_env.get("FSDP_MIN_NUM_PARAMS", "0")), model)
+        check_fsdp2_size_wrap(min_num_params, model)
+    if policy == "SIZE_BASED_WRAP" and fsdp_version(strategy.fsdp_env) == 1:
+        check_fsdp1_size_wrap(min_num_params, model)
     if policy != "TRANSFORMER_BASED_WRAP":
         return  # accelerate reads fsdp_transformer_layer_cls_to_wrap only under TRANSFORMER_BASED_WRAP
     names = strategy.fsdp_env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
@@ -224,6 +233,19 @@ def check_fsdp2_size_wrap(min_num_params: int, model: torch.nn.Module) -> None:
             f"fsdp_auto_wrap_policy: SIZE_BASED_WRAP with fsdp_version: 2 and fsdp_min_num_params: {min_num_params} "
             f"would wrap the container {name!r} ({n} parameters), which FSDP2's fully_shard refuses: use "
             f"fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, or fsdp_min_num_params of {n} or more"
+        )
+
+
+def check_fsdp1_size_wrap(min_num_params: int, model: torch.nn.Module) -> None:
+    """torch's size-based policy wraps the embedding and the output layer each on its own once the threshold is
+    at most their size; with tied embeddings FSDP1 then flattens the one shared matrix into two flat parameters,
+    and the tie is gone (seen: a parameter count larger by one embedding)."""
+    embedding = model.get_input_embeddings().weight.numel()
+    if getattr(model.config, "tie_word_embeddings", False) and 0 < min_num_params <= embedding:
+        raise ValueError(
+            f"fsdp_auto_wrap_policy: SIZE_BASED_WRAP with fsdp_version: 1 and fsdp_min_num_params: {min_num_params} "
+            f"would wrap the tied input and output embeddings ({embedding} parameters) apart, untying them: set "
+            f"fsdp_min_num_params above {embedding}, or use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"
         )
 
 

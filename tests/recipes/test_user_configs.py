@@ -12,7 +12,6 @@ writes from the prepared objects.
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 from launching import BIN, ROOT, free_port, launch, launcher_command
@@ -93,10 +92,10 @@ TRAINED = {
     "fsdp1-full-shard": (fsdp_yaml(**FSDP1), "fsdp1", (HALF, HALF, HALF),
                          {"engine": "FullyShardedDataParallel", "fsdp_sharding_strategy": ["FULL_SHARD"],
                           "fsdp_flat_parameters": 3}),
-    "fsdp1-shard-grad-op-size-wrap-flat": (
+    "fsdp1-shard-grad-op-size-wrap": (
         fsdp_yaml(**{**FSDP1, "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
-                     "fsdp_min_num_params": 2000, "fsdp_use_orig_params": "false",
-                     "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_backward_prefetch": "BACKWARD_POST"}),
+                     "fsdp_min_num_params": 40000, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                     "fsdp_backward_prefetch": "BACKWARD_POST"}),
         "fsdp1-shard-grad-op", (HALF, HALF, HALF),
         {"engine": "FullyShardedDataParallel", "fsdp_sharding_strategy": ["SHARD_GRAD_OP"]}),
     "fsdp1-no-shard-no-wrap": (
@@ -240,8 +239,8 @@ REFUSED = {
             {**HF_ZERO2, "scheduler": {"type": "WarmupDecayLR", "params": {**HF_SCHEDULER["params"],
                                                                            "total_num_steps": "auto"}}}))],
         "scheduler.params.warmup_num_steps = 0", "pass --warmup_steps 1 or more"),
-    "fp16-on-cpu": (None, lambda t: ["--fp16"], "fp16 (--fp16 or the accelerate config's mixed_precision: fp16) needs a CUDA GPU",
-                    "pass --bf16 instead"),
+    "fp16-on-cpu": (None, lambda t: ["--fp16"], "(--fp16 or the accelerate config's mixed_precision: fp16) needs a "
+                    "CUDA GPU", "pass --bf16 instead"),
     "dataset-offline": (None, lambda t: ["--dataset_name=shardgpt-tests/not-cached", "--train_file="],
                         "--dataset_name 'shardgpt-tests/not-cached'", "pass --train_file"),
     "tokenizer-offline": (None, lambda t: ["--tokenizer_name=shardgpt-tests/not-cached"],
@@ -325,3 +324,39 @@ def test_inline_deepspeed_yaml_resolves_like_a_json(monkeypatch):
         32,
     )
     assert ds["gradient_clipping"] == 1.0 and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+# FSDP configs refused before the process group, checked without launching: (FSDP_* variables as `accelerate
+# launch` exports them from the YAML, the field named, the fix)
+FSDP_REFUSED = {
+    "fsdp1-flat-parameters": ({"FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "false"},
+                              "fsdp_use_orig_params: false with fsdp_version: 1", "set fsdp_use_orig_params: true"),
+    "fsdp1-hybrid": ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"},
+                     "fsdp_sharding_strategy: HYBRID_SHARD with fsdp_version: 1", "use fsdp_version: 2 with a "
+                     "parallelism_config"),
+    "fsdp1-size-wrap-unties-embeddings": (
+        {"FSDP_VERSION": "1", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "2000"},
+        "fsdp_min_num_params: 2000 would wrap the tied input and output embeddings", "set fsdp_min_num_params above"),
+    "fsdp2-size-wrap-container": (
+        {"FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "90000"},
+        "would wrap the container 'model.layers'", "use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FSDP_REFUSED))
+def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name, monkeypatch):
+    import torch
+
+    import model as shardgpt
+    from recipes.config import RunConfig
+    from recipes.distributed import check_fsdp_wrap, requested_strategy
+
+    env, field, fix = FSDP_REFUSED[name]
+    for key, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", **env}.items():
+        monkeypatch.setenv(key, value)
+    cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", preset="debug")
+    with pytest.raises(ValueError) as refused:
+        strategy = requested_strategy(cfg, hidden_size=64)
+        with torch.device("meta"):
+            check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(cfg.model_config()))
+    assert field in str(refused.value) and fix in str(refused.value), refused.value
