@@ -91,7 +91,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.
         shard_size = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", world)) if parallelism_config() else world
         if fsdp_version(fsdp_env) == 1:
-            check_fsdp1_checkpoints(cfg)
+            check_fsdp1_checkpoints(cfg, fsdp_env)
             return fsdp1_strategy(fsdp_env, world)
         name = "fsdp-hybrid" if shard_size < world else "fsdp"
         if fsdp_env.get("FSDP_SHARDING_STRATEGY") == "SHARD_GRAD_OP" or fsdp_env.get(
@@ -189,20 +189,26 @@ def fsdp1_strategy(fsdp_env: dict, world: int) -> Strategy:
     return Strategy(name, world, fsdp_env=fsdp_env, shard_size=1 if sharding == "NO_SHARD" else world)
 
 
-def check_fsdp1_checkpoints(cfg: RunConfig) -> None:
-    """FSDP1 trains on CPU ranks, but its checkpoints there do not resume: measured on the `debug` preset, a
-    run resumed from a SHARDED_STATE_DICT checkpoint at step 2 logged the straight run's loss at step 3 but not at
-    step 4 (5.3806 against 5.3906: Adam's restored state differs), and saving a FULL_STATE_DICT checkpoint ended
-    the run (torch 2.13). FSDP2's checkpoints resume exactly (tests/recipes/test_resume.py)."""
-    if torch.cuda.is_available() or not (cfg.save_steps or cfg.resume_from_checkpoint):
+def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
+    """FSDP1 trains on CPU ranks, but two of its checkpoint paths fail there (torch 2.13, accelerate 1.15, measured
+    on the `debug` preset): saving a FULL_STATE_DICT checkpoint ended the run at its first save, and a run resumed
+    from a SHARDED_STATE_DICT checkpoint at step 2 logged the straight run's loss at step 3 but not at step 4
+    (5.3806 against 5.3906: Adam's restored state differs). FSDP2's checkpoints resume exactly
+    (tests/recipes/test_resume.py)."""
+    if torch.cuda.is_available():
         return
-    flag = (
-        f"--save_steps {cfg.save_steps}" if cfg.save_steps else f"--resume_from_checkpoint {cfg.resume_from_checkpoint}"
-    )
-    raise ValueError(
-        f"{flag} with fsdp_version: 1 on CPU ranks: FSDP1 checkpoints do not resume exactly here; pass --save_steps 0 "
-        "(the trained model is still exported at the end), or use fsdp_version: 2, whose checkpoints resume exactly"
-    )
+    if cfg.resume_from_checkpoint:
+        raise ValueError(
+            f"--resume_from_checkpoint {cfg.resume_from_checkpoint} with fsdp_version: 1 on CPU ranks: FSDP1 does not "
+            "restore Adam's state exactly here; start afresh without it, or train with fsdp_version: 2, whose "
+            "checkpoints resume exactly"
+        )
+    if cfg.save_steps and fsdp_env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT").upper() == "FULL_STATE_DICT":
+        raise ValueError(
+            f"--save_steps {cfg.save_steps} with fsdp_version: 1 and fsdp_state_dict_type: FULL_STATE_DICT on CPU "
+            "ranks: the first save ends the run here; set fsdp_state_dict_type: SHARDED_STATE_DICT, or pass "
+            "--save_steps 0 (the trained model is still exported at the end)"
+        )
 
 
 def parallelism_config() -> bool:

@@ -337,8 +337,13 @@ FSDP_REFUSED = {
     "fsdp1-size-wrap-unties-embeddings": (
         {"FSDP_VERSION": "1", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "2000"},
         "fsdp_min_num_params: 2000 would wrap the tied input and output embeddings", "set fsdp_min_num_params above"),
-    "fsdp1-checkpoints-on-cpu": ({"FSDP_VERSION": "1", "save_steps": "100"},
-                                 "--save_steps 100 with fsdp_version: 1 on CPU ranks", "pass --save_steps 0"),
+    "fsdp1-resume-on-cpu": ({"FSDP_VERSION": "1", "resume": "auto"},
+                            "--resume_from_checkpoint auto with fsdp_version: 1 on CPU ranks",
+                            "train with fsdp_version: 2"),
+    "fsdp1-full-state-dict-checkpoints-on-cpu": (
+        {"FSDP_VERSION": "1", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "save_steps": "100"},
+        "--save_steps 100 with fsdp_version: 1 and fsdp_state_dict_type: FULL_STATE_DICT on CPU ranks",
+        "set fsdp_state_dict_type: SHARDED_STATE_DICT"),
     "fsdp2-size-wrap-container": (
         {"FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "90000"},
         "would wrap the container 'model.layers'", "use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"),
@@ -355,10 +360,11 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
 
     env, field, fix = FSDP_REFUSED[name]
     env = dict(env)
-    save_steps = int(env.pop("save_steps", 0))  # a flag, not a variable: 0 lets the other checks speak
+    # Flags, not variables; --save_steps 0 lets the other checks speak.
+    flags = {"save_steps": int(env.pop("save_steps", 0)), "resume_from_checkpoint": env.pop("resume", None)}
     for key, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", **env}.items():
         monkeypatch.setenv(key, value)
-    cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", preset="debug", save_steps=save_steps)
+    cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", preset="debug", **flags)
     with pytest.raises(ValueError) as refused:
         strategy = requested_strategy(cfg, hidden_size=64)
         with torch.device("meta"):
