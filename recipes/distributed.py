@@ -11,6 +11,10 @@ train unless the prepared model really is sharded the way the config says:
 - FSDP on CPU: accelerate enables FSDP only for GPU-like device types, although torch's FSDP2 shards a
   model on CPU with gloo. `enable_fsdp_on_cpu` sets accelerate's state to FSDP, so `prepare` runs
   accelerate's own FSDP2 code path (`fully_shard` per decoder layer) exactly as on GPUs.
+- FSDP1 (`fsdp_version: 1`) on CPU runs through torch's `FullyShardedDataParallel` with gloo the same way, with
+  the device `cpu` and `sync_module_states` off (each needs a GPU; the ranks' weights are identical anyway). Its
+  CPU offload, hybrid shard and two checkpoint paths fail on CPU in torch 2.13 and are refused before the process
+  group (`fsdp1_strategy`, `check_fsdp1_checkpoints`).
 - ZeRO-3 with NVMe parameter offload on CPU swapped fp32 parameters through bf16 buffers (a DeepSpeed
   dtype fallback for devices without fp16); `keep_zero3_param_dtype` keeps the model's dtype.
 """
@@ -320,14 +324,15 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         # accelerate's plugin both demand a GPU for it. Every rank here builds identical weights from the same
         # seed, so there is nothing to sync.
         os.environ["FSDP_SYNC_MODULE_STATES"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
-    if fsdp_on_cpu and parallelism_config():
+    hybrid_on_cpu = fsdp_on_cpu and parallelism_config()
+    if hybrid_on_cpu:
         # accelerate checks a parallelism_config against the state's distributed type when the Accelerator is
         # built, which on CPU is MULTI_CPU until FSDP is switched on: the config is applied after that instead.
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
     if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
         enable_fsdp_on_cpu(accelerator, cfg.mixed_precision)
-    if fsdp_on_cpu and strategy.shard_size != strategy.world_size:
+    if hybrid_on_cpu and strategy.shard_size != strategy.world_size:
         apply_parallelism_config_on_cpu(accelerator)
     return accelerator
 
