@@ -257,8 +257,9 @@ def test_user_config_is_refused_in_one_line(name, corpus, tmp_path):
     run = launch(cmd, [*flags, *extra(tmp_path)], tmp_path / "out", check=False, env=OFFLINE)
     assert run.returncode != 0
     # One line per rank, before any process group (two ranks write to one pipe: a line may follow another's text).
+    # The launcher stops the other rank as soon as one exits, sometimes before that rank has printed its line.
     errors = [line[line.index("error: ") :] for line in run.stderr.splitlines() if "error: " in line]
-    assert len(errors) == (2 if yaml else 1), run.stderr[-3000:]
+    assert 1 <= len(errors) <= (2 if yaml else 1), run.stderr[-3000:]
     assert all(field in line and fix in line for line in errors), errors
     assert "Traceback" not in run.stderr.split(errors[0])[0], run.stderr[-3000:]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
