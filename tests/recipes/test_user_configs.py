@@ -220,18 +220,8 @@ def test_bf16_from_the_yaml_is_in_force_and_trains_alike(corpus, reference, tmp_
 
 # name: (YAML or None for the python launcher, extra flags given tmp_path, the field named, the fix given)
 REFUSED = {
-    "fsdp1-cpu-offload": (fsdp_yaml(**{**FSDP1, "fsdp_offload_params": "true"}), lambda t: [],
-                          "fsdp_offload_params: true with fsdp_version: 1", "set fsdp_offload_params: false"),
-    "fsdp2-size-wrap-wraps-a-container": (
-        fsdp_yaml(**{**FSDP2, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 2000}), lambda t: [],
-        "fsdp_auto_wrap_policy: SIZE_BASED_WRAP with fsdp_version: 2",
-        "use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"),
     "yaml-bf16-flag-fp16": (fsdp_yaml(mixed_precision="bf16", **FSDP2), lambda t: ["--fp16"],
                             "mixed_precision: bf16 but the flags give --fp16", "drop --fp16"),
-    "inline-accumulation-conflict": (
-        deepspeed_yaml(**{**INLINE, "gradient_accumulation_steps": 4}), lambda t: [],
-        "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 1",
-        "pass --gradient_accumulation_steps 4"),
     "warmup-decay-lr-without-warmup": (
         None,
         lambda t: ["--warmup_steps=0", "--deepspeed=" + write(t, "decay.json", json.dumps(
@@ -330,6 +320,8 @@ def test_inline_deepspeed_yaml_resolves_like_a_json(monkeypatch):
 # FSDP configs refused before the process group, checked without launching: (FSDP_* variables as `accelerate
 # launch` exports them from the YAML, the field named, the fix)
 FSDP_REFUSED = {
+    "fsdp1-cpu-offload": ({"FSDP_VERSION": "1", "FSDP_OFFLOAD_PARAMS": "true"},
+                          "fsdp_offload_params: true with fsdp_version: 1", "set fsdp_offload_params: false"),
     "fsdp1-flat-parameters": ({"FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "false"},
                               "fsdp_use_orig_params: false with fsdp_version: 1", "set fsdp_use_orig_params: true"),
     "fsdp1-hybrid": ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"},
@@ -371,3 +363,18 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
         with torch.device("meta"):
             check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(cfg.model_config()))
     assert field in str(refused.value) and fix in str(refused.value), refused.value
+
+
+def test_inline_deepspeed_accumulation_that_disagrees_with_the_flag_is_refused(monkeypatch):
+    """`gradient_accumulation_steps: 4` inline in the YAML, the flag at its default 1: refused like a JSON's."""
+    from recipes.config import RunConfig
+    from recipes.distributed import requested_strategy
+
+    for key, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "WORLD_SIZE": "2",
+                       "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError) as refused:
+        requested_strategy(RunConfig(output_dir="/nonexistent/shardgpt-test"), hidden_size=64)
+    message = str(refused.value)
+    assert "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 1" in message, message
+    assert "pass --gradient_accumulation_steps 4" in message, message
