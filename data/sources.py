@@ -56,6 +56,17 @@ def stdlib_files() -> list[str]:
     return _nonempty_files(files)
 
 
+def unreachable(flag: str, name: str, error: Exception, instead: str, offline_variable: str) -> str:
+    """The one-line message for a hub name that could not be fetched and is not cached: `instead` is the way
+    around the hub, then the cached copy and the offline variables."""
+    reason = str(error).splitlines()[0]
+    return (
+        f"{flag} {name!r} could not be fetched from the Hugging Face Hub and has no cached copy ({reason}): "
+        f"without network, {instead}; or download it once where there is network (the same --cache_dir) and run "
+        f"with {offline_variable}=1 and HF_HUB_OFFLINE=1 to use that cached copy"
+    )
+
+
 def resolve_files(pattern: str, flag: str) -> list[str]:
     """Expand a path or glob (`**` allowed) into a sorted list of the non-empty files it matches."""
     matches = glob.glob(os.path.expanduser(pattern), recursive=True)
@@ -98,7 +109,13 @@ def _load_raw(args: DataArguments) -> tuple[dict, list, str]:
     """The raw splits, the parts of their fingerprint, and the source flag for messages."""
     common = {"cache_dir": args.cache_dir, "streaming": args.streaming}
     if args.dataset_name:
-        raw = load_dataset(args.dataset_name, args.dataset_config_name, **common)
+        try:
+            raw = load_dataset(args.dataset_name, args.dataset_config_name, **common)
+        except ConnectionError as error:  # the hub unreachable (offline mode, no network) and no cached copy
+            local = "pass --train_file with local text files instead"
+            raise ValueError(
+                unreachable("--dataset_name", args.dataset_name, error, local, "HF_DATASETS_OFFLINE")
+            ) from error
         # A hub dataset is identified by name; its splits' own fingerprints (map-style only) add its version.
         parts = [args.dataset_name, args.dataset_config_name]
         parts += [getattr(split, "_fingerprint", None) for split in raw.values()]

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from .cache import atomic_directory, fingerprint, is_complete
 from .packing import TEXT
+from .sources import unreachable
 
 if TYPE_CHECKING:
     from .arguments import DataArguments
@@ -80,7 +81,15 @@ def load_tokenizer(args: DataArguments, corpus: Corpus, root: Path, verbose: boo
     """
     for_the_model = dict(model_max_length=args.block_size, padding_side="left")
     if args.tokenizer_name:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, cache_dir=args.cache_dir, **for_the_model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, cache_dir=args.cache_dir, **for_the_model)
+        except OSError as error:  # not on the hub, not a folder, or the hub unreachable and nothing cached
+            if Path(args.tokenizer_name).is_dir():
+                raise
+            instead = "pass a local tokenizer folder, or leave --tokenizer_name out (a BPE is trained on the corpus)"
+            raise ValueError(
+                unreachable("--tokenizer_name", args.tokenizer_name, error, instead, "HF_HUB_OFFLINE")
+            ) from error
         if not tokenizer.is_fast:
             raise ValueError(f"--tokenizer_name {args.tokenizer_name!r} has no fast (Rust) version: pick one that does")
         if tokenizer.eos_token_id is None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +56,10 @@ class RunConfig(DataArguments):
     adam_epsilon: float = arg(1e-8, "AdamW epsilon.")
     max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this (0 disables clipping).")
     max_steps: int = arg(200, "Optimizer steps to train.")
-    warmup_steps: int = arg(20, "Linear warm-up steps before the schedule's decay.")
+    warmup_steps: int | None = arg(
+        None, "Linear warm-up steps before the schedule's decay; when given (0 included) it wins over --warmup_ratio."
+    )
+    warmup_ratio: float = arg(0.1, "Warm-up as a fraction of --max_steps (rounded up), unless --warmup_steps is given.")
     lr_scheduler_type: str = arg("cosine", f"One of {', '.join(SCHEDULERS)}.")
     seed: int = arg(42, "Seed of the initial weights and the data order; the same on every rank.")
     bf16: bool = arg(False, "Train in bfloat16 mixed precision.")
@@ -82,6 +87,15 @@ class RunConfig(DataArguments):
     @property
     def verify_checksums(self) -> bool:
         return not self.skip_checkpoint_checksum
+
+    @property
+    def num_warmup_steps(self) -> int:
+        """The warm-up in force. HF's rule is that a warmup_steps > 0 wins over warmup_ratio; here any given
+        --warmup_steps wins, 0 included, because the ratio defaults to 0.1 (HF's to 0) and `--warmup_steps 0`
+        must still mean no warm-up. The ratio is rounded up as HF's `get_warmup_steps` does."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return math.ceil(self.warmup_ratio * self.max_steps)
 
     @property
     def mixed_precision(self) -> str:
@@ -125,16 +139,19 @@ class RunConfig(DataArguments):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)} must be at least 1")
         for name in ("eval_steps", "save_steps", "warmup_steps", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"--{name} {getattr(self, name)} must be 0 or more")
         if not self.learning_rate > 0:
             raise ValueError(f"--learning_rate {self.learning_rate} must be positive")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min_lr_ratio {self.min_lr_ratio} must be in [0, 1]")
-        if self.warmup_steps > self.max_steps:
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"--warmup_ratio {self.warmup_ratio} must be in [0, 1] (a fraction of --max_steps)")
+        if (self.warmup_steps or 0) > self.max_steps:
             raise ValueError(
                 f"--warmup_steps {self.warmup_steps} exceeds --max_steps {self.max_steps}: "
-                f"pass --warmup_steps {self.max_steps} or fewer (about a tenth, {self.max_steps // 10}, is usual)"
+                f"pass --warmup_steps {self.max_steps} or fewer, "
+                "or --warmup_ratio instead (0.1, the default, is usual)"
             )
         if self.lr_scheduler_type not in SCHEDULERS:
             raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULERS)}")
@@ -308,11 +325,12 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
     if "scheduler" in ds:
         params = ds["scheduler"].setdefault("params", {})
         for key, value in (
-            ("warmup_min_lr", 0.0), ("warmup_max_lr", cfg.learning_rate), ("warmup_num_steps", cfg.warmup_steps),
+            ("warmup_min_lr", 0.0), ("warmup_max_lr", cfg.learning_rate), ("warmup_num_steps", cfg.num_warmup_steps),
             ("total_num_steps", cfg.max_steps),
         ):  # fmt: skip
             if params.get(key) == "auto":
                 params[key] = value
+        check_deepspeed_scheduler(ds["scheduler"], source)
 
     zero = ds.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
@@ -350,6 +368,46 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
             "bucket sizes)"
         )
     return ds
+
+
+# Scheduler params that DeepSpeed (runtime/lr_schedules.py, 0.19.8) requires to be positive integers; it raises
+# "warmup_num_steps must be a positive integer" only inside `deepspeed.initialize`, after the process group.
+POSITIVE_SCHEDULER_PARAMS = {
+    "WarmupLR": ("warmup_num_steps",),
+    "WarmupDecayLR": ("warmup_num_steps", "total_num_steps"),
+    "WarmupCosineLR": ("warmup_num_steps", "total_num_steps"),
+}
+SCHEDULER_FIX = {
+    "warmup_num_steps": "pass --warmup_steps 1 or more (or a --warmup_ratio that gives at least one step)",
+    "total_num_steps": 'pass --max_steps, or set it to "auto"',
+}
+
+
+def check_deepspeed_scheduler(scheduler: dict, source: str) -> None:
+    """The JSON's scheduler block, after its "auto" values are filled, as DeepSpeed would take it: a known type,
+    parameters its class accepts, and positive step counts."""
+    from deepspeed.runtime import lr_schedules
+
+    kind, params = scheduler.get("type"), scheduler.get("params", {})
+    if kind not in lr_schedules.VALID_LR_SCHEDULES:
+        raise ValueError(
+            f"DeepSpeed config {source}: scheduler.type = {kind!r} is not a DeepSpeed scheduler; choose one of "
+            f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}, or remove the scheduler block (the flags' schedule is used)"
+        )
+    accepted = set(inspect.signature(getattr(lr_schedules, kind)).parameters) - {"self", "optimizer"}
+    for key in params:
+        if key not in accepted:
+            raise ValueError(
+                f"DeepSpeed config {source}: scheduler.params.{key} is not a parameter of {kind}; remove it "
+                f"({kind} takes {', '.join(sorted(accepted))})"
+            )
+    for key in POSITIVE_SCHEDULER_PARAMS.get(kind, ()):
+        value = params.get(key)
+        if key in params and not (isinstance(value, int) and value > 0):
+            raise ValueError(
+                f"DeepSpeed config {source}: scheduler.params.{key} = {value!r}, but DeepSpeed's {kind} needs a "
+                f"positive integer: {SCHEDULER_FIX[key]}"
+            )
 
 
 def check_libaio(source: str) -> None:

@@ -11,6 +11,10 @@ train unless the prepared model really is sharded the way the config says:
 - FSDP on CPU: accelerate enables FSDP only for GPU-like device types, although torch's FSDP2 shards a
   model on CPU with gloo. `enable_fsdp_on_cpu` sets accelerate's state to FSDP, so `prepare` runs
   accelerate's own FSDP2 code path (`fully_shard` per decoder layer) exactly as on GPUs.
+- FSDP1 (`fsdp_version: 1`) on CPU runs through torch's `FullyShardedDataParallel` with gloo the same way, with
+  the device `cpu` and `sync_module_states` off (each needs a GPU; the ranks' weights are identical anyway). Its
+  CPU offload, hybrid shard and two checkpoint paths fail on CPU in torch 2.13 and are refused before the process
+  group (`fsdp1_strategy`, `check_fsdp1_checkpoints`).
 - ZeRO-3 with NVMe parameter offload on CPU swapped fp32 parameters through bf16 buffers (a DeepSpeed
   dtype fallback for devices without fp16); `keep_zero3_param_dtype` keeps the model's dtype.
 """
@@ -75,17 +79,12 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             "both DeepSpeed and FSDP are requested (--deepspeed or a DeepSpeed accelerate config, and an FSDP "
             "accelerate config): launch with one of them"
         )
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if precision not in ("no", cfg.mixed_precision):
-        raise ValueError(
-            f"the accelerate config sets mixed_precision: {precision} but the flags give {cfg.mixed_precision}: "
-            f"pass --{precision}, or set mixed_precision: 'no' in the YAML (the flags own precision)"
-        )
+    apply_launch_precision(cfg)
     if ds_file or env_flag("ACCELERATE_USE_DEEPSPEED"):
         if ds_file:
             raw, source = load_json(ds_file), repr(ds_file)
-        else:  # an accelerate YAML with inline deepspeed_config fields
-            raw, source = DeepSpeedPlugin().deepspeed_config, "from the accelerate config"
+        else:  # an accelerate YAML with inline deepspeed_config fields: the JSON accelerate would build from them
+            raw, source = inline_deepspeed_config(), "from the accelerate config's deepspeed_config"
         ds = resolve_deepspeed(raw, cfg, world, hidden_size, source)
         devices = offload_devices(ds)
         offload = next((d for d in (devices["offload_param"], devices["offload_optimizer"]) if d != "none"), None)
@@ -95,6 +94,9 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
         # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.
         shard_size = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", world)) if parallelism_config() else world
+        if fsdp_version(fsdp_env) == 1:
+            check_fsdp1_checkpoints(cfg, fsdp_env)
+            return fsdp1_strategy(fsdp_env, world)
         name = "fsdp-hybrid" if shard_size < world else "fsdp"
         if fsdp_env.get("FSDP_SHARDING_STRATEGY") == "SHARD_GRAD_OP" or fsdp_env.get(
             "FSDP_RESHARD_AFTER_FORWARD", "true"
@@ -106,14 +108,129 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
     return Strategy("ddp" if world > 1 else "single", world)
 
 
+def apply_launch_precision(cfg: RunConfig) -> None:
+    """The accelerate config's `mixed_precision` sets the precision when no flag does; a flag that says otherwise
+    is refused naming both. `mixed_precision: "no"` (also what `accelerate launch` exports when the YAML has no
+    such key) leaves precision to the flags. fp16 needs CUDA: on CPU accelerate turns its autocast off without a
+    word, so the run would be fp32 while claiming fp16."""
+    launch = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launch not in ("no", "bf16", "fp16"):
+        raise ValueError(
+            f"the accelerate config sets mixed_precision: {launch}, which this script does not train in: "
+            "set mixed_precision: bf16 (or 'no' and pass --bf16)"
+        )
+    if launch != "no" and cfg.mixed_precision == "no":
+        cfg.bf16, cfg.fp16 = launch == "bf16", launch == "fp16"
+    elif launch not in ("no", cfg.mixed_precision):
+        raise ValueError(
+            f"the accelerate config sets mixed_precision: {launch} but the flags give --{cfg.mixed_precision}: "
+            f"drop --{cfg.mixed_precision} (the YAML's {launch} is used), or set mixed_precision in the YAML to "
+            f"{cfg.mixed_precision}"
+        )
+    if cfg.fp16 and not torch.cuda.is_available():
+        raise ValueError(
+            "fp16 (--fp16 or the accelerate config's mixed_precision: fp16) needs a CUDA GPU: on CPU accelerate "
+            "silently trains in fp32; pass --bf16 instead (or set mixed_precision: bf16)"
+        )
+
+
+def inline_deepspeed_config() -> dict:
+    """The DeepSpeed JSON that accelerate's `DeepSpeedPlugin` builds from an accelerate YAML's inline
+    `deepspeed_config` fields (zero_stage, offload devices and NVMe paths, gradient_accumulation_steps,
+    gradient_clipping), which `accelerate launch` exports as ACCELERATE_* variables. Built by the plugin itself,
+    so it is exactly accelerate's reading; it then goes through `resolve_deepspeed` like any JSON."""
+    ds = DeepSpeedPlugin().deepspeed_config
+    ds.pop("steps_per_print", None)  # the plugin's float("inf"), which is not JSON; the resolved config sets none
+    return ds
+
+
+def fsdp_version(fsdp_env: dict) -> int:
+    """`accelerate launch` exports FSDP_VERSION from the YAML's fsdp_version; a YAML without it is FSDP1."""
+    return int(fsdp_env.get("FSDP_VERSION", "1"))
+
+
+# torch's ShardingStrategy, by the name or number accelerate accepts in fsdp_sharding_strategy.
+FSDP1_SHARDING = {
+    "1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD_ZERO2",
+}  # fmt: skip
+
+
+def fsdp1_strategy(fsdp_env: dict, world: int) -> Strategy:
+    """FSDP1 (torch's FullyShardedDataParallel, flat parameters): named fsdp1[-shard-grad-op|-no-shard][-offload].
+    On CPU ranks two of its options cannot run, and are refused here rather than inside `prepare`."""
+    sharding = fsdp_env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+    sharding = FSDP1_SHARDING.get(sharding, sharding)
+    offload = fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+    if not torch.cuda.is_available():
+        if offload:
+            # torch 2.13 torch/distributed/fsdp/_flat_param.py:1260, FlatParamHandle.init_flat_param_attributes:
+            # `flat_param._local_shard = flat_param._local_shard.pin_memory()`, unconditionally under CPU offload;
+            # pinning needs an accelerator ("Cannot access accelerator device when none is available").
+            raise ValueError(
+                "fsdp_offload_params: true with fsdp_version: 1 cannot run on CPU ranks (torch's FSDP1 pins the "
+                "offloaded shards in page-locked memory, which needs a GPU): set fsdp_offload_params: false, or use "
+                "fsdp_version: 2 (its CPUOffloadPolicy runs on CPU)"
+            )
+        if sharding.startswith("HYBRID"):
+            raise ValueError(
+                f"fsdp_sharding_strategy: {sharding} with fsdp_version: 1 cannot run on CPU ranks (torch's FSDP1 "
+                "builds its intra-node groups from the GPU count): use fsdp_version: 2 with a parallelism_config "
+                "(dp_replicate_size x dp_shard_size), which runs hybrid sharding on CPU"
+            )
+    if fsdp_env.get("FSDP_USE_ORIG_PARAMS", "true").lower() != "true":
+        raise ValueError(
+            "fsdp_use_orig_params: false with fsdp_version: 1 flattens each wrapped module's parameters into one, so "
+            "AdamW's weight decay could not skip norms and biases, and accelerate would leave the optimizer holding "
+            "the replaced parameters (nothing trains): set fsdp_use_orig_params: true"
+        )
+    suffix = {"FULL_SHARD": "", "SHARD_GRAD_OP": "-shard-grad-op", "NO_SHARD": "-no-shard"}.get(sharding)
+    if suffix is None:
+        raise ValueError(
+            f"fsdp_sharding_strategy: {sharding} is not one of torch's: set FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+            "HYBRID_SHARD or HYBRID_SHARD_ZERO2"
+        )
+    name = "fsdp1" + suffix + ("-offload" if offload else "")
+    return Strategy(name, world, fsdp_env=fsdp_env, shard_size=1 if sharding == "NO_SHARD" else world)
+
+
+def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
+    """FSDP1 trains on CPU ranks, but two of its checkpoint paths fail there (torch 2.13, accelerate 1.15, measured
+    on the `debug` preset): saving a FULL_STATE_DICT checkpoint ended the run at its first save, and a run resumed
+    from a SHARDED_STATE_DICT checkpoint at step 2 logged the straight run's loss at step 3 but not at step 4
+    (5.3806 against 5.3906: Adam's restored state differs). FSDP2's checkpoints resume exactly
+    (tests/recipes/test_resume.py)."""
+    if torch.cuda.is_available():
+        return
+    if cfg.resume_from_checkpoint:
+        raise ValueError(
+            f"--resume_from_checkpoint {cfg.resume_from_checkpoint} with fsdp_version: 1 on CPU ranks: FSDP1 does not "
+            "restore Adam's state exactly here; start afresh without it, or train with fsdp_version: 2, whose "
+            "checkpoints resume exactly"
+        )
+    if cfg.save_steps and fsdp_env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT").upper() == "FULL_STATE_DICT":
+        raise ValueError(
+            f"--save_steps {cfg.save_steps} with fsdp_version: 1 and fsdp_state_dict_type: FULL_STATE_DICT on CPU "
+            "ranks: the first save ends the run here; set fsdp_state_dict_type: SHARDED_STATE_DICT, or pass "
+            "--save_steps 0 (the trained model is still exported at the end)"
+        )
+
+
 def parallelism_config() -> bool:
     """Whether the accelerate config has a `parallelism_config` block (`accelerate launch` exports it)."""
     return env_flag("ACCELERATE_USE_PARALLELISM_CONFIG")
 
 
 def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:
-    """An FSDP config that names layer classes to wrap must name classes the model has: accelerate would
-    otherwise fail deep inside `prepare` ("Could not find the transformer layer class to wrap")."""
+    """An FSDP config's wrap policy must be one the model can be wrapped with, checked on the model's module tree
+    before any process group: accelerate would otherwise fail deep inside `prepare`."""
+    policy = strategy.fsdp_env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper()
+    min_num_params = int(strategy.fsdp_env.get("FSDP_MIN_NUM_PARAMS", "0"))
+    if policy == "SIZE_BASED_WRAP" and fsdp_version(strategy.fsdp_env) == 2:
+        check_fsdp2_size_wrap(min_num_params, model)
+    if policy == "SIZE_BASED_WRAP" and fsdp_version(strategy.fsdp_env) == 1:
+        check_fsdp1_size_wrap(min_num_params, model)
+    if policy != "TRANSFORMER_BASED_WRAP":
+        return  # accelerate reads fsdp_transformer_layer_cls_to_wrap only under TRANSFORMER_BASED_WRAP
     names = strategy.fsdp_env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
     if not names:
         return  # accelerate takes the model's _no_split_modules (ShardGPTDecoderLayer)
@@ -123,6 +240,39 @@ def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:
         raise ValueError(
             f"the FSDP config's fsdp_transformer_layer_cls_to_wrap names {missing}, which this model does not have; "
             f"set it to {sorted(model._no_split_modules)} or remove it (the model's _no_split_modules are used)"
+        )
+
+
+def check_fsdp2_size_wrap(min_num_params: int, model: torch.nn.Module) -> None:
+    """accelerate's FSDP2 version of SIZE_BASED_WRAP (`fsdp2_prepare_auto_wrap_policy`, accelerate 1.15) wraps
+    every module above fsdp_min_num_params, containers included, unlike torch's FSDP1 policy, which skips them;
+    `fully_shard` then refuses the decoder's ModuleList ("does not support containers that do not implement
+    forward"). A threshold of 0 means no wrapping (accelerate drops the policy), which runs."""
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    too_big = [
+        (name, n)
+        for name, m in model.named_modules()
+        if isinstance(m, containers) and (n := sum(p.numel() for p in m.parameters())) > min_num_params
+    ]
+    if min_num_params > 0 and too_big:
+        name, n = too_big[0]
+        raise ValueError(
+            f"fsdp_auto_wrap_policy: SIZE_BASED_WRAP with fsdp_version: 2 and fsdp_min_num_params: {min_num_params} "
+            f"would wrap the container {name!r} ({n} parameters), which FSDP2's fully_shard refuses: use "
+            f"fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, or fsdp_min_num_params of {n} or more"
+        )
+
+
+def check_fsdp1_size_wrap(min_num_params: int, model: torch.nn.Module) -> None:
+    """torch's size-based policy wraps the embedding and the output layer each on its own once the threshold is
+    at most their size; with tied embeddings FSDP1 then flattens the one shared matrix into two flat parameters,
+    and the tie is gone (seen: a parameter count larger by one embedding)."""
+    embedding = model.get_input_embeddings().weight.numel()
+    if getattr(model.config, "tie_word_embeddings", False) and 0 < min_num_params <= embedding:
+        raise ValueError(
+            f"fsdp_auto_wrap_policy: SIZE_BASED_WRAP with fsdp_version: 1 and fsdp_min_num_params: {min_num_params} "
+            f"would wrap the tied input and output embeddings ({embedding} parameters) apart, untying them: set "
+            f"fsdp_min_num_params above {embedding}, or use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"
         )
 
 
@@ -161,18 +311,28 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
     )
     if strategy.deepspeed is not None:
         keep_zero3_param_dtype()
+        # The YAML's inline fields (and its mixed_precision) are already resolved into the config; without this,
+        # accelerate refuses a config dict beside them ("the following accelerate config variables will be ignored").
+        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
     elif on_cpu:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
     fsdp_on_cpu = bool(strategy.fsdp_env) and on_cpu
-    if fsdp_on_cpu and parallelism_config():
+    if fsdp_on_cpu:
+        # sync_module_states broadcasts rank 0's weights (cpu_ram_efficient_loading forces it on, for
+        # transformers' from_pretrained on rank 0 alone, which this script does not use); torch's FSDP1 and
+        # accelerate's plugin both demand a GPU for it. Every rank here builds identical weights from the same
+        # seed, so there is nothing to sync.
+        os.environ["FSDP_SYNC_MODULE_STATES"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+    hybrid_on_cpu = fsdp_on_cpu and parallelism_config()
+    if hybrid_on_cpu:
         # accelerate checks a parallelism_config against the state's distributed type when the Accelerator is
         # built, which on CPU is MULTI_CPU until FSDP is switched on: the config is applied after that instead.
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
     if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
         enable_fsdp_on_cpu(accelerator, cfg.mixed_precision)
-    if fsdp_on_cpu and strategy.shard_size != strategy.world_size:
+    if hybrid_on_cpu and strategy.shard_size != strategy.world_size:
         apply_parallelism_config_on_cpu(accelerator)
     return accelerator
 
@@ -215,6 +375,10 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, mixed_precision: str) -> None:
     # Both shared states: every new AcceleratorState() copies PartialState's fields over its own.
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
+    if plugin.fsdp_version == 1:
+        # accelerate's MULTI_CPU device is `cpu:0` (an index from torch.cpu.device_count()), which FSDP1 receives as
+        # `device_id` and refuses against its CPU compute device `cpu` ("Inconsistent compute device and device_id").
+        accelerator.state.device = PartialState().device = torch.device("cpu")
 
 
 def apply_parallelism_config_on_cpu(accelerator: Accelerator) -> None:
@@ -244,10 +408,13 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
     unwrapped = accelerator.unwrap_model(model)
     total = parameter_count(unwrapped)
     local = sum(_local_numel(p) for p in unwrapped.parameters())
+    if _fsdp1_handles(model):  # FSDP1 replaced the parameters by flat ones: count what they hold
+        local, total = _fsdp1_numels(model)
     seen = {
         "strategy": strategy.name,
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "world_size": world,
+        "mixed_precision": accelerator.mixed_precision,  # what accelerate autocasts to (DeepSpeed: its bf16/fp16)
         "parameters": total,
         "local_parameter_fraction": round(local / total, 4),
     }
@@ -305,6 +472,11 @@ def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
             seen["offload_optimizer"] = _device(getattr(zero, "cpu_offload", False), False)
             seen["gradients_partitioned_in_backward"] = bool(zero.partition_gradients)
         return seen
+    handles = _fsdp1_handles(model)
+    if handles:  # FSDP1: one flat parameter per wrapped module
+        seen["fsdp_sharding_strategy"] = sorted({h._sharding_strategy.name for h in handles})
+        seen["fsdp_flat_parameters"] = len(handles)
+        return seen
     layers = set(getattr(model, "_no_split_modules", None) or ())
     groups = [(type(m).__name__, g) for m in model.modules() if (g := _fsdp_param_group(m)) is not None]
     if groups:  # FSDP2: a parameter group per decoder layer, one for the tail (embedding, norm), the root's
@@ -312,11 +484,30 @@ def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
         seen["reshard_after_forward"] = sorted(
             {g._reshard_after_forward for name, g in groups if name.removeprefix("FSDP") in layers}
         )
+        seen["fsdp_param_dtype"] = sorted({str(g.mp_policy.param_dtype).removeprefix("torch.") for _, g in groups})
         policies = sorted({type(g.offload_policy).__name__ for _, g in groups})
         seen["fsdp_offload_policy"] = policies
         offloaded = policies == ["CPUOffloadPolicy"]  # shards, their gradients and Adam's states on the host
         seen["offload_param"] = seen["offload_optimizer"] = "cpu" if offloaded else "none"
     return seen
+
+
+def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
+    """The whole model's weights for the export (a collective: ZeRO-3 and FSDP gather their shards).
+
+    FSDP1 on CPU ranks: accelerate gathers with `FullStateDictConfig(offload_to_cpu=True, rank0_only=True)`, and
+    torch 2.13 then crashed rank 0 with a segmentation fault while cloning the gathered tensors (in
+    `_full_post_state_dict_hook`, torch/distributed/fsdp/_state_dict_utils.py:332). Offloading is pointless where
+    the weights already live in host memory; gathered on every rank without it, the export is whole."""
+    handles = _fsdp1_handles(model)
+    if handles and handles[0].device.type == "cpu":
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        whole = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, whole):
+            return model.state_dict()  # collective: every rank gathers
+    return accelerator.get_state_dict(model)
 
 
 def _on_nvme(partition: torch.Tensor) -> bool:
@@ -330,6 +521,23 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 def _device(offloaded: bool, to_nvme: bool) -> str:
     return "nvme" if offloaded and to_nvme else "cpu" if offloaded else "none"
+
+
+def _fsdp1_handles(model: torch.nn.Module) -> list:
+    """The flat-parameter handles of a model wrapped by torch's FSDP1 (none for anything else)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(model, FullyShardedDataParallel):
+        return []
+    return [m._handle for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle is not None]
+
+
+def _fsdp1_numels(model: torch.nn.Module) -> tuple[int, int]:
+    """(this rank's, the whole model's) parameter elements under FSDP1, read right after wrapping, when each flat
+    parameter holds this rank's shard (padding included) and knows its unsharded size."""
+    handles = _fsdp1_handles(model)
+    local = sum(h.flat_param.numel() for h in handles)
+    return local, sum(h.flat_param._unpadded_unsharded_size.numel() for h in handles)
 
 
 def _fsdp_param_group(module: torch.nn.Module):

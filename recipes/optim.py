@@ -30,15 +30,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: 
 
 
 def lr_lambda(cfg: RunConfig):
-    """Multiplier of the peak lr at optimizer step `s` (0-based): linear warm-up to 1 over warmup_steps,
+    """Multiplier of the peak lr at optimizer step `s` (0-based): linear warm-up to 1 over the warm-up steps,
     then cosine (or linear) decay to `min_lr_ratio` at max_steps, or constant."""
 
     def f(s: int) -> float:
-        if s < cfg.warmup_steps:
-            return (s + 1) / cfg.warmup_steps
+        warmup = cfg.num_warmup_steps
+        if s < warmup:
+            return (s + 1) / warmup
         if cfg.lr_scheduler_type == "constant":
             return 1.0
-        progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        progress = min(1.0, (s - warmup) / max(1, cfg.max_steps - warmup))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_scheduler_type == "cosine" else 1 - progress
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
@@ -63,7 +64,7 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module, ds_config: dict | Non
 def make_scheduler(cfg: RunConfig, optimizer, ds_config: dict | None):
     ds_config = ds_config or {}
     if "scheduler" in ds_config:  # DeepSpeed builds the JSON's scheduler
-        return DummyScheduler(optimizer, total_num_steps=cfg.max_steps, warmup_num_steps=cfg.warmup_steps)
+        return DummyScheduler(optimizer, total_num_steps=cfg.max_steps, warmup_num_steps=cfg.num_warmup_steps)
 
     def schedule(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))

@@ -33,6 +33,7 @@ from recipes.distributed import (
     StateShares,
     check_deepspeed_ops,
     check_fsdp_wrap,
+    full_state_dict,
     launched_world_size,
     make_accelerator,
     observe_strategy,
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # ------------------------------------------------------------------ export
     # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
-    state_dict = accelerator.get_state_dict(net)
+    state_dict = full_state_dict(accelerator, net)
     if is_main:  # rank 0 only: file writes
         unwrapped = accelerator.unwrap_model(net)
         unwrapped.config.use_cache = True

@@ -51,7 +51,7 @@ IGNORE_INDEX = -100
 SAME_FLAGS = (
     "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
     "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "max_steps",
-    "warmup_steps", "lr_scheduler_type", "seed", "bf16", "fp16", "torch_compile", "logging_steps", "save_total_limit",
+    "lr_scheduler_type", "seed", "bf16", "fp16", "torch_compile", "logging_steps", "save_total_limit",
 )  # fmt: skip
 
 
@@ -186,6 +186,7 @@ def training_arguments(cfg: RunConfig, strategy) -> TrainingArguments:
     deepspeed = cfg.deepspeed if cfg.deepspeed and not cfg.nvme_path else strategy.deepspeed
     return TrainingArguments(
         **{name: getattr(cfg, name) for name in SAME_FLAGS},
+        warmup_steps=cfg.num_warmup_steps,  # --warmup_steps, or --warmup_ratio of --max_steps
         activation_checkpointing=cfg.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False},
         deepspeed=deepspeed,

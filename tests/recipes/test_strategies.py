@@ -43,6 +43,9 @@ EXPECTED = {
     "fsdp": FSDP,
     "fsdp-shard-grad-op": {**FSDP, "reshard_after_forward": [False]},
     "fsdp-offload": {**FSDP, "fsdp_offload_policy": ["CPUOffloadPolicy"], "offload": ("cpu", "cpu")},
+    # FSDP1: torch's FullyShardedDataParallel, a flat parameter per decoder layer and one for the rest.
+    "fsdp1": {"engine": "FullyShardedDataParallel", "zero_stage": 0, "inner": "AdamW", "shares": (HALF, HALF, HALF),
+              "fsdp_sharding_strategy": ["FULL_SHARD"]},
     "zero1": {**ZERO, "zero_stage": 1, "shares": (WHOLE, HALF, HALF), "gradients_partitioned_in_backward": False},
     "zero2": {**ZERO, "zero_stage": 2, "shares": (WHOLE, HALF, HALF), "gradients_partitioned_in_backward": True},
     "zero2-offload-cpu": {**ZERO, "zero_stage": 2, "inner": "DeepSpeedCPUAdam", "shares": (WHOLE, HALF, HALF),
@@ -63,6 +66,7 @@ LAUNCHES = [
     ("accelerate", "fsdp", "fsdp"),
     ("accelerate", "fsdp_shard_grad_op", "fsdp-shard-grad-op"),
     ("accelerate", "fsdp_offload", "fsdp-offload"),
+    ("accelerate", "fsdp1", "fsdp1"),
     ("accelerate", "zero1", "zero1"),
     ("accelerate", "zero2", "zero2"),
     ("accelerate", "zero2_offload", "zero2-offload-cpu"),
@@ -104,7 +108,12 @@ def assert_in_force(seen: dict, strategy: str) -> None:
     assert (seen["offload_param"], seen["offload_optimizer"]) == want.get("offload", ("none", "none")), seen
     shares = (seen["local_parameter_fraction"], seen["local_gradient_fraction"], seen["local_optimizer_state_fraction"])
     assert shares == pytest.approx(want["shares"], abs=0.02), f"(params, grads, optimizer states) {shares}; {seen}"
-    for key in ("reshard_after_forward", "fsdp_offload_policy", "gradients_partitioned_in_backward"):
+    for key in (
+        "reshard_after_forward",
+        "fsdp_offload_policy",
+        "gradients_partitioned_in_backward",
+        "fsdp_sharding_strategy",
+    ):
         assert seen.get(key) == want.get(key), f"{key}: {seen}"
     on_nvme = (seen.get("local_parameter_fraction_on_nvme", 0), seen["local_optimizer_state_fraction_on_nvme"])
     assert on_nvme == pytest.approx(want.get("nvme", (0, 0)), abs=0.02), f"(params, optimizer states) on NVMe: {seen}"
