@@ -62,7 +62,7 @@ class RunConfig(DataArguments):
     bf16_gradient_reduction: bool = arg(
         False,
         "With --bf16: reduce gradients in bf16 (FSDP2's reduce_dtype; DeepSpeed's communication_data_type and "
-        "grad_accum_dtype when the JSON leaves them \"auto\"): half the traffic, less exact. Default: fp32.",
+        "data_types.grad_accum_dtype, which the JSON must set to 'bf16' or 'auto'): half the traffic, less exact.",
     )
     gradient_checkpointing: bool = arg(False, "Recompute each decoder layer's activations in the backward.")
     torch_compile: bool = arg(False, "Compile the model with torch.compile (inductor).")

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                 (out / "strategy.json").write_text(json.dumps(seen, indent=2))
 
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            # Training only: evaluation, saving and compilation are not counted (None: no timed step since the last log).
+            # Training only: evaluation, saving and compilation are not counted (None: no timed step since the log).
             dt = train_time / timed_steps if timed_steps else None
             record = {
                 "step": step,

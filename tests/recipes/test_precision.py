@@ -1,0 +1,178 @@
+"""bf16, --gradient_checkpointing and --torch_compile train the same model under every strategy (2 CPU ranks).
+
+Each cell is a short launch (`debug` preset, STEPS steps, global batch 8) checked against one process in the same
+precision, at every step's loss and at the exported weights, with the precision in force read from the prepared
+objects (strategy.json). Tolerances, measured on 2 CPU cores (worst case over the cells below, per cell in
+docs/precision.md):
+
+- gradient checkpointing (fp32): recomputing a layer's forward in the backward is the same arithmetic; the cells
+  use test_strategies.py's fp32 tolerance (1e-6 relative at step 1, 1e-5 after).
+- torch.compile (fp32): inductor fuses and reorders float operations; COMPILE_RTOL.
+- bf16: DDP (autocast, fp32 weights) and FSDP2 (bf16 parameters, fp32 reduction and output) against one process
+  under autocast; ZeRO (bf16 weights, fp32 master weights and reduction) against one process under DeepSpeed bf16
+  (`python recipes/train.py --deepspeed ds_configs/zero2.json --bf16`): like with like. BF16_RTOL.
+  bf16 weights and autocast differ by far more (measured AUTOCAST_VS_BF16_WEIGHTS) than either differs from its
+  own one-process run, so comparing like with like proves more.
+The logged losses must not be bf16-rounded: every one must differ from its value rounded to bf16.
+
+fp32 under every accelerate config is tests/recipes/test_strategies.py. The widest cells carry the `matrix` marker
+(`make test-matrix`, also run by CI).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launching import launch, launcher_command
+from safetensors.torch import load_file
+
+STEPS = 4
+TRAIN = [
+    "--preset=debug", f"--max_steps={STEPS}", "--warmup_steps=1", "--learning_rate=3e-3", "--logging_steps=1",
+    "--eval_steps=0", "--max_eval_batches=2", "--save_steps=0", "--sample_max_new_tokens=0",
+]  # fmt: skip
+ONE, TWO = ["--per_device_train_batch_size=8"], ["--per_device_train_batch_size=4"]
+FP32_RTOL = (1e-6, 1e-5)  # step 1, later steps: test_strategies.py's measured fp32 tolerance
+COMPILE_RTOL = 1e-5
+BF16_RTOL = 1e-3
+EXPORT_ATOL = {"fp32": 1e-4, "compile": 1e-4, "bf16": 1e-2}
+matrix = pytest.mark.matrix
+
+# The precision the prepared objects must show under --bf16 (docs/precision.md).
+AUTOCAST = {"parameter_dtypes": ["float32"], "autocast": True}
+FSDP_BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": "float32"}
+ZERO_BF16 = {"bf16": True, "fp16": False, "communication_data_type": "float32", "grad_accum_dtype": "float32"}
+
+
+def cells(*rows):
+    return [pytest.param(*row[:-1], id=row[-2] if row[0] == "accelerate" else f"{row[0]}-{row[1]}",
+                         marks=row[-1]) for row in rows]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """One-process runs, launched once each for every cell of this module: fp32, bf16 (autocast) and DeepSpeed bf16."""
+    runs = {}
+
+    def get(kind: str):
+        if kind not in runs:
+            extra = {"fp32": [], "bf16": ["--bf16"], "deepspeed-bf16": ["--bf16", "--deepspeed=ds_configs/zero2.json"]}
+            out = tmp_path_factory.mktemp(f"reference-{kind}")
+            runs[kind] = launch(launcher_command("python"), [*corpus["flags"], *TRAIN, *ONE, *extra[kind]], out)
+        return runs[kind]
+
+    return get
+
+
+def launch_cell(launcher, config, flags, corpus, tmp_path, script="train.py"):
+    args = [*corpus["flags"], *TRAIN, *TWO, *flags, f"--nvme_path={tmp_path}"]
+    if launcher in ("deepspeed", "torchrun") and config:
+        args.append(f"--deepspeed=ds_configs/{config}.json")
+    return launch(launcher_command(launcher, config, script=script), args, tmp_path / "out")
+
+
+def worst_differences(run, ref) -> tuple[list[float], float]:
+    """Per-step relative loss differences, and the largest absolute difference of the exported weights."""
+    losses, ref_losses = run.losses, ref.losses
+    assert sorted(losses) == sorted(ref_losses) == list(range(1, STEPS + 1))
+    rel = [abs(losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in sorted(ref_losses)]
+    ours, theirs = load_file(run.output_dir / "model.safetensors"), load_file(ref.output_dir / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    weights = max((ours[k].float() - theirs[k].float()).abs().max().item() for k in theirs)
+    print(f"loss relative differences per step {[f'{r:.2g}' for r in rel]}; exported weights max abs {weights:.3g}")
+    return rel, weights
+
+
+def assert_close(run, ref, rtol: tuple[float, float], export_atol: float) -> None:
+    rel, weights = worst_differences(run, ref)
+    assert rel[0] <= rtol[0] and max(rel) <= rtol[1], f"loss relative differences {rel} exceed {rtol}"
+    assert weights <= export_atol, f"exported weights differ by up to {weights}"
+
+
+def assert_not_bf16_rounded(run) -> None:
+    for step, loss in run.losses.items():
+        rounded = torch.tensor(loss).to(torch.bfloat16).item()
+        assert rounded != loss, f"step {step}: the logged loss {loss} is a bf16 value (rounded in the model)"
+
+
+def assert_bf16_in_force(seen: dict) -> None:
+    if seen["zero_stage"]:
+        assert seen["parameter_dtypes"] == ["bfloat16"] and seen["deepspeed_precision"] == ZERO_BF16, seen
+    elif "fsdp_mixed_precision" in seen:
+        assert seen["fsdp_mixed_precision"] == FSDP_BF16, seen
+    else:
+        assert {k: seen[k] for k in AUTOCAST} == AUTOCAST, seen
+
+
+BF16_CELLS = cells(
+    ("accelerate", "ddp", []),
+    ("accelerate", "fsdp", []),
+    ("accelerate", "zero2", []),
+    ("accelerate", "fsdp_shard_grad_op", matrix),
+    ("accelerate", "fsdp_offload", matrix),
+    ("accelerate", "zero1", matrix),
+    ("accelerate", "zero2_offload", matrix),
+    ("accelerate", "zero3", matrix),
+    ("accelerate", "zero3_offload_cpu", matrix),
+    ("accelerate", "zero3_offload_nvme", matrix),
+    ("deepspeed", "zero3", matrix),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("launcher", "config"), BF16_CELLS)
+def test_bf16_trains_as_one_process_in_bf16(launcher, config, corpus, reference, tmp_path):
+    """--bf16: the same losses as one process in bf16 (BF16_RTOL), never bf16-rounded, with the project's
+    precision in force: bf16 compute, fp32 master weights, fp32 gradient reduction and loss."""
+    run = launch_cell(launcher, config, ["--bf16"], corpus, tmp_path)
+    assert_bf16_in_force(run.strategy)
+    assert_not_bf16_rounded(run)
+    ref = reference("deepspeed-bf16" if run.strategy["zero_stage"] else "bf16")
+    assert_close(run, ref, (BF16_RTOL, BF16_RTOL), EXPORT_ATOL["bf16"])
+
+
+MODE_CELLS = cells(
+    ("accelerate", "ddp", []),
+    ("accelerate", "fsdp", []),
+    ("accelerate", "zero2", matrix),
+    ("accelerate", "zero3", matrix),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("launcher", "config"), MODE_CELLS)
+def test_gradient_checkpointing_trains_the_same(launcher, config, corpus, reference, tmp_path):
+    """--gradient_checkpointing recomputes each layer in the backward: fp32 tolerance of one process without it."""
+    run = launch_cell(launcher, config, ["--gradient_checkpointing"], corpus, tmp_path)
+    assert_close(run, reference("fp32"), FP32_RTOL, EXPORT_ATOL["fp32"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@matrix
+@pytest.mark.parametrize(("launcher", "config"), MODE_CELLS)
+def test_torch_compile_trains_the_same(launcher, config, corpus, reference, tmp_path):
+    """--torch_compile (inductor) under each strategy: the strategy is verified through the compiled wrapper, the
+    losses match one eager process within COMPILE_RTOL, the export works, and compile time is logged apart."""
+    run = launch_cell(launcher, config, ["--torch_compile"], corpus, tmp_path)
+    assert run.strategy["compiled"] is True, run.strategy
+    first = run.records[0]
+    assert first["compile_time_s"] > 0 and first["tokens_per_sec"] is None, first
+    assert all(r["tokens_per_sec"] > 0 for r in run.records[1:] if "loss" in r)
+    assert_close(run, reference("fp32"), (COMPILE_RTOL, COMPILE_RTOL), EXPORT_ATOL["compile"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@matrix
+def test_trainer_in_bf16_trains_as_train_py(corpus, tmp_path):
+    """The HF Trainer path (recipes/trainer.py) in bf16 under ZeRO-2 (torchrun) trains what recipes/train.py trains
+    with the same launch: same JSON, same precision in force (the Trainer reads the JSON's fp32 communication and
+    accumulation), losses within BF16_RTOL, never bf16-rounded."""
+    ref = launch_cell("torchrun", "zero2", ["--bf16"], corpus, tmp_path / "train")
+    run = launch_cell("torchrun", "zero2", ["--bf16"], corpus, tmp_path / "trainer", script="trainer.py")
+    assert_bf16_in_force(run.strategy)
+    assert_not_bf16_rounded(run)
+    assert_close(run, ref, (BF16_RTOL, BF16_RTOL), EXPORT_ATOL["bf16"])
