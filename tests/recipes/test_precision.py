@@ -10,7 +10,8 @@ docs/precision.md):
 - torch.compile (fp32): inductor fuses and reorders float operations; COMPILE_RTOL.
 - bf16: DDP (autocast, fp32 weights) and FSDP2 (bf16 parameters, fp32 reduction and output) against one process
   under autocast; ZeRO (bf16 weights, fp32 master weights and reduction) against one process under DeepSpeed bf16
-  (`python recipes/train.py --deepspeed ds_configs/zero2.json --bf16`): like with like. BF16_RTOL.
+  (`torchrun --nproc_per_node 1 recipes/train.py --deepspeed ds_configs/zero2.json --bf16`): like with like.
+  BF16_RTOL.
   bf16 weights and autocast differ by far more (measured AUTOCAST_VS_BF16_WEIGHTS) than either differs from its
   own one-process run, so comparing like with like proves more.
 The logged losses must not be bf16-rounded: every one must differ from its value rounded to bf16.
@@ -51,14 +52,20 @@ def cells(*rows):
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    """One-process runs, launched once each for every cell of this module: fp32, bf16 (autocast) and DeepSpeed bf16."""
+    """One-process runs, each launched once for all the cells of this module that need it: fp32, bf16 (autocast)
+    and DeepSpeed bf16 (under torchrun: DeepSpeed needs the launcher's process group even for one rank)."""
     runs = {}
+    kinds = {
+        "fp32": ("python", []),
+        "bf16": ("python", ["--bf16"]),
+        "deepspeed-bf16": ("torchrun", ["--bf16", "--deepspeed=ds_configs/zero2.json"]),
+    }
 
     def get(kind: str):
         if kind not in runs:
-            extra = {"fp32": [], "bf16": ["--bf16"], "deepspeed-bf16": ["--bf16", "--deepspeed=ds_configs/zero2.json"]}
+            launcher, extra = kinds[kind]
             out = tmp_path_factory.mktemp(f"reference-{kind}")
-            runs[kind] = launch(launcher_command("python"), [*corpus["flags"], *TRAIN, *ONE, *extra[kind]], out)
+            runs[kind] = launch(launcher_command(launcher, nproc=1), [*corpus["flags"], *TRAIN, *ONE, *extra], out)
         return runs[kind]
 
     return get
