@@ -359,7 +359,9 @@ def _observe_sharding(model: torch.nn.Module, optimizer) -> dict:
             seen["gradients_partitioned_in_backward"] = True
         else:
             seen["offload_optimizer"] = _device(getattr(zero, "cpu_offload", False), False)
-            seen["gradients_partitioned_in_backward"] = bool(zero.partition_gradients)
+            # ZeRO-1 in bf16 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, which has no such
+            # flag: like ZeRO-1, it reduces whole gradients in the backward.
+            seen["gradients_partitioned_in_backward"] = bool(getattr(zero, "partition_gradients", False))
         return seen
     layers = set(getattr(model, "_no_split_modules", None) or ())
     groups = [(type(m).__name__, g) for m in model.modules() if (g := _fsdp_param_group(m)) is not None]
