@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launching import launch, launcher_command
+from launching import ROOT, launch, launcher_command
 from safetensors.torch import load_file
+
+from recipes.config import RunConfig, load_json, resolve_deepspeed
+from recipes.distributed import fsdp_precision
 
 STEPS = 4
 TRAIN = [
@@ -183,3 +186,37 @@ def test_trainer_in_bf16_trains_as_train_py(corpus, tmp_path):
     assert_bf16_in_force(run.strategy)
     assert_not_bf16_rounded(run)
     assert_close(run, ref, (BF16_RTOL, BF16_RTOL), EXPORT_ATOL["bf16"])
+
+
+# ------------------------------------------------------------------ the definition, without launching
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json")))
+def test_every_deepspeed_json_reduces_and_accumulates_in_fp32(name, tmp_path):
+    """Under --bf16 every JSON resolves to fp32 gradient communication and accumulation (DeepSpeed's default would
+    be bf16); --bf16_gradient_reduction with a JSON that fixes fp32 is refused, naming the key."""
+    ds = load_json(ROOT / "ds_configs" / f"{name}.json")
+    flags = {"output_dir": str(tmp_path), "bf16": True, "nvme_path": str(tmp_path)}
+    out = resolve_deepspeed(ds, RunConfig(**flags), 2, 64, name)
+    assert out["bf16"]["enabled"] is True
+    assert (out["communication_data_type"], out["data_types"]) == ("fp32", {"grad_accum_dtype": "fp32"})
+    with pytest.raises(ValueError, match="communication_data_type = 'fp32'.*--bf16_gradient_reduction"):
+        resolve_deepspeed(ds, RunConfig(**flags, bf16_gradient_reduction=True), 2, 64, name)
+
+
+def test_bf16_gradient_reduction_is_an_explicit_opt_in(tmp_path):
+    """The opt-in fills "auto" with bf16 under DeepSpeed and lowers FSDP2's reduce_dtype; the loss stays fp32."""
+    ds = {
+        "zero_optimization": {"stage": 2},
+        "communication_data_type": "auto",
+        "data_types": {"grad_accum_dtype": "auto"},
+    }
+    low = RunConfig(output_dir=str(tmp_path), bf16=True, bf16_gradient_reduction=True)
+    out = resolve_deepspeed(ds, low, 2, 64, "x")
+    assert (out["communication_data_type"], out["data_types"]["grad_accum_dtype"]) == ("bf16", "bf16")
+    policy = fsdp_precision(low)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16,) * 2 + (torch.float32,)
+    policy = fsdp_precision(RunConfig(output_dir=str(tmp_path), bf16=True))
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16,) + (torch.float32,) * 2
+    with pytest.raises(ValueError, match="--bf16_gradient_reduction needs --bf16"):
+        RunConfig(output_dir=str(tmp_path), bf16_gradient_reduction=True).validate(1)
