@@ -306,7 +306,9 @@ def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
     """What the prepared objects say is in force, read from them rather than from the config that asked:
     the wrapper and optimizer classes, the ZeRO stage, where parameters and optimizer states live, and
     FSDP2's resharding and offload policy. Written to strategy.json beside the shares `StateShares` measures."""
-    seen = {"compiled": hasattr(model, "_orig_mod")} | observe_precision(model)
+    # torch.compile's wrapper (accelerate compiles DDP and FSDP models), or a DeepSpeed engine that compiled itself.
+    compiled = hasattr(model, "_orig_mod") or bool(getattr(model, "is_compiled", False))
+    seen = {"compiled": compiled} | observe_precision(model)
     model = uncompiled(model)
     return seen | _observe_sharding(model, optimizer)
 

@@ -48,9 +48,10 @@ FSDP_BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype
 ZERO_BF16 = {"bf16": True, "fp16": False, "communication_data_type": "float32", "grad_accum_dtype": "float32"}
 
 
-def cells(*rows):
-    return [pytest.param(*row[:-1], id=row[-2] if row[0] == "accelerate" else f"{row[0]}-{row[1]}",
-                         marks=row[-1]) for row in rows]  # fmt: skip
+def cell(config: str, *marks, launcher: str = "accelerate"):
+    """One launch of the matrix, named by its config (and its launcher unless accelerate's)."""
+    name = config if launcher == "accelerate" else f"{launcher}-{config}"
+    return pytest.param(launcher, config, id=name, marks=marks)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,8 @@ def reference(corpus, tmp_path_factory):
 
 
 def launch_cell(launcher, config, flags, corpus, tmp_path, script="train.py"):
-    args = [*corpus["flags"], *TRAIN, *TWO, *flags, f"--nvme_path={tmp_path}"]
+    batch = ONE if config == "single" else TWO  # single.yaml: one process takes the whole global batch
+    args = [*corpus["flags"], *TRAIN, *batch, *flags, f"--nvme_path={tmp_path}"]
     if launcher in ("deepspeed", "torchrun") and config:
         args.append(f"--deepspeed=ds_configs/{config}.json")
     return launch(launcher_command(launcher, config, script=script), args, tmp_path / "out")
@@ -114,19 +116,11 @@ def assert_bf16_in_force(seen: dict) -> None:
         assert {k: seen[k] for k in AUTOCAST} == AUTOCAST, seen
 
 
-BF16_CELLS = cells(
-    ("accelerate", "ddp", []),
-    ("accelerate", "fsdp", []),
-    ("accelerate", "zero2", []),
-    ("accelerate", "fsdp_shard_grad_op", matrix),
-    ("accelerate", "fsdp_offload", matrix),
-    ("accelerate", "zero1", matrix),
-    ("accelerate", "zero2_offload", matrix),
-    ("accelerate", "zero3", matrix),
-    ("accelerate", "zero3_offload_cpu", matrix),
-    ("accelerate", "zero3_offload_nvme", matrix),
-    ("deepspeed", "zero3", matrix),
-)
+BF16_CELLS = [
+    cell("ddp"), cell("fsdp"), cell("zero2"), cell("zero3", launcher="deepspeed"),
+    *(cell(c, matrix) for c in ("single", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2_offload", "zero3",
+                                "zero3_offload_cpu", "zero3_offload_nvme")),
+]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -142,12 +136,7 @@ def test_bf16_trains_as_one_process_in_bf16(launcher, config, corpus, reference,
     assert_close(run, ref, (BF16_RTOL, BF16_RTOL), EXPORT_ATOL["bf16"])
 
 
-MODE_CELLS = cells(
-    ("accelerate", "ddp", []),
-    ("accelerate", "fsdp", []),
-    ("accelerate", "zero2", matrix),
-    ("accelerate", "zero3", matrix),
-)
+MODE_CELLS = [cell("ddp"), cell("fsdp"), cell("zero2"), cell("zero3")]
 
 
 @pytest.mark.slow
