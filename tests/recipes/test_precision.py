@@ -156,11 +156,25 @@ def test_torch_compile_trains_the_same(launcher, config, corpus, reference, tmp_
     """--torch_compile (inductor) under each strategy: the strategy is verified through the compiled wrapper, the
     losses match one eager process within COMPILE_RTOL, the export works, and compile time is logged apart."""
     run = launch_cell(launcher, config, ["--torch_compile"], corpus, tmp_path)
+    assert_compiled_run(run, reference("fp32"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@matrix
+def test_trainer_path_compiles(corpus, reference, tmp_path):
+    """recipes/trainer.py with --torch_compile (TrainingArguments.torch_compile) under ZeRO-2 via torchrun: compiled,
+    compile time logged apart, the losses of one eager process within COMPILE_RTOL."""
+    run = launch_cell("torchrun", "zero2", ["--torch_compile"], corpus, tmp_path, script="trainer.py")
+    assert_compiled_run(run, reference("fp32"))
+
+
+def assert_compiled_run(run, ref) -> None:
     assert run.strategy["compiled"] is True, run.strategy
     first = run.records[0]
     assert first["compile_time_s"] > 0 and first["tokens_per_sec"] is None, first
     assert all(r["tokens_per_sec"] > 0 for r in run.records[1:] if "loss" in r)
-    assert_close(run, reference("fp32"), (COMPILE_RTOL, COMPILE_RTOL), EXPORT_ATOL["compile"])
+    assert_close(run, ref, (COMPILE_RTOL, COMPILE_RTOL), EXPORT_ATOL["compile"])
 
 
 @pytest.mark.slow
