@@ -185,7 +185,9 @@ def cpu_ranks(strategy) -> dict:
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     keep_zero3_param_dtype()  # the engine's ZeRO-3 partitions keep fp32 on CPU (see recipes/distributed.py)
     PartialState(backend="gloo", timeout=timedelta(minutes=30))  # collective: initialises the process group
-    return {"accelerator_config": {"use_configured_state": True}}
+    # use_cpu: TrainingArguments refuses --bf16 without a GPU unless it is set; with the configured state above it
+    # changes nothing else (DeepSpeed stays in force, as strategy.json shows).
+    return {"accelerator_config": {"use_configured_state": True}, "use_cpu": True}
 
 
 def training_arguments(cfg: RunConfig, strategy) -> TrainingArguments:

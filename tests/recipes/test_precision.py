@@ -38,7 +38,8 @@ TRAIN = [
 ONE, TWO = ["--per_device_train_batch_size=8"], ["--per_device_train_batch_size=4"]
 FP32_RTOL = (1e-6, 1e-5)  # step 1, later steps: test_strategies.py's measured fp32 tolerance
 BF16_RTOL = 1e-3
-EXPORT_ATOL = {"fp32": 1e-4, "compile": 1e-4, "bf16": 1e-2}
+FP32_EXPORT = (1e-4, 1e-5)  # max, mean absolute difference of the exported weights
+BF16_EXPORT = (1e-2, 1e-3)
 matrix = pytest.mark.matrix
 
 # The precision the prepared objects must show under --bf16 (docs/precision.md).
@@ -83,22 +84,28 @@ def launch_cell(launcher, config, flags, corpus, tmp_path, script="train.py"):
     return launch(launcher_command(launcher, config, script=script), args, tmp_path / "out")
 
 
-def worst_differences(run, ref) -> tuple[list[float], float]:
-    """Per-step relative loss differences, and the largest absolute difference of the exported weights."""
+def differences(run, ref) -> tuple[list[float], float, float]:
+    """Per-step relative loss differences, and the largest and the mean absolute difference of the exported
+    weights (which Adam moves by up to about the learning rate per step, so the mean says more in bf16)."""
     losses, ref_losses = run.losses, ref.losses
     assert sorted(losses) == sorted(ref_losses) == list(range(1, STEPS + 1))
     rel = [abs(losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in sorted(ref_losses)]
     ours, theirs = load_file(run.output_dir / "model.safetensors"), load_file(ref.output_dir / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    weights = max((ours[k].float() - theirs[k].float()).abs().max().item() for k in theirs)
-    print(f"loss relative differences per step {[f'{r:.2g}' for r in rel]}; exported weights max abs {weights:.3g}")
-    return rel, weights
+    assert ours.keys() >= theirs.keys()
+    for key in ours.keys() - theirs.keys():  # the compiled Trainer's export also stores the tied lm_head
+        assert any(torch.equal(ours[key], ours[k]) for k in theirs), f"{key} is not a copy of a tied weight"
+    diff = torch.cat([(ours[k].float() - theirs[k].float()).abs().flatten() for k in theirs])
+    worst, mean = diff.max().item(), diff.mean().item()
+    print(f"loss relative differences per step {[f'{r:.2g}' for r in rel]}; exported weights: max abs {worst:.3g}, "
+          f"mean abs {mean:.3g}")  # fmt: skip
+    return rel, worst, mean
 
 
-def assert_close(run, ref, rtol: tuple[float, float], export_atol: float) -> None:
-    rel, weights = worst_differences(run, ref)
+def assert_close(run, ref, rtol: tuple[float, float], export: tuple[float, float]) -> None:
+    """Losses within `rtol` (step 1, later steps); exported weights within `export` (max, mean absolute)."""
+    rel, worst, mean = differences(run, ref)
     assert rel[0] <= rtol[0] and max(rel) <= rtol[1], f"loss relative differences {rel} exceed {rtol}"
-    assert weights <= export_atol, f"exported weights differ by up to {weights}"
+    assert worst <= export[0] and mean <= export[1], f"exported weights differ by up to {worst} (mean {mean})"
 
 
 def assert_not_bf16_rounded(run) -> None:
@@ -133,7 +140,7 @@ def test_bf16_trains_as_one_process_in_bf16(launcher, config, corpus, reference,
     assert_bf16_in_force(run.strategy)
     assert_not_bf16_rounded(run)
     ref = reference("deepspeed-bf16" if run.strategy["zero_stage"] else "bf16")
-    assert_close(run, ref, (BF16_RTOL, BF16_RTOL), EXPORT_ATOL["bf16"])
+    assert_close(run, ref, (BF16_RTOL, BF16_RTOL), BF16_EXPORT)
 
 
 MODE_CELLS = [cell("ddp"), cell("fsdp"), cell("zero2"), cell("zero3")]
@@ -145,7 +152,7 @@ MODE_CELLS = [cell("ddp"), cell("fsdp"), cell("zero2"), cell("zero3")]
 def test_gradient_checkpointing_trains_the_same(launcher, config, corpus, reference, tmp_path):
     """--gradient_checkpointing recomputes each layer in the backward: fp32 tolerance of one process without it."""
     run = launch_cell(launcher, config, ["--gradient_checkpointing"], corpus, tmp_path)
-    assert_close(run, reference("fp32"), FP32_RTOL, EXPORT_ATOL["fp32"])
+    assert_close(run, reference("fp32"), FP32_RTOL, FP32_EXPORT)
 
 
 @pytest.mark.slow
@@ -174,7 +181,7 @@ def assert_compiled_run(run, ref) -> None:
     first = run.records[0]
     assert first["compile_time_s"] > 0 and first["tokens_per_sec"] is None, first
     assert all(r["tokens_per_sec"] > 0 for r in run.records[1:] if "loss" in r)
-    assert_close(run, ref, FP32_RTOL, EXPORT_ATOL["compile"])
+    assert_close(run, ref, FP32_RTOL, FP32_EXPORT)
 
 
 @pytest.mark.slow
@@ -188,7 +195,7 @@ def test_trainer_in_bf16_trains_as_train_py(corpus, tmp_path):
     run = launch_cell("torchrun", "zero2", ["--bf16"], corpus, tmp_path / "trainer", script="trainer.py")
     assert_bf16_in_force(run.strategy)
     assert_not_bf16_rounded(run)
-    assert_close(run, ref, (BF16_RTOL, BF16_RTOL), EXPORT_ATOL["bf16"])
+    assert_close(run, ref, (BF16_RTOL, BF16_RTOL), BF16_EXPORT)
 
 
 # ------------------------------------------------------------------ the definition, without launching
