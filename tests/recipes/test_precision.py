@@ -1,19 +1,23 @@
 """bf16, --gradient_checkpointing and --torch_compile train the same model under every strategy (2 CPU ranks).
 
 Each cell is a short launch (`debug` preset, STEPS steps, global batch 8) checked against one process in the same
-precision, at every step's loss and at the exported weights, with the precision in force read from the prepared
-objects (strategy.json). Tolerances, measured on 2 CPU cores (worst case over the cells below, per cell in
+precision at every step's loss and at the exported weights, with the precision in force read from the prepared
+objects (strategy.json). Tolerances, from the worst case measured on 2 CPU cores over the cells below (per cell:
 docs/precision.md):
 
-- gradient checkpointing (fp32): recomputing a layer's forward in the backward is the same arithmetic; the cells
-  use test_strategies.py's fp32 tolerance (1e-6 relative at step 1, 1e-5 after).
-- torch.compile (fp32): inductor fuses and reorders float operations; FP32_RTOL.
-- bf16: DDP (autocast, fp32 weights) and FSDP2 (bf16 parameters, fp32 reduction and output) against one process
-  under autocast; ZeRO (bf16 weights, fp32 master weights and reduction) against one process under DeepSpeed bf16
-  (`torchrun --nproc_per_node 1 recipes/train.py --deepspeed ds_configs/zero2.json --bf16`): like with like.
-  BF16_RTOL.
-  bf16 weights and autocast differ by far more (measured AUTOCAST_VS_BF16_WEIGHTS) than either differs from its
-  own one-process run, so comparing like with like proves more.
+- gradient checkpointing and torch.compile (fp32), against one eager fp32 process: test_strategies.py's fp32
+  tolerance FP32_RTOL (1e-6 relative at step 1, 1e-5 after). Measured: at most 9.4e-8 with checkpointing, 9.8e-8
+  compiled (inductor's fused kernels round like eager here, several cells bitwise). Exported weights FP32_EXPORT:
+  measured at most 1.9e-5 max and 2.6e-9 mean absolute difference.
+- bf16, DDP and FSDP2, against one process under autocast: AUTOCAST_RTOL = 1e-3. Measured: DDP 3.1e-5; FSDP2
+  3.0e-4, because its bf16 `param_dtype` also rounds the weights autocast keeps in fp32 (RMSNorm, embedding).
+- bf16, ZeRO, against one process under DeepSpeed bf16 (`torchrun --nproc_per_node 1 recipes/train.py --deepspeed
+  ds_configs/zero2.json --bf16`): like with like, ZERO_RTOL = 5e-4. Measured: at most 5.7e-5. bf16 weights and
+  autocast differ by more than either differs from its own one-process run (measured: the two one-process runs
+  differ by up to 2.8e-4), so comparing like with like proves more.
+- bf16 exported weights BF16_EXPORT: Adam moves each weight by up to about the learning rate per step whatever the
+  gradient's size, so a weight whose gradient is near zero can move the other way in bf16: the max absolute
+  difference (measured 7.0e-3) says little; the mean (measured at most 5.1e-5) is the check.
 The logged losses must not be bf16-rounded: every one must differ from its value rounded to bf16.
 
 fp32 under every accelerate config is tests/recipes/test_strategies.py. The widest cells carry the `matrix` marker
@@ -37,9 +41,10 @@ TRAIN = [
 ]  # fmt: skip
 ONE, TWO = ["--per_device_train_batch_size=8"], ["--per_device_train_batch_size=4"]
 FP32_RTOL = (1e-6, 1e-5)  # step 1, later steps: test_strategies.py's measured fp32 tolerance
-BF16_RTOL = 1e-3
-FP32_EXPORT = (1e-4, 1e-5)  # max, mean absolute difference of the exported weights
-BF16_EXPORT = (1e-2, 1e-3)
+AUTOCAST_RTOL = 1e-3  # bf16 against one process under autocast (DDP, FSDP2)
+ZERO_RTOL = 5e-4  # bf16 ZeRO against one process under DeepSpeed bf16
+FP32_EXPORT = (1e-4, 1e-7)  # max, mean absolute difference of the exported weights
+BF16_EXPORT = (2e-2, 2.5e-4)
 matrix = pytest.mark.matrix
 
 # The precision the prepared objects must show under --bf16 (docs/precision.md).
@@ -134,13 +139,14 @@ BF16_CELLS = [
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("launcher", "config"), BF16_CELLS)
 def test_bf16_trains_as_one_process_in_bf16(launcher, config, corpus, reference, tmp_path):
-    """--bf16: the same losses as one process in bf16 (BF16_RTOL), never bf16-rounded, with the project's
-    precision in force: bf16 compute, fp32 master weights, fp32 gradient reduction and loss."""
+    """--bf16: the same losses as one process in bf16 (AUTOCAST_RTOL, ZERO_RTOL), never bf16-rounded, with the
+    project's precision in force: bf16 compute, fp32 master weights, fp32 gradient reduction and loss."""
     run = launch_cell(launcher, config, ["--bf16"], corpus, tmp_path)
     assert_bf16_in_force(run.strategy)
     assert_not_bf16_rounded(run)
-    ref = reference("deepspeed-bf16" if run.strategy["zero_stage"] else "bf16")
-    assert_close(run, ref, (BF16_RTOL, BF16_RTOL), BF16_EXPORT)
+    zero = run.strategy["zero_stage"] > 0
+    rtol = ZERO_RTOL if zero else AUTOCAST_RTOL
+    assert_close(run, reference("deepspeed-bf16" if zero else "bf16"), (rtol, rtol), BF16_EXPORT)
 
 
 MODE_CELLS = [cell("ddp"), cell("fsdp"), cell("zero2"), cell("zero3")]
@@ -190,12 +196,12 @@ def assert_compiled_run(run, ref) -> None:
 def test_trainer_in_bf16_trains_as_train_py(corpus, tmp_path):
     """The HF Trainer path (recipes/trainer.py) in bf16 under ZeRO-2 (torchrun) trains what recipes/train.py trains
     with the same launch: same JSON, same precision in force (the Trainer reads the JSON's fp32 communication and
-    accumulation), losses within BF16_RTOL, never bf16-rounded."""
+    accumulation), losses within ZERO_RTOL, never bf16-rounded."""
     ref = launch_cell("torchrun", "zero2", ["--bf16"], corpus, tmp_path / "train")
     run = launch_cell("torchrun", "zero2", ["--bf16"], corpus, tmp_path / "trainer", script="trainer.py")
     assert_bf16_in_force(run.strategy)
     assert_not_bf16_rounded(run)
-    assert_close(run, ref, (BF16_RTOL, BF16_RTOL), BF16_EXPORT)
+    assert_close(run, ref, (ZERO_RTOL, ZERO_RTOL), BF16_EXPORT)
 
 
 # ------------------------------------------------------------------ the definition, without launching
