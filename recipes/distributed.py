@@ -171,7 +171,7 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
     if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
-        enable_fsdp_on_cpu(accelerator, cfg.mixed_precision)
+        enable_fsdp_on_cpu(accelerator)
     if fsdp_on_cpu and strategy.shard_size != strategy.world_size:
         apply_parallelism_config_on_cpu(accelerator)
     if accelerator.distributed_type == DistributedType.FSDP and cfg.mixed_precision != "no":
@@ -217,7 +217,7 @@ def keep_zero3_param_dtype() -> None:
     ZeroInit._set_dtype = _set_dtype
 
 
-def enable_fsdp_on_cpu(accelerator: Accelerator, mixed_precision: str) -> None:
+def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     """Run accelerate's FSDP path on CPU ranks (see the module docstring). The plugin reads the FSDP_*
     variables that `accelerate launch` exported from the YAML, as it does on GPUs; its precision policy is set
     by `make_accelerator` (`fsdp_precision`), on GPUs and CPUs alike."""
@@ -331,7 +331,7 @@ def observe_precision(model: torch.nn.Module) -> dict:
                          ("output_dtype", policy.output_dtype))
         }  # fmt: skip
     if hasattr(compiled, "zero_optimization_stage"):  # a DeepSpeedEngine
-        model_dtype, accum = compiled.get_data_types()
+        _, accum = compiled.get_data_types()  # (the model's dtype, the gradient accumulation dtype)
         seen["deepspeed_precision"] = {
             "bf16": compiled.bfloat16_enabled(),
             "fp16": compiled.fp16_enabled(),
