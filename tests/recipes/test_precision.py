@@ -32,6 +32,7 @@ import torch
 from launching import ROOT, launch, launcher_command
 from safetensors.torch import load_file
 
+from recipes.compare import Result, Spec, add_loss_differences, parse_args, per_precision, train_flags
 from recipes.config import RunConfig, load_json, resolve_deepspeed
 from recipes.distributed import fsdp_precision
 
@@ -237,3 +238,22 @@ def test_bf16_gradient_reduction_is_an_explicit_opt_in(tmp_path):
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16,) + (torch.float32,) * 2
     with pytest.raises(ValueError, match="--bf16_gradient_reduction needs --bf16"):
         RunConfig(output_dir=str(tmp_path), bf16_gradient_reduction=True).validate(1)
+
+
+def test_compare_runs_every_strategy_in_each_precision():
+    """recipes/compare.py --precisions: each strategy once per precision, with that precision's flag, and each
+    run's loss difference taken from DDP in the same precision and from the same strategy in fp32."""
+    args, extra = parse_args(["--strategies", "ddp,fsdp", "--precisions", "fp32,bf16"])
+    specs = per_precision(
+        [Spec(n, "accelerate", ROOT / "recipes" / "train.py") for n in ("ddp", "fsdp")], args.precisions
+    )
+    assert [s.name for s in specs] == ["ddp fp32", "ddp bf16", "fsdp fp32", "fsdp bf16"]
+    assert ["--bf16" in train_flags(args, s, extra) for s in specs] == [False, True, False, True]
+    losses = {"ddp fp32": 9.0, "ddp bf16": 9.5, "fsdp fp32": 9.25, "fsdp bf16": 10.0}
+    results = [Result(s.name, "accelerate", "", s.precision, ok=True, losses={1: losses[s.name]}) for s in specs]
+    add_loss_differences(results)
+    fsdp_bf16 = results[-1]
+    assert (fsdp_bf16.loss_diff_vs_ddp, fsdp_bf16.loss_diff_vs_fp32) == (0.5, 0.75)
+    assert results[2].loss_diff_vs_ddp == 0.25 and results[2].loss_diff_vs_fp32 is None
+    with pytest.raises(SystemExit):
+        parse_args(["--precisions", "fp32,bf16", "--bf16"])  # the precision is compare.py's to set
