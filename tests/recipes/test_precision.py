@@ -169,7 +169,9 @@ def test_gradient_checkpointing_trains_the_same(launcher, config, corpus, refere
 @pytest.mark.parametrize(("launcher", "config"), MODE_CELLS)
 def test_torch_compile_trains_the_same(launcher, config, corpus, reference, tmp_path):
     """--torch_compile (inductor) under each strategy: the strategy is verified through the compiled wrapper, the
-    losses match one eager process within FP32_RTOL, the export works, and compile time is logged apart."""
+    losses match one eager process within FP32_RTOL, the export works, and compile time is logged apart. Had the
+    check unwrapped the compiled DDP model (rewriting its `_orig_mod`), the ranks would train without gradient
+    all-reduce and their losses would leave the reference after step 1."""
     run = launch_cell(launcher, config, ["--torch_compile"], corpus, tmp_path)
     assert_compiled_run(run, reference("fp32"))
 
