@@ -169,9 +169,7 @@ def test_gradient_checkpointing_trains_the_same(launcher, config, corpus, refere
 @pytest.mark.parametrize(("launcher", "config"), MODE_CELLS)
 def test_torch_compile_trains_the_same(launcher, config, corpus, reference, tmp_path):
     """--torch_compile (inductor) under each strategy: the strategy is verified through the compiled wrapper, the
-    losses match one eager process within FP32_RTOL, the export works, and compile time is logged apart. Had the
-    check unwrapped the compiled DDP model (rewriting its `_orig_mod`), the ranks would train without gradient
-    all-reduce and their losses would leave the reference after step 1."""
+    losses match one eager process within FP32_RTOL, the export works, and compile time is logged apart."""
     run = launch_cell(launcher, config, ["--torch_compile"], corpus, tmp_path)
     assert_compiled_run(run, reference("fp32"))
 
@@ -259,3 +257,22 @@ def test_compare_runs_every_strategy_in_each_precision():
     assert results[2].loss_diff_vs_ddp == 0.25 and results[2].loss_diff_vs_fp32 is None
     with pytest.raises(SystemExit):
         parse_args(["--precisions", "fp32,bf16", "--bf16"])  # the precision is compare.py's to set
+
+
+def test_compiled_ddp_is_read_through_not_rewritten(tmp_path):
+    """observe_strategy sees the DDP inside torch.compile's wrapper and leaves the wrapper's `_orig_mod` as it was
+    (accelerate's `unwrap_model` would set it to the bare model, dropping DDP from the compiled forward). One gloo
+    rank in this process; nothing is compiled until a forward, which this test does not run."""
+    from torch.distributed import FileStore, destroy_process_group, init_process_group
+
+    from recipes.distributed import observe_strategy, uncompiled
+
+    init_process_group("gloo", store=FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        compiled = torch.compile(ddp)
+        seen = observe_strategy(compiled, torch.optim.AdamW(ddp.parameters()))
+        assert compiled._orig_mod is ddp and uncompiled(compiled) is ddp
+        assert seen["compiled"] is True and seen["engine"] == "DistributedDataParallel", seen
+    finally:
+        destroy_process_group()
