@@ -9,7 +9,7 @@ PY    := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 ARGS  ?=
 
-.PHONY: setup train test test-quick lint presets bench
+.PHONY: setup train test test-matrix test-quick lint presets bench
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,9 @@ train: setup
 
 test: setup
 	$(PY) -m pytest $(ARGS)
+
+test-matrix: setup  # the widest cells of tests/recipes/test_precision.py (every config x bf16, compile)
+	$(PY) -m pytest -m matrix $(ARGS)
 
 test-quick: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)

@@ -3,6 +3,11 @@
     python recipes/compare.py --preset debug --strategies all --steps 20 --nproc 2
     python recipes/compare.py --strategies ddp,zero2,fsdp --steps 5 --output_dir runs/quick \\
         --train_file 'corpus/*.txt' --tokenizer_vocab_size 300 --block_size 64
+    python recipes/compare.py --strategies ddp,fsdp,zero2 --precisions fp32,bf16   # every strategy in both
+
+With `--precisions`, every strategy runs once per precision ("ddp bf16", "ddp fp32", ...): the loss difference
+is taken from DDP in the same precision, and a column gives each run's difference from the same strategy in fp32
+(what bf16 costs in loss; docs/precision.md).
 
 Every single-node config of `accelerate_configs/` (or the names given) is launched with `accelerate launch`
 under a hard timeout and a free port, then, when `recipes/trainer.py` exists, the HF Trainer path for ZeRO-2
@@ -40,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -76,6 +81,7 @@ class Spec:
     deepspeed: str | None = None  # the DeepSpeed JSON (torchrun)
     nproc: int = 2
     error: str | None = None  # why it cannot be launched at all
+    precision: str | None = None  # with --precisions: fp32, bf16 or fp16, also the end of `name`
 
     @property
     def launcher_label(self) -> str:
@@ -91,6 +97,7 @@ class Result:
     name: str
     launcher: str
     command: str
+    precision: str | None = None
     ok: bool = False
     error: str | None = None
     strategy: str | None = None  # the strategy in force (strategy.json)
@@ -112,6 +119,7 @@ class Result:
     final_loss: float | None = None
     final_eval_loss: float | None = None
     loss_diff_vs_ddp: float | None = None
+    loss_diff_vs_fp32: float | None = None  # with --precisions: from the same strategy in fp32
     losses: dict[int, float] = field(default_factory=dict)
     wall_s: float | None = None
     load_average: float | None = None  # the machine's 1-minute load average as the run ended
@@ -172,6 +180,14 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
     return specs
 
 
+PRECISION_FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
+
+
+def per_precision(specs: list[Spec], precisions: list[str]) -> list[Spec]:
+    """Each spec once per precision, named "<strategy> <precision>"."""
+    return [replace(s, name=f"{s.name} {p}", precision=p) for s in specs for p in precisions]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -201,6 +217,7 @@ def train_flags(args, spec: Spec, extra: list[str]) -> list[str]:
     ]  # fmt: skip
     if spec.deepspeed:
         flags.append(f"--deepspeed={spec.deepspeed}")
+    flags += PRECISION_FLAGS[spec.precision] if spec.precision else []
     return [*flags, *extra]  # later flags win: the passed-through ones override the defaults above
 
 
@@ -345,7 +362,7 @@ def run_spec(spec: Spec, args, extra: list[str], runs: Path) -> Result:
         nvme = out.parent / f"{out.name}.nvme"
         flags.append(f"--nvme_path={nvme}")
     shown = " ".join([*launch_command(spec, None), *flags, f"--output_dir={out}"]).replace(f"{ROOT}{os.sep}", "")
-    res = Result(spec.name, spec.launcher_label, shown)
+    res = Result(spec.name, spec.launcher_label, shown, spec.precision)
     if spec.error:
         res.error = spec.error
         return res
@@ -453,12 +470,26 @@ def config_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def strategy_of(r: Result) -> str:
+    return r.name.removesuffix(f" {r.precision}") if r.precision else r.name
+
+
+def baseline(results: list[Result], r: Result, strategy: str, precision: str | None) -> Result | None:
+    """The run of `strategy` in `precision` that `r` is compared with (None: it did not run, or is `r`)."""
+    found = (b for b in results if b.ok and strategy_of(b) == strategy and b.precision == precision)
+    return next((b for b in found if b is not r), None)
+
+
+def max_loss_difference(r: Result, base: Result | None) -> float | None:
+    common = sorted(set(r.losses) & set(base.losses)) if base and r.ok else []
+    return max(abs(r.losses[s] - base.losses[s]) for s in common) if common else None
+
+
 def add_loss_differences(results: list[Result]) -> None:
-    ddp = next((r for r in results if r.ok and r.name == "ddp"), None)
     for r in results:
-        common = sorted(set(r.losses) & set(ddp.losses)) if ddp and r.ok else []
-        if common:
-            r.loss_diff_vs_ddp = max(abs(r.losses[s] - ddp.losses[s]) for s in common)
+        r.loss_diff_vs_ddp = max_loss_difference(r, baseline(results, r, "ddp", r.precision))
+        if r.precision not in (None, "fp32"):
+            r.loss_diff_vs_fp32 = max_loss_difference(r, baseline(results, r, strategy_of(r), "fp32"))
 
 
 def rel(path: Path) -> str:
@@ -485,7 +516,9 @@ def table(results: list[Result]) -> str:
     planned = any(r.predicted_gb is not None for r in results)
     head = ["strategy", "launcher", "in force (params/rank)", "tokens/s", "MFU", "step time (s)"]
     head += ["GPU max alloc. rank 0 (GB)"] * gpu + ["peak RSS per rank (GB)"] + ["predicted (GB)"] * planned
-    head += ["checkpoint (MB)", "save (s)", "load (s)", "final loss", "max abs loss diff vs ddp"]
+    precisions = any(r.precision for r in results)
+    head += ["checkpoint (MB)", "save (s)", "load (s)", "final loss"]
+    head += ["max abs loss diff vs ddp" + " (same precision)" * precisions] + ["max abs loss diff vs fp32"] * precisions
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if not r.ok:
@@ -506,6 +539,7 @@ def table(results: list[Result]) -> str:
             cells += [fmt(r.predicted_gb, ".3f")] * planned
             cells += [fmt(r.checkpoint_mb, ".2f"), fmt(r.save_s, ".3f"), fmt(r.load_s, ".3f")]
             cells += [fmt(r.final_loss, ".4f"), fmt(r.loss_diff_vs_ddp, ".1e")]
+            cells += [fmt(r.loss_diff_vs_fp32, ".1e", none="")] * precisions
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -605,16 +639,17 @@ def plot(results: list[Result], out: Path) -> list[str]:
     finish(ax, x, names, fig, out / "throughput.png")
     files.append("throughput.png")
 
-    ddp = next((r for r in ok if r.name == "ddp"), None)
+    ddp = next((r for r in ok if strategy_of(r) == "ddp"), None)
     fig, axes = plt.subplots(2 if ddp else 1, 1, figsize=(8, 6 if ddp else 4), sharex=True, squeeze=False)
     styles, colors = ["-", "--", ":", "-."], plt.get_cmap("tab20").colors
     for i, r in enumerate(ok):  # one color and line style per strategy, the same in both panels
         look = dict(linestyle=styles[i % 4], color=colors[(2 * i) % 20 + (2 * i) // 20 % 2])
         steps = sorted(r.losses)
         axes[0][0].plot(steps, [r.losses[s] for s in steps], label=r.name, linewidth=1.2, **look)
-        if ddp and r is not ddp:
-            common = [s for s in steps if s in ddp.losses]
-            diffs = [max(abs(r.losses[s] - ddp.losses[s]), 1e-10) for s in common]
+        base = baseline(ok, r, "ddp", r.precision)
+        if base is not None:
+            common = [s for s in steps if s in base.losses]
+            diffs = [max(abs(r.losses[s] - base.losses[s]), 1e-10) for s in common]
             axes[1][0].plot(common, diffs, marker=".", linewidth=1, **look)
     axes[0][0].set_ylabel("training loss")
     axes[0][0].set_title("Loss curves (the strategies train the same model: the curves overlap)")
@@ -622,7 +657,8 @@ def plot(results: list[Result], out: Path) -> list[str]:
     if ddp:
         axes[1][0].set_yscale("log")
         axes[1][0].set_ylabel("|loss - DDP loss|")
-        axes[1][0].set_title("Difference from DDP's loss (drawn at 1e-10 where bitwise equal)", fontsize=9)
+        same = " in the same precision" if ddp.precision else ""
+        axes[1][0].set_title(f"Difference from DDP's loss{same} (drawn at 1e-10 where bitwise equal)", fontsize=9)
     axes[-1][0].set_xlabel("step")
     axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes[:, 0]:
@@ -687,6 +723,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument(
         "--no_trainer", action="store_true", help="Skip the HF Trainer path even if recipes/trainer.py exists."
     )
+    p.add_argument(
+        "--precisions", default=None, help="Run every strategy in each of these, comma-separated: fp32, bf16, fp16."
+    )
     p.add_argument("--keep_checkpoints", action="store_true", help="Keep each run's checkpoint and exported weights.")
     args, extra = p.parse_known_args(argv)
     extra = [e for e in extra if e != "--"]
@@ -694,6 +733,13 @@ def parse_args(argv: list[str] | None):
         name = flag.lstrip("-").split("=")[0]
         if flag.startswith("--") and name in OWNED:
             p.error(f"--{name} is set by compare.py for every run (use its own --steps/--preset/... flags)")
+    if args.precisions is not None:
+        args.precisions = [x.strip() for x in args.precisions.split(",") if x.strip()]
+        unknown = [x for x in args.precisions if x not in PRECISION_FLAGS]
+        if unknown or not args.precisions:
+            p.error(f"--precisions {unknown or 'is empty'}: choose from {', '.join(PRECISION_FLAGS)}")
+        if {"--bf16", "--fp16"} & set(extra):
+            p.error("--precisions sets --bf16/--fp16 for each run: do not pass them too")
     if args.steps < 1 or args.nproc < 1 or args.timeout <= 0:
         p.error("--steps, --nproc and --timeout must be positive")
     args.invocation = " ".join(["python", "recipes/compare.py", *(argv if argv is not None else sys.argv[1:])])
@@ -708,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     specs = make_specs(args.strategies, args.nproc, not args.no_trainer)
+    if args.precisions:
+        specs = per_precision(specs, args.precisions)
     machine = machine_info()
     results = []
     bar = tqdm(specs, desc="compare", unit="run")

@@ -64,6 +64,11 @@ class RunConfig(DataArguments):
     seed: int = arg(42, "Seed of the initial weights and the data order; the same on every rank.")
     bf16: bool = arg(False, "Train in bfloat16 mixed precision.")
     fp16: bool = arg(False, "Train in float16 mixed precision with dynamic loss scaling.")
+    bf16_gradient_reduction: bool = arg(
+        False,
+        "With --bf16: reduce gradients in bf16 (FSDP2's reduce_dtype; DeepSpeed's communication_data_type and "
+        "data_types.grad_accum_dtype, which the JSON must set to 'bf16' or 'auto'): half the traffic, less exact.",
+    )
     gradient_checkpointing: bool = arg(False, "Recompute each decoder layer's activations in the backward.")
     torch_compile: bool = arg(False, "Compile the model with torch.compile (inductor).")
     logging_steps: int = arg(10, "Log loss, lr, grad norm, tokens/s, MFU and memory every N steps.")
@@ -157,6 +162,8 @@ class RunConfig(DataArguments):
             raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULERS)}")
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are both set: choose one precision")
+        if self.bf16_gradient_reduction and not self.bf16:
+            raise ValueError("--bf16_gradient_reduction needs --bf16 (it lowers bf16 training's gradient reduction)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or unset to keep all)")
         unknown = set(self.report_to.split(",")) - set(TRACKERS)
@@ -308,6 +315,12 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
         own(section, "enabled", flag, f"--{dtype}", where=f"{dtype}.")
     if ds["bf16"]["enabled"] and ds["fp16"]["enabled"]:
         raise ValueError(f"DeepSpeed config {source}: bf16 and fp16 are both enabled: enable one")
+    # Gradients reduced and accumulated in fp32 (DeepSpeed's default is the model's dtype, bf16 under bf16):
+    # the project's one definition of mixed precision (docs/precision.md); --bf16_gradient_reduction opts out.
+    low = cfg.bf16 and cfg.bf16_gradient_reduction
+    own(ds, "communication_data_type", "bf16" if low else "fp32", "--bf16_gradient_reduction")
+    own(ds.setdefault("data_types", {}), "grad_accum_dtype", "bf16" if low else "fp32", "--bf16_gradient_reduction",
+        where="data_types.")  # fmt: skip
 
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})

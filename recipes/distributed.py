@@ -331,10 +331,28 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
     if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
-        enable_fsdp_on_cpu(accelerator, cfg.mixed_precision)
+        enable_fsdp_on_cpu(accelerator)
     if hybrid_on_cpu and strategy.shard_size != strategy.world_size:
         apply_parallelism_config_on_cpu(accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP and cfg.mixed_precision != "no":
+        plugin = accelerator.state.fsdp_plugin
+        plugin.mixed_precision_policy = fsdp_precision(cfg, plugin.fsdp_version)
     return accelerator
+
+
+def fsdp_precision(cfg: RunConfig, fsdp_version: int = 2):
+    """FSDP's mixed precision, as the project defines it (docs/precision.md): parameters gathered and computed
+    in the low precision, gradients reduced in fp32 and the model's output (the loss) in fp32. accelerate's
+    `set_mixed_precision` would reduce and return in the low precision too, rounding the logged loss to bf16;
+    `--bf16_gradient_reduction` opts in to bf16 reduction (half the traffic, less exact). FSDP1's policy has no
+    output dtype: the loss is computed under accelerate's autocast, which runs cross-entropy in fp32."""
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+    low = torch.bfloat16 if cfg.bf16 else torch.float16
+    reduce = low if cfg.bf16_gradient_reduction else torch.float32
+    if fsdp_version == 1:
+        return MixedPrecision(param_dtype=low, reduce_dtype=reduce, buffer_dtype=low)
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce, output_dtype=torch.float32)
 
 
 def keep_zero3_param_dtype() -> None:
@@ -363,14 +381,13 @@ def keep_zero3_param_dtype() -> None:
     ZeroInit._set_dtype = _set_dtype
 
 
-def enable_fsdp_on_cpu(accelerator: Accelerator, mixed_precision: str) -> None:
+def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     """Run accelerate's FSDP path on CPU ranks (see the module docstring). The plugin reads the FSDP_*
-    variables that `accelerate launch` exported from the YAML, as it does on GPUs."""
+    variables that `accelerate launch` exported from the YAML, as it does on GPUs; its precision policy is set
+    by `make_accelerator` (`fsdp_precision`), on GPUs and CPUs alike."""
     plugin = FullyShardedDataParallelPlugin()
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinning host memory needs a GPU driver
-    if mixed_precision != "no":
-        plugin.set_mixed_precision(mixed_precision)
     accelerator.state.fsdp_plugin = plugin
     # Both shared states: every new AcceleratorState() copies PartialState's fields over its own.
     accelerator.state.distributed_type = DistributedType.FSDP
@@ -405,6 +422,7 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
             "alone on the whole dataset. With `use_cpu: true` in an accelerate config accelerate drops "
             "DeepSpeed and FSDP: set `use_cpu: false` (this script uses gloo on CPU by itself)"
         )
+    model = uncompiled(model)  # under --torch_compile: OptimizedModule(DDP) or OptimizedModule(FSDP module)
     unwrapped = accelerator.unwrap_model(model)
     total = parameter_count(unwrapped)
     local = sum(_local_numel(p) for p in unwrapped.parameters())
@@ -447,10 +465,54 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
     return seen
 
 
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module torch.compile wrapped (DDP, an FSDP2 model), or `model` itself. Read, never rewritten:
+    `accelerator.unwrap_model` with its default `keep_torch_compile=True` replaces the compiled module's
+    `_orig_mod` by the unwrapped model, which silently drops DDP (and its `no_sync`) from the compiled
+    module's forward."""
+    return getattr(model, "_orig_mod", model)
+
+
 def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
     """What the prepared objects say is in force, read from them rather than from the config that asked:
     the wrapper and optimizer classes, the ZeRO stage, where parameters and optimizer states live, and
     FSDP2's resharding and offload policy. Written to strategy.json beside the shares `StateShares` measures."""
+    # torch.compile's wrapper (accelerate compiles DDP and FSDP models), or a DeepSpeed engine that compiled itself.
+    compiled = hasattr(model, "_orig_mod") or bool(getattr(model, "is_compiled", False))
+    seen = {"compiled": compiled} | observe_precision(model)
+    model = uncompiled(model)
+    return seen | _observe_sharding(model, optimizer)
+
+
+def observe_precision(model: torch.nn.Module) -> dict:
+    """The precision in force, read from the prepared objects: the dtypes of the parameters the forward
+    uses, accelerate's autocast (DDP, one process), FSDP2's policy, DeepSpeed's bf16/fp16 and the dtypes it
+    communicates and accumulates gradients in (docs/precision.md)."""
+    compiled = uncompiled(model)
+    inner = getattr(compiled, "module", compiled)  # DDP's and DeepSpeed's wrapped module
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in inner.parameters()})
+    forward = getattr(inner, "_original_forward", None)  # set by accelerate when it wraps forward in autocast
+    seen = {"parameter_dtypes": dtypes, "autocast": forward is not None}
+    policies = {g.mp_policy for m in inner.modules() if (g := _fsdp_param_group(m)) is not None}
+    if policies:
+        (policy,) = policies  # one policy for every parameter group
+        seen["fsdp_mixed_precision"] = {
+            k: None if v is None else str(v).removeprefix("torch.")
+            for k, v in (("param_dtype", policy.param_dtype), ("reduce_dtype", policy.reduce_dtype),
+                         ("output_dtype", policy.output_dtype))
+        }  # fmt: skip
+    if hasattr(compiled, "zero_optimization_stage"):  # a DeepSpeedEngine
+        _, accum = compiled.get_data_types()  # (the model's dtype, the gradient accumulation dtype)
+        seen["deepspeed_precision"] = {
+            "bf16": compiled.bfloat16_enabled(),
+            "fp16": compiled.fp16_enabled(),
+            "communication_data_type": str(compiled.communication_data_type).removeprefix("torch."),
+            "grad_accum_dtype": str(accum).removeprefix("torch."),
+        }
+    return seen
+
+
+def _observe_sharding(model: torch.nn.Module, optimizer) -> dict:
     chain = [type(optimizer).__name__]  # accelerate's wrapper, the ZeRO optimizer, the torch optimizer
     inner = optimizer
     while getattr(inner, "optimizer", None) is not None:
@@ -470,7 +532,9 @@ def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
             seen["gradients_partitioned_in_backward"] = True
         else:
             seen["offload_optimizer"] = _device(getattr(zero, "cpu_offload", False), False)
-            seen["gradients_partitioned_in_backward"] = bool(zero.partition_gradients)
+            # ZeRO-1 in bf16 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, which has no such
+            # flag: like ZeRO-1, it reduces whole gradients in the backward.
+            seen["gradients_partitioned_in_backward"] = bool(getattr(zero, "partition_gradients", False))
         return seen
     handles = _fsdp1_handles(model)
     if handles:  # FSDP1: one flat parameter per wrapped module

@@ -75,7 +75,8 @@ def format_record(r: dict) -> str:
     mem += f" rss {r['cpu_rss_gb']:.2f} GB"
     gn = r.get("grad_norm")
     gn = f"{gn:.3f}" if isinstance(gn, float) else "n/a"
+    speed = f"{r['tokens_per_sec']:,.0f} tok/s" if r.get("tokens_per_sec") else "compiling"
     return (
         f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {gn} | "
-        f"{r['tokens_per_sec']:,.0f} tok/s | MFU {mfu} | {mem.strip()}"
+        f"{speed} | MFU {mfu} | {mem.strip()}"
     )

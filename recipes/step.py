@@ -31,6 +31,7 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
     """
     step_loss = torch.zeros((), device=accelerator.device)
     grad_norm = None
+    scaled = loss_scaling(accelerator, net)  # fp16: an overflow skips the step instead of stopping the run
     for i, micro in enumerate(micro_batches):
         micro = {k: v.to(accelerator.device, non_blocking=True) for k, v in micro.items()}
         with accelerator.accumulate(net):  # no gradient sync until the last micro batch
@@ -42,7 +43,7 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
                 # Before the backward that ends the step (under DeepSpeed it also steps the optimizer).
                 # Collective: the sum of the ranks' partial losses is the global batch's token-mean loss.
                 global_loss = accelerator.reduce(step_loss, reduction="sum").item()
-                if not math.isfinite(global_loss):
+                if not math.isfinite(global_loss) and not scaled:
                     raise NonFiniteLossError(
                         f"loss is {global_loss} at step {step}; stopped before the optimizer step, the weights of "
                         "the last checkpoint are untouched (lower --learning_rate, or train in bf16)"
@@ -50,7 +51,7 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
             accelerator.backward(loss * loss_scale)
             if accelerator.sync_gradients:
                 grad_norm = clip_gradients(accelerator, net, max_grad_norm)  # collective under FSDP/ZeRO
-                if grad_norm is not None and not math.isfinite(grad_norm):
+                if grad_norm is not None and not math.isfinite(grad_norm) and not scaled:
                     raise NonFiniteLossError(
                         f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step"
                     )
@@ -60,6 +61,22 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
                 if grad_norm is None and hasattr(net, "get_global_grad_norm"):  # DeepSpeed's, after its step
                     grad_norm = float(net.get_global_grad_norm())
     return global_loss, grad_norm
+
+
+def loss_scaling(accelerator, net) -> bool:
+    """Whether fp16 loss scaling is in force (GPUs only): accelerate's GradScaler (DDP, one process) or FSDP2's
+    scaler, or DeepSpeed's dynamic loss scale. Under it a step whose gradients overflow is skipped by the scaler,
+    which then lowers the scale: counted by `step_was_skipped`, not a reason to stop."""
+    return accelerator.scaler is not None or bool(getattr(net, "fp16_enabled", lambda: False)())
+
+
+def step_was_skipped(optimizer) -> bool:
+    """Whether loss scaling skipped the optimizer step just taken (accelerate's optimizer wrappers report it,
+    from the GradScaler or DeepSpeed's overflow flag; always False without fp16)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if getattr(optimizer, "scaler", None) is None and not hasattr(inner, "overflow"):
+        return False  # no loss scaling: nothing can be skipped
+    return bool(optimizer.step_was_skipped)
 
 
 def clip_gradients(accelerator, net, max_norm: float) -> float | None:

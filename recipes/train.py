@@ -39,13 +39,14 @@ from recipes.distributed import (
     observe_strategy,
     requested_strategy,
     run_rank,
+    uncompiled,
     verify_strategy,
 )
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
 from recipes.preemption import Preempted, PreemptionWatch, stop_message
-from recipes.step import NonFiniteLossError, train_step
+from recipes.step import NonFiniteLossError, step_was_skipped, train_step
 
 logger = logging.getLogger("shardgpt")
 
@@ -132,13 +133,22 @@ def main(argv: list[str] | None = None) -> None:
                  "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
         return save_checkpoint(accelerator, cfg.output_dir, step, state, cfg.save_total_limit)
 
-    train_time, loss_sum, steps_since_log = 0.0, 0.0, 0
+    train_time, loss_sum, steps_since_log, timed_steps = 0.0, 0.0, 0, 0
+    # Under --torch_compile the first step of this process compiles the forward and backward: its time is
+    # logged as compile_time_s (compilation and that one step) and left out of step_time_s and tokens/s.
+    compiling, compile_time, skipped = cfg.torch_compile, None, 0
     while step < cfg.max_steps:
         t0 = time.perf_counter()
         loss, grad_norm = train_step(
             accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1
         )  # collectives inside: gradient reduction, the loss all-reduce, clipping
-        train_time += time.perf_counter() - t0  # the loss's .item() has synchronised the device
+        elapsed = time.perf_counter() - t0  # the loss's .item() has synchronised the device
+        if compiling:
+            compile_time, compiling = elapsed, False
+            logger.info("torch.compile: the first step took %.1f s (compilation included)", elapsed)
+        else:
+            train_time, timed_steps = train_time + elapsed, timed_steps + 1
+        skipped += step_was_skipped(optimizer)  # fp16 only: an overflow skipped the update (GPUs)
         step += 1
         loss_sum, steps_since_log = loss_sum + loss, steps_since_log + 1
         progress.update(1)
@@ -149,22 +159,27 @@ def main(argv: list[str] | None = None) -> None:
                 (out / "strategy.json").write_text(json.dumps(seen, indent=2))
 
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            dt = train_time / steps_since_log  # training only: evaluation and saving are not counted
+            # Training only: evaluation, saving and compilation are not counted (None: no timed step since the log).
+            dt = train_time / timed_steps if timed_steps else None
             record = {
                 "step": step,
                 "loss": loss_sum / steps_since_log,  # mean over the steps since the last log, as the HF Trainer
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": grad_norm,
-                "tokens_per_sec": tokens_per_step / dt,
+                "tokens_per_sec": tokens_per_step / dt if dt else None,
                 "step_time_s": dt,
-                "mfu": flops_per_step / dt / world / peak if peak else None,
+                "mfu": flops_per_step / dt / world / peak if peak and dt else None,
                 "epoch": loader.epoch,
                 **memory_gb(accelerator.device),
             }
+            if compile_time is not None:  # once, in the first record after compilation
+                record["compile_time_s"], compile_time = compile_time, None
+            if cfg.fp16:  # steps whose update loss scaling skipped so far (overflowing gradients)
+                record["overflow_skipped_steps"] = skipped
             metrics.write(record)  # rank 0 writes the file; accelerate's trackers are rank-0 gated
             if is_main:
                 progress.write(format_record(record))
-            train_time, loss_sum, steps_since_log = 0.0, 0.0, 0
+            train_time, loss_sum, steps_since_log, timed_steps = 0.0, 0.0, 0, 0
 
         if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
             val = evaluate(accelerator, net, packed.validation, cfg)  # collective: all ranks, reduced sums
@@ -185,9 +200,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # ------------------------------------------------------------------ export
     # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
-    state_dict = full_state_dict(accelerator, net)
+    state_dict = full_state_dict(accelerator, uncompiled(net))
     if is_main:  # rank 0 only: file writes
-        unwrapped = accelerator.unwrap_model(net)
+        unwrapped = accelerator.unwrap_model(uncompiled(net))
         unwrapped.config.use_cache = True
         if unwrapped.config.tie_word_embeddings:  # ZeRO-1/2's state dict repeats tied weights; store them once
             for tied in unwrapped._tied_weights_keys:

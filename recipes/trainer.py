@@ -100,6 +100,8 @@ class MetricsCallback(TrainerCallback):
         self.metrics = MetricsWriter(trainer.accelerator, trainer.args.output_dir)
         self.train_time, self.steps, self.t0 = 0.0, 0, 0.0
         self.seen, self.shares = {}, None
+        # Under torch_compile the first step compiles: timed apart as compile_time_s, as recipes/train.py does.
+        self.compiling, self.compile_time = trainer.args.torch_compile, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         model, optimizer = self.trainer.model_wrapped, self.trainer.optimizer
@@ -113,7 +115,11 @@ class MetricsCallback(TrainerCallback):
         self.t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.train_time, self.steps = self.train_time + time.perf_counter() - self.t0, self.steps + 1
+        elapsed = time.perf_counter() - self.t0
+        if self.compiling:
+            self.compile_time, self.compiling = elapsed, False
+        else:
+            self.train_time, self.steps = self.train_time + elapsed, self.steps + 1
         if self.shares is not None:  # the first optimizer step has run
             self.seen |= self.shares.read(self.seen["parameters"])
             self.shares = None
@@ -123,7 +129,7 @@ class MetricsCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in logs:
-            dt = self.train_time / max(self.steps, 1)
+            dt = self.train_time / self.steps if self.steps else None  # None: only the compiling step
             scheduler = kwargs.get("lr_scheduler")
             record = {
                 "step": state.global_step,
@@ -137,6 +143,8 @@ class MetricsCallback(TrainerCallback):
                 "epoch": logs.get("epoch"),
                 **memory_gb(args.device),
             }
+            if self.compile_time is not None:  # once, in the first record after compilation
+                record["compile_time_s"], self.compile_time = self.compile_time, None
             self.train_time, self.steps = 0.0, 0
         elif "eval_loss" in logs:
             loss = logs["eval_loss"]
@@ -177,7 +185,9 @@ def cpu_ranks(strategy) -> dict:
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     keep_zero3_param_dtype()  # the engine's ZeRO-3 partitions keep fp32 on CPU (see recipes/distributed.py)
     PartialState(backend="gloo", timeout=timedelta(minutes=30))  # collective: initialises the process group
-    return {"accelerator_config": {"use_configured_state": True}}
+    # use_cpu: TrainingArguments refuses --bf16 without a GPU unless it is set; with the configured state above it
+    # changes nothing else (DeepSpeed stays in force, as strategy.json shows).
+    return {"accelerator_config": {"use_configured_state": True}, "use_cpu": True}
 
 
 def training_arguments(cfg: RunConfig, strategy) -> TrainingArguments:

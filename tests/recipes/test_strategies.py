@@ -38,6 +38,8 @@ DDP = {"engine": "DistributedDataParallel", "zero_stage": 0, "inner": "AdamW", "
 FSDP = {"engine": "FSDPShardGPTForCausalLM", "zero_stage": 0, "inner": "AdamW", "shares": (HALF, HALF, HALF),
         "reshard_after_forward": [True], "fsdp_offload_policy": ["OffloadPolicy"]}  # fmt: skip
 ZERO = {"engine": "DeepSpeedEngine", "inner": "AdamW"}
+FSDP_NO_CASTS = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None}
+FP32_ZERO = {"bf16": False, "fp16": False, "communication_data_type": "float32", "grad_accum_dtype": "float32"}
 EXPECTED = {
     "ddp": DDP,
     "fsdp": FSDP,
@@ -115,6 +117,12 @@ def assert_in_force(seen: dict, strategy: str) -> None:
         "fsdp_sharding_strategy",
     ):
         assert seen.get(key) == want.get(key), f"{key}: {seen}"
+    # fp32 throughout (precision in force: docs/precision.md): fp32 parameters, no autocast, FSDP2's policy with no
+    # dtype set, and DeepSpeed with bf16/fp16 off and fp32 gradient communication and accumulation.
+    assert (seen["parameter_dtypes"], seen["autocast"]) == (["float32"], False), seen
+    assert seen.get("fsdp_mixed_precision") in (None, FSDP_NO_CASTS), seen
+    if seen["zero_stage"]:
+        assert seen["deepspeed_precision"] == FP32_ZERO, seen
     on_nvme = (seen.get("local_parameter_fraction_on_nvme", 0), seen["local_optimizer_state_fraction_on_nvme"])
     assert on_nvme == pytest.approx(want.get("nvme", (0, 0)), abs=0.02), f"(params, optimizer states) on NVMe: {seen}"
 
