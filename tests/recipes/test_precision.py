@@ -276,3 +276,27 @@ def test_compiled_ddp_is_read_through_not_rewritten(tmp_path):
         assert seen["compiled"] is True and seen["engine"] == "DistributedDataParallel", seen
     finally:
         destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("launcher", "deepspeed"), [("python", None), ("torchrun", "zero2")], ids=["gradscaler", "zero2"]
+)
+def test_fp16_overflow_skips_the_step_and_is_counted(launcher, deepspeed, corpus, tmp_path):
+    """fp16 with loss scaling (accelerate's GradScaler in one process, DeepSpeed's dynamic loss scale): a step
+    whose loss and gradients are not finite (the `nan@3` fault) is skipped by the scaler and counted in
+    `overflow_skipped_steps`, and the run goes on to its last step instead of stopping as fp32 and bf16 do."""
+    if not torch.cuda.is_available():
+        pytest.skip(
+            "fp16 loss scaling needs a CUDA GPU: on CPU accelerate runs no fp16 AMP and the script refuses fp16"
+        )
+    cmd = launcher_command(launcher, nproc=1)
+    args = [*corpus["flags"], *TRAIN, *ONE, "--fp16", "--max_steps=6"]
+    if deepspeed:
+        args.append(f"--deepspeed=ds_configs/{deepspeed}.json")
+    run = launch(cmd, args, tmp_path / "out", env={"SHARDGPT_FAULT": "nan@3"})
+    losses = run.own_losses
+    assert sorted(losses) == list(range(1, 7)), f"the run stopped early: {sorted(losses)}"
+    skipped = [r["overflow_skipped_steps"] for r in run.records if "overflow_skipped_steps" in r]
+    assert skipped and skipped[-1] >= 1, f"no skipped step counted: {skipped}"
