@@ -474,10 +474,11 @@ def strategy_of(r: Result) -> str:
     return r.name.removesuffix(f" {r.precision}") if r.precision else r.name
 
 
-def baseline(results: list[Result], r: Result, strategy: str, precision: str | None) -> Result | None:
-    """The run of `strategy` in `precision` that `r` is compared with (None: it did not run, or is `r`)."""
+def baseline(results: list[Result], strategy: str, precision: str | None) -> Result | None:
+    """The run of `strategy` in `precision` that a run is compared with (None: it did not run). DDP's own row is
+    compared with itself: 0, as the report has always shown it."""
     found = (b for b in results if b.ok and strategy_of(b) == strategy and b.precision == precision)
-    return next((b for b in found if b is not r), None)
+    return next(found, None)
 
 
 def max_loss_difference(r: Result, base: Result | None) -> float | None:
@@ -487,9 +488,9 @@ def max_loss_difference(r: Result, base: Result | None) -> float | None:
 
 def add_loss_differences(results: list[Result]) -> None:
     for r in results:
-        r.loss_diff_vs_ddp = max_loss_difference(r, baseline(results, r, "ddp", r.precision))
+        r.loss_diff_vs_ddp = max_loss_difference(r, baseline(results, "ddp", r.precision))
         if r.precision not in (None, "fp32"):
-            r.loss_diff_vs_fp32 = max_loss_difference(r, baseline(results, r, strategy_of(r), "fp32"))
+            r.loss_diff_vs_fp32 = max_loss_difference(r, baseline(results, strategy_of(r), "fp32"))
 
 
 def rel(path: Path) -> str:

@@ -139,7 +139,8 @@ def test_fsdp_wrap_class_missing_is_refused(corpus, tmp_path):
     run = launch(cmd, [*corpus["flags"], *FAST, "--per_device_train_batch_size=4"], tmp_path / "out", check=False)
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2, run.stderr[-3000:]  # one line from each rank, before any process group
+    # One line from each rank, before any process group; the launcher may stop the second rank before it prints.
+    assert len(errors) in (1, 2), run.stderr[-3000:]
     assert all(
         "fsdp_transformer_layer_cls_to_wrap names ['LlamaDecoderLayer'], which this model does not have; set it to "
         "['ShardGPTDecoderLayer'] or remove it" in line

@@ -255,6 +255,7 @@ def test_compare_runs_every_strategy_in_each_precision():
     fsdp_bf16 = results[-1]
     assert (fsdp_bf16.loss_diff_vs_ddp, fsdp_bf16.loss_diff_vs_fp32) == (0.5, 0.75)
     assert results[2].loss_diff_vs_ddp == 0.25 and results[2].loss_diff_vs_fp32 is None
+    assert (results[0].loss_diff_vs_ddp, results[1].loss_diff_vs_ddp) == (0, 0)  # DDP's rows against themselves
     with pytest.raises(SystemExit):
         parse_args(["--precisions", "fp32,bf16", "--bf16"])  # the precision is compare.py's to set
 
