@@ -647,8 +647,8 @@ def plot(results: list[Result], out: Path) -> list[str]:
         look = dict(linestyle=styles[i % 4], color=colors[(2 * i) % 20 + (2 * i) // 20 % 2])
         steps = sorted(r.losses)
         axes[0][0].plot(steps, [r.losses[s] for s in steps], label=r.name, linewidth=1.2, **look)
-        base = baseline(ok, r, "ddp", r.precision)
-        if base is not None:
+        base = baseline(ok, "ddp", r.precision)
+        if base is not None and base is not r:  # DDP's own difference is 0 everywhere: nothing to draw
             common = [s for s in steps if s in base.losses]
             diffs = [max(abs(r.losses[s] - base.losses[s]), 1e-10) for s in common]
             axes[1][0].plot(common, diffs, marker=".", linewidth=1, **look)
