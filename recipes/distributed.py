@@ -513,11 +513,7 @@ def observe_precision(model: torch.nn.Module) -> dict:
 
 
 def _observe_sharding(model: torch.nn.Module, optimizer) -> dict:
-    chain = [type(optimizer).__name__]  # accelerate's wrapper, the ZeRO optimizer, the torch optimizer
-    inner = optimizer
-    while getattr(inner, "optimizer", None) is not None:
-        inner = inner.optimizer
-        chain.append(type(inner).__name__)
+    chain = [type(o).__name__ for o in optimizer_chain(optimizer)]
     seen = {"engine": type(model).__name__, "optimizer_chain": chain, "zero_stage": 0,
             "offload_param": "none", "offload_optimizer": "none"}  # fmt: skip
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
@@ -609,6 +605,15 @@ def _fsdp_param_group(module: torch.nn.Module):
     return getattr(state, "_fsdp_param_group", None)
 
 
+def optimizer_chain(optimizer) -> list:
+    """The optimizer and what it wraps, outermost first: accelerate's wrapper, a ZeRO optimizer, the torch
+    optimizer that updates the weights."""
+    chain = [optimizer]
+    while getattr(chain[-1], "optimizer", None) is not None:
+        chain.append(chain[-1].optimizer)
+    return chain
+
+
 class StateShares:
     """This rank's share of the gradients and of Adam's states, measured at the first optimizer step.
 
@@ -618,9 +623,7 @@ class StateShares:
     (ZeRO pads partitions). Optimizer states swapped to NVMe are not in memory and count 0 here."""
 
     def __init__(self, optimizer):
-        self.chain = [optimizer]
-        while getattr(self.chain[-1], "optimizer", None) is not None:
-            self.chain.append(self.chain[-1].optimizer)
+        self.chain = optimizer_chain(optimizer)
         self.inner = self.chain[-1]
         self.grads: dict[int, int] = {}
         self.handle = self.inner.register_step_pre_hook(self._count_grads)
