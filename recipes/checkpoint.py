@@ -24,15 +24,16 @@ import shutil
 import zlib
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import faults
+from . import faults, portable
 from .distributed import all_ranks_max
+from .portable import STATE
 
 MARKER = "checkpoint_complete"
-STATE = "trainer_state.json"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 # First save, nothing to measure yet: fp32 weights (4 bytes a parameter), Adam's two moments (8), and a mixed-precision
 # copy or master weights (4); the small files (RNG, scheduler, trainer state) fit in the margin.
@@ -152,6 +153,33 @@ def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> 
     return path
 
 
+def check_resume(cfg, strategy_name: str, world: int) -> None:
+    """Before the process group, on every rank: the checkpoint `--resume_from_checkpoint` points at (unverified
+    yet: rank 0 verifies it later) must have this launch's global batch, and, written under another strategy or
+    number of ranks, be one that converts."""
+    arg = cfg.resume_from_checkpoint
+    if arg == "auto":
+        complete = [p for _, p in checkpoints(cfg.output_dir) if is_complete(p)]
+        path = complete[-1] if complete else None
+    else:
+        path = Path(arg) if arg is not None and is_complete(Path(arg)) else None
+    if path is None:
+        return  # nothing to resume, or resolve_resume refuses it
+    state = json.loads((path / STATE).read_text())
+    run, saved = state["run_config"], state["strategy"]
+    was, now = state["loader"]["global_batch_size"], cfg.global_batch(world)
+    if was != now:
+        raise ValueError(
+            f"checkpoint {str(path)!r} trained with a global batch of {was} (micro {run['per_device_train_batch_size']}"
+            f" x accumulation {run['gradient_accumulation_steps']} x world {saved['world_size']}); this launch gives "
+            f"{now} (micro {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps} x world "
+            f"{world}): pass --global_batch_size {was}"
+        )
+    why = portable.refusal(saved, strategy_name, world)
+    if why is not None:
+        raise ValueError(f"checkpoint {str(path)!r}: {why}")
+
+
 def resolve_resume_once(accelerator: Accelerator, arg: str | None, output_dir: str, checksums: bool) -> Path | None:
     """`resolve_resume` on rank 0 alone (one reader of the checkpoint files), its verdict, or its refusal, sent to
     every rank: all resume from the same checkpoint or all stop with the same error."""
@@ -261,10 +289,12 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict) -> dict:
+def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict, strategy_name: str, prepared) -> dict:
     """Restore model, optimizer, scheduler and RNG on every rank (a collective); returns trainer_state.
 
-    A checkpoint of a differently shaped model is refused before anything is loaded."""
+    `prepared` is (model, optimizer, scheduler) as `accelerator.prepare` returned them. A checkpoint written under
+    this strategy family and number of ranks loads natively; any other through the neutral form
+    (recipes/portable.py). A checkpoint of a differently shaped model is refused before anything is loaded."""
     state = json.loads((path / STATE).read_text())
     saved = state.get("model_config", {})
     shape_keys = (
@@ -278,8 +308,35 @@ def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict) ->
             f"checkpoint {str(path)!r} holds a different model ({detail}): resume with the same --preset and "
             "tokenizer, or start afresh in a new --output_dir"
         )
-    accelerator.load_state(str(path))
+    saved, world = state["strategy"], accelerator.num_processes
+    if not portable.needs_conversion(saved, strategy_name, world):
+        accelerator.load_state(str(path))
+        return state
+    model, optimizer, scheduler = prepared
+    portable.load_neutral(model, optimizer, neutral_form(accelerator, path))  # collective
+    portable.load_around(path, optimizer, scheduler, accelerator.process_index, saved["world_size"] == world)
+    logger.info("converted %s (%s on %d ranks) for %s", path, saved["strategy"], saved["world_size"], strategy_name)
     return state
+
+
+def neutral_form(accelerator: Accelerator, path: Path) -> dict:
+    """The checkpoint's neutral form, converted by rank 0 alone the first time (a collective: the others wait,
+    then every rank reads it)."""
+    target = path / portable.NEUTRAL
+    error = [None]
+    if accelerator.is_main_process and not target.is_file():  # rank 0 only: one process converts and writes
+        try:
+            neutral = portable.read_checkpoint(path)
+            tmp = target.with_suffix(".tmp")
+            torch.save(neutral, tmp)
+            os.replace(tmp, target)
+        except Exception as e:  # every rank must learn it, or the others would wait forever
+            error = [f"converting {str(path)!r} failed: {type(e).__name__}: {e}"]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(error)  # collective: rank 0's outcome to every rank; a barrier
+    if error[0] is not None:
+        raise RuntimeError(error[0])
+    return torch.load(target, weights_only=False)
 
 
 def _write_json(path: Path, obj: dict) -> None:

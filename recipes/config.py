@@ -47,6 +47,11 @@ class RunConfig(DataArguments):
     per_device_train_batch_size: int = arg(8, "Micro batch: sequences per rank per forward pass.")
     per_device_eval_batch_size: int = arg(8, "Sequences per rank per evaluation forward pass.")
     gradient_accumulation_steps: int = arg(1, "Micro batches per optimizer step.")
+    global_batch_size: int | None = arg(
+        None,
+        "Sequences per optimizer step over all ranks; sets --gradient_accumulation_steps to global / (micro x "
+        "world), so a run can change its number of ranks and keep its batch.",
+    )
     learning_rate: float = arg(1e-3, "Peak learning rate of AdamW.")
     min_lr_ratio: float = arg(0.1, "The cosine schedule decays to learning_rate x min_lr_ratio.")
     weight_decay: float = arg(0.1, "AdamW weight decay, applied to matrices only.")
@@ -106,7 +111,7 @@ class RunConfig(DataArguments):
     def mixed_precision(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
 
-    def global_batch_size(self, world_size: int) -> int:
+    def global_batch(self, world_size: int) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +141,7 @@ class RunConfig(DataArguments):
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"--preset {self.preset!r} is unknown; valid presets: {', '.join(PRESET_NAMES)}")
         self.model_config()  # a bad --config_overrides fails here, naming the field
+        self.derive_accumulation(world_size)
         positive = (
             "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
             "max_steps", "logging_steps",
@@ -180,6 +186,24 @@ class RunConfig(DataArguments):
             )
         self.validate_output_dir()
 
+    def derive_accumulation(self, world_size: int) -> None:
+        """--global_batch_size fixes the accumulation: global / (micro x world), which must be a whole number."""
+        if self.global_batch_size is None:
+            return
+        micro, g = self.per_device_train_batch_size, self.global_batch_size
+        if micro < 1 or world_size < 1 or g < 1 or g % (micro * world_size):
+            raise ValueError(
+                f"--global_batch_size {g} is not a multiple of micro {micro} x world {world_size} = "
+                f"{micro * world_size}: pass a --global_batch_size that is, or another --per_device_train_batch_size"
+            )
+        accum = g // (micro * world_size)
+        if self.gradient_accumulation_steps not in (1, accum):
+            raise ValueError(
+                f"--gradient_accumulation_steps {self.gradient_accumulation_steps} contradicts --global_batch_size "
+                f"{g} (micro {micro} x world {world_size} gives accumulation {accum}): pass only one of them"
+            )
+        self.gradient_accumulation_steps = accum
+
     def validate_output_dir(self) -> None:
         """Refuse to train over saved checkpoints unless told to resume or overwrite: nothing saved is lost."""
         out = Path(self.output_dir)
@@ -194,7 +218,7 @@ class RunConfig(DataArguments):
             )
 
     def check_data_size(self, num_train_blocks: int, world_size: int) -> None:
-        g = self.global_batch_size(world_size)
+        g = self.global_batch(world_size)
         if num_train_blocks < g:
             raise ValueError(
                 f"the training data has {num_train_blocks} blocks of {self.block_size} tokens, fewer than one "

@@ -448,7 +448,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         "training flags",
         OK,
         f"preset {cfg.preset} ({params / 1e6:,.1f}M parameters before the tokenizer's vocabulary), {precision}, "
-        f"global batch {cfg.global_batch_size(world)} = micro {cfg.per_device_train_batch_size} x accumulation "
+        f"global batch {cfg.global_batch(world)} = micro {cfg.per_device_train_batch_size} x accumulation "
         f"{cfg.gradient_accumulation_steps} x world {world}",
     )
     if cfg.bf16 and not bf16_ok:
@@ -488,7 +488,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
             "reshard after forward": fsdp.get("fsdp_reshard_after_forward", True),
             "offload params": fsdp.get("fsdp_offload_params", False),
             "state dict": fsdp.get("fsdp_state_dict_type"),
-            "global batch": f"{cfg.global_batch_size(world)} (= micro x accumulation x world {world})",
+            "global batch": f"{cfg.global_batch(world)} (= micro x accumulation x world {world})",
             "precision": precision,
         })  # fmt: skip
     name = strategy_name(launch, ds, world)

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     seen = verify_strategy(accelerator, net, strategy)
 
     # Random tokens, the same on every rank, through the real loader (this rank's micro batches).
-    global_batch = cfg.global_batch_size(world)
+    global_batch = cfg.global_batch(world)
     generator = torch.Generator().manual_seed(cfg.seed)
     blocks = torch.randint(0, config.vocab_size, (global_batch, cfg.block_size + 1), generator=generator)
     loader = iter(ShardedLoader(blocks, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, world,

@@ -26,7 +26,13 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 import model as shardgpt
 from data import ShardedLoader, iter_eval_batches, prepare_data
 from recipes import faults
-from recipes.checkpoint import CheckpointSpaceError, load_checkpoint, resolve_resume_once, save_checkpoint
+from recipes.checkpoint import (
+    CheckpointSpaceError,
+    check_resume,
+    load_checkpoint,
+    resolve_resume_once,
+    save_checkpoint,
+)
 from recipes.config import RunConfig
 from recipes.distributed import (
     BAD_INPUT,
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg.validate(world)
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
+    check_resume(cfg, strategy.name, world)  # the global batch, and a checkpoint of another strategy converts
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
         check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(config))
@@ -111,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     # Rank 0 picks and verifies the checkpoint (sizes, and checksums unless skipped); collective: every rank gets it.
     resume = resolve_resume_once(accelerator, cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums)
     if resume is not None:
-        state = load_checkpoint(accelerator, resume, config.to_dict())  # collective: every rank loads its shard
+        # collective: every rank loads its shard; a checkpoint of another strategy or world size converts first
+        state = load_checkpoint(accelerator, resume, config.to_dict(), strategy.name, (net, optimizer, scheduler))
         loader.load_state_dict(state["loader"])
         step = state["step"]
         logger.info("resumed from %s at step %d", resume, step)

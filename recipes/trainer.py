@@ -66,7 +66,7 @@ class ShardGPTTrainer(Trainer):
         # ShardedLoader's order; accelerate deals batch k to rank k % world, as ShardedLoader does.
         n = len(self.train_dataset if train_dataset is None else train_dataset)
         cfg = self.run_config
-        return EpochSampler(n, cfg.global_batch_size(self.args.world_size), cfg.seed)
+        return EpochSampler(n, cfg.global_batch(self.args.world_size), cfg.seed)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         # The Trainer counts targets only in batches that carry `labels`; ours carry `shift_labels`. The count
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         data_collator=default_data_collator, processing_class=packed.tokenizer, run_config=cfg,
         fused_adamw=args.device.type == "cuda" and "offload" not in strategy.name,
     )  # fmt: skip
-    tokens_per_step = cfg.global_batch_size(world) * cfg.block_size
+    tokens_per_step = cfg.global_batch(world) * cfg.block_size
     flops = flops_per_token(config, cfg.block_size) * tokens_per_step
     peak = peak_flops(args.device, cfg.peak_flops)
     trainer.add_callback(MetricsCallback(trainer, strategy, tokens_per_step, flops, peak))

@@ -60,7 +60,7 @@ def main() -> None:
     verify_strategy(accelerator, net, strategy)
     net.train()
     losses, counts = [], []
-    for step, (ids, labels) in enumerate(global_batches(cfg.global_batch_size(world), config.vocab_size), 1):
+    for step, (ids, labels) in enumerate(global_batches(cfg.global_batch(world), config.vocab_size), 1):
         micro = rank_micro_batches(ids, labels, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
                                    world, accelerator.process_index)  # fmt: skip
         counts.append([int((m["shift_labels"] != -100).sum()) for m in micro])

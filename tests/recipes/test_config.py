@@ -35,7 +35,7 @@ def test_every_shipped_json_resolves_without_leftover_auto(path, tmp_path):
 
 
 def test_global_batch_arithmetic():
-    assert cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2).global_batch_size(3) == 24
+    assert cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2).global_batch(3) == 24
 
 
 # (the JSON's change, what the error names, the fix it gives)

@@ -1,0 +1,234 @@
+"""Checkpoints across strategies and numbers of ranks, through one strategy-neutral form.
+
+The neutral form is a dict keyed by the HF parameter names: the full fp32 weights, AdamW's `exp_avg` and
+`exp_avg_sq`, and the optimizer step. `read_checkpoint` builds it offline, in one process, from what each strategy
+writes, with the libraries' own readers: DeepSpeed's `ds_to_universal` for ZeRO-1/2/3, torch's `dcp_to_torch_save`
+for FSDP2's torch.distributed.checkpoint folders, plain files for DDP and one process. `load_neutral` puts it into
+the objects `accelerator.prepare` returned, with the libraries' own setters: torch's `set_model_state_dict` and
+`set_optimizer_state_dict` (full state dicts) for DDP and FSDP, DeepSpeed's `safe_set_full_fp32_param` and
+`safe_set_full_optimizer_state` for ZeRO. The scheduler, the data position and (same number of ranks) the RNG
+states are the checkpoint's own files, which every strategy writes alike.
+
+A resume under the strategy and number of ranks that wrote the checkpoint loads it natively
+(`accelerator.load_state`); any other goes through the neutral form, converted once by rank 0 into the checkpoint
+directory (`neutral.pt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATE = "trainer_state.json"
+NEUTRAL = "neutral.pt"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+# ---------------------------------------------------------------------- which checkpoints convert
+
+
+def family(strategy_name: str) -> str:
+    """What decides the checkpoint's files: `zero1`..`zero3` (offload aside), `fsdp1`, `fsdp` (FSDP2) or `plain`
+    (DDP and one process)."""
+    if strategy_name.startswith("zero"):
+        return strategy_name[:5]
+    if strategy_name.startswith("fsdp1"):
+        return "fsdp1"
+    return "fsdp" if strategy_name.startswith("fsdp") else "plain"
+
+
+def needs_conversion(saved: dict, strategy_name: str, world: int) -> bool:
+    """Whether a checkpoint written under `saved` (its trainer state's strategy) loads natively here."""
+    return family(saved["strategy"]) != family(strategy_name) or saved["world_size"] != world
+
+
+def refusal(saved: dict, strategy_name: str, world: int) -> str | None:
+    """Why a checkpoint written under `saved` cannot resume in this launch, or None."""
+    if not needs_conversion(saved, strategy_name, world):
+        return None
+    for name, where in ((saved["strategy"], "the checkpoint's"), (strategy_name, "this launch's")):
+        if "nvme" in name or family(name) == "fsdp1":
+            return (
+                f"{saved['strategy']} on {saved['world_size']} ranks cannot resume under {strategy_name} on {world} "
+                f"ranks: {where} {name} is not converted (NVMe swap files, FSDP1's flat parameters); resume under "
+                "the strategy and ranks that wrote it, or move between DDP, FSDP2 and ZeRO-1/2/3 with or without "
+                "CPU offload"
+            )
+    return None
+
+
+# ---------------------------------------------------------------------- reading a checkpoint, offline
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The neutral form of a checkpoint: {"step", "weights", "exp_avg", "exp_avg_sq"}, tensors on the CPU."""
+    path = Path(path)
+    kind = family(json.loads((path / STATE).read_text())["strategy"]["strategy"])
+    if kind.startswith("zero"):
+        return _read_zero(path)
+    if kind == "fsdp":
+        return _read_dcp(path)
+    if kind == "plain":
+        return _read_plain(path)
+    raise ValueError(f"checkpoint {str(path)!r} was written by {kind}, whose checkpoints are not converted")
+
+
+def _read_zero(path: Path) -> dict:
+    """DeepSpeed's universal checkpoint: one folder per parameter with fp32.pt, exp_avg.pt and exp_avg_sq.pt.
+    accelerate's save path does not record the `universal_checkpoint_info` DeepSpeed asks for; its defaults (no
+    tensor or pipeline parallelism) are what `inject_missing_state` fills in."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    tag = (path / "latest").read_text().strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = argparse.Namespace(
+            input_folder=str(path / tag), output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
+            keep_temp_folder=False, strict=True, inject_missing_state=True,
+        )  # fmt: skip
+        ds_to_universal(args)
+        zero = Path(tmp) / "zero"
+        neutral = {"weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
+            for key, file in (("weights", "fp32"), *((m, m) for m in MOMENTS)):
+                neutral[key][folder.name] = _param(torch.load(folder / f"{file}.pt", weights_only=False))
+        step_files = sorted(zero.glob("*/step.pt"))
+        if step_files:  # ZeRO-1/2: a step per parameter, all equal
+            step = torch.load(step_files[0], weights_only=False)
+        else:  # ZeRO-3: in the common optimizer state
+            common = torch.load(zero / "optimizer_state.pt", weights_only=False)
+            step = common["optimizer_state_dict"]["state"][0]["step"]
+    return {"step": int(step), **neutral}
+
+
+def _param(saved) -> torch.Tensor:
+    return (saved["param"] if isinstance(saved, dict) else saved).float().contiguous()
+
+
+def _read_dcp(path: Path) -> dict:
+    """FSDP2's torch.distributed.checkpoint folders, gathered into one state dict each by torch's converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path / "pytorch_model_fsdp_0", Path(tmp) / "model.pt")
+        dcp_to_torch_save(path / "optimizer_0", Path(tmp) / "optimizer.pt")
+        weights = torch.load(Path(tmp) / "model.pt", weights_only=False)["model"]
+        optim = torch.load(Path(tmp) / "optimizer.pt", weights_only=False)["optimizer"]
+    return _from_optimizer_state(weights, optim["state"])
+
+
+def _read_plain(path: Path) -> dict:
+    """DDP's and one process's files: the model's safetensors and torch's optimizer state dict, whose parameters
+    are numbered in the order of the optimizer's parameter groups (rebuilt here on a meta model)."""
+    from safetensors.torch import load_file
+
+    from model import ShardGPTConfig, ShardGPTForCausalLM
+
+    from .optim import param_groups
+
+    state = json.loads((path / STATE).read_text())
+    with torch.device("meta"):
+        model = ShardGPTForCausalLM(ShardGPTConfig.from_dict(state["model_config"]))
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = param_groups(model, 0.0, state["run_config"]["decay_embeddings"])
+    order = [names[id(p)] for g in groups for p in g["params"]]
+    optim = torch.load(path / "optimizer.bin", weights_only=False)
+    numbers = [i for g in optim["param_groups"] for i in g["params"]]
+    by_name = {name: optim["state"][i] for name, i in zip(order, numbers, strict=True)}
+    return _from_optimizer_state(load_file(path / "model.safetensors"), by_name)
+
+
+def _from_optimizer_state(weights: dict, state: dict) -> dict:
+    """The neutral form from weights and an optimizer state keyed by parameter name."""
+    neutral = {"step": int(next(iter(state.values()))["step"]), "weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, moments in state.items():
+        neutral["weights"][name] = weights[name].float().contiguous()
+        for key in MOMENTS:
+            neutral[key][name] = moments[key].float().contiguous()
+    return neutral
+
+
+# ---------------------------------------------------------------------- loading into prepared objects
+
+
+def load_neutral(net, optimizer, neutral: dict) -> None:
+    """Weights, Adam's moments and step into the prepared model and optimizer (a collective: every rank calls it
+    with the same neutral form)."""
+    if hasattr(net, "zero_optimization_stage"):  # a DeepSpeedEngine
+        _load_zero(net, optimizer, neutral)
+    else:
+        _load_torch(net, optimizer, neutral)
+
+
+def _load_torch(net, optimizer, neutral: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from .distributed import optimizer_chain, uncompiled
+
+    full = StateDictOptions(full_state_dict=True)
+    module, torch_optimizer = uncompiled(net), optimizer_chain(optimizer)[-1]
+    weights = neutral["weights"]
+    template = get_model_state_dict(module, options=full)  # collective under FSDP: gathers, for the keys
+    tied = getattr(accelerated_module(module), "_tied_weights_keys", None) or {}
+    model_sd = {k: weights[k if k in weights else tied[k]].to(v.dtype) for k, v in template.items()}
+    set_model_state_dict(module, model_sd, options=full)  # collective under FSDP: each rank keeps its shard
+    optim_sd = get_optimizer_state_dict(module, torch_optimizer, options=full)  # collective; initialises the state
+    for name, state in optim_sd["state"].items():
+        state["step"] = torch.tensor(float(neutral["step"]), dtype=state["step"].dtype)
+        for key in MOMENTS:
+            state[key] = neutral[key][name].to(state[key].dtype)
+    set_optimizer_state_dict(module, torch_optimizer, optim_sd, options=full)  # collective under FSDP
+
+
+def accelerated_module(module):
+    """The model inside DDP (`module`), or the model itself."""
+    return getattr(module, "module", module)
+
+
+def _load_zero(engine, optimizer, neutral: dict) -> None:
+    """ZeRO-3 parameters are set through `GatheredParameters` (rank 0's full value re-partitioned); ZeRO-1/2 keep
+    whole parameters on every rank. The fp32 master copy and the moments go through DeepSpeed's setters, each rank
+    keeping its partition."""
+    from deepspeed import zero
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from .distributed import optimizer_chain
+
+    stage3 = engine.zero_optimization_stage() == 3
+    for name, param in engine.module.named_parameters():
+        full = neutral["weights"][name]
+        with zero.GatheredParameters([param], modifier_rank=0, enabled=stage3):  # collective under ZeRO-3
+            param.data.copy_(full.view_as(param).to(param.dtype))
+        safe_set_full_fp32_param(param, full)
+        for key in MOMENTS:
+            safe_set_full_optimizer_state(param, neutral[key][name], key)
+    inner = optimizer_chain(optimizer)[-1]  # the torch (or DeepSpeed CPU) Adam that holds the step
+    for state in inner.state.values():
+        step = state.get("step")
+        state["step"] = (
+            torch.tensor(float(neutral["step"]), dtype=step.dtype) if torch.is_tensor(step) else neutral["step"]
+        )
+
+
+def load_around(path: Path, optimizer, scheduler, rank: int, same_world: bool) -> None:
+    """The strategy-independent files: the scheduler (and the learning rate it sets for the next step), and each
+    rank's RNG states when the number of ranks is the checkpoint's."""
+    scheduler.load_state_dict(torch.load(path / "scheduler.bin", weights_only=False))
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    if same_world:
+        states = torch.load(path / f"random_states_{rank}.pkl", weights_only=False)
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
