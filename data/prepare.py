@@ -50,7 +50,8 @@ def prepare_data(
     atomically, so a rank that does not find them (a cache dir not shared between nodes) can safely
     build its own copy.
     """
-    args.validate(max_position_embeddings)
+    # DataArguments' own checks: a subclass's `validate` (the run config's) takes other arguments.
+    DataArguments.validate(args, max_position_embeddings)
     if wait_for_everyone is not None and not is_main_process:
         wait_for_everyone()
     data = _prepare(args, verbose=is_main_process)

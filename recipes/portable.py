@@ -69,20 +69,29 @@ def refusal(saved: dict, strategy_name: str, world: int) -> str | None:
 def read_checkpoint(path: Path) -> dict:
     """The neutral form of a checkpoint: {"step", "weights", "exp_avg", "exp_avg_sq"}, tensors on the CPU."""
     path = Path(path)
-    kind = family(json.loads((path / STATE).read_text())["strategy"]["strategy"])
+    state = json.loads((path / STATE).read_text())
+    kind = family(state["strategy"]["strategy"])
     if kind.startswith("zero"):
-        return _read_zero(path)
+        return _read_zero(path, meta_model(state))
     if kind == "fsdp":
         return _read_dcp(path)
     if kind == "plain":
-        return _read_plain(path)
+        return _read_plain(path, state)
     raise ValueError(f"checkpoint {str(path)!r} was written by {kind}, whose checkpoints are not converted")
 
 
-def _read_zero(path: Path) -> dict:
+def meta_model(state: dict) -> torch.nn.Module:
+    """The checkpoint's model without memory, for its parameter names, shapes and optimizer groups."""
+    from model import ShardGPTConfig, ShardGPTForCausalLM
+
+    with torch.device("meta"):
+        return ShardGPTForCausalLM(ShardGPTConfig.from_dict(state["model_config"]))
+
+
+def _read_zero(path: Path, model: torch.nn.Module) -> dict:
     """DeepSpeed's universal checkpoint: one folder per parameter with fp32.pt, exp_avg.pt and exp_avg_sq.pt.
     accelerate's save path does not record the `universal_checkpoint_info` DeepSpeed asks for; its defaults (no
-    tensor or pipeline parallelism) are what `inject_missing_state` fills in."""
+    tensor or pipeline parallelism) are what `inject_missing_state` fills in. ZeRO-3's come flat: reshaped here."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     tag = (path / "latest").read_text().strip()
@@ -94,9 +103,13 @@ def _read_zero(path: Path) -> dict:
         ds_to_universal(args)
         zero = Path(tmp) / "zero"
         neutral = {"weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+        # A tied weight (lm_head.weight) gets a folder of its own without moments: its parameter is the embedding.
+        for folder in sorted(p for p in zero.iterdir() if (p / "exp_avg.pt").is_file()):
             for key, file in (("weights", "fp32"), *((m, m) for m in MOMENTS)):
-                neutral[key][folder.name] = _param(torch.load(folder / f"{file}.pt", weights_only=False))
+                saved = torch.load(folder / f"{file}.pt", weights_only=False)
+                saved = saved["param"] if isinstance(saved, dict) else saved
+                neutral[key][folder.name] = saved.float().reshape(shapes[folder.name]).contiguous()
         step_files = sorted(zero.glob("*/step.pt"))
         if step_files:  # ZeRO-1/2: a step per parameter, all equal
             step = torch.load(step_files[0], weights_only=False)
@@ -104,10 +117,6 @@ def _read_zero(path: Path) -> dict:
             common = torch.load(zero / "optimizer_state.pt", weights_only=False)
             step = common["optimizer_state_dict"]["state"][0]["step"]
     return {"step": int(step), **neutral}
-
-
-def _param(saved) -> torch.Tensor:
-    return (saved["param"] if isinstance(saved, dict) else saved).float().contiguous()
 
 
 def _read_dcp(path: Path) -> dict:
@@ -122,18 +131,14 @@ def _read_dcp(path: Path) -> dict:
     return _from_optimizer_state(weights, optim["state"])
 
 
-def _read_plain(path: Path) -> dict:
+def _read_plain(path: Path, state: dict) -> dict:
     """DDP's and one process's files: the model's safetensors and torch's optimizer state dict, whose parameters
     are numbered in the order of the optimizer's parameter groups (rebuilt here on a meta model)."""
     from safetensors.torch import load_file
 
-    from model import ShardGPTConfig, ShardGPTForCausalLM
-
     from .optim import param_groups
 
-    state = json.loads((path / STATE).read_text())
-    with torch.device("meta"):
-        model = ShardGPTForCausalLM(ShardGPTConfig.from_dict(state["model_config"]))
+    model = meta_model(state)
     names = {id(p): n for n, p in model.named_parameters()}
     groups = param_groups(model, 0.0, state["run_config"]["decay_embeddings"])
     order = [names[id(p)] for g in groups for p in g["params"]]
@@ -205,6 +210,8 @@ def _load_zero(engine, optimizer, neutral: dict) -> None:
 
     from .distributed import optimizer_chain
 
+    inner = optimizer_chain(optimizer)[-1]  # the torch (or DeepSpeed CPU) Adam over this rank's fp32 partitions
+    init_zero_adam_state(engine.optimizer, inner)
     stage3 = engine.zero_optimization_stage() == 3
     for name, param in engine.module.named_parameters():
         full = neutral["weights"][name]
@@ -213,12 +220,27 @@ def _load_zero(engine, optimizer, neutral: dict) -> None:
         safe_set_full_fp32_param(param, full)
         for key in MOMENTS:
             safe_set_full_optimizer_state(param, neutral[key][name], key)
-    inner = optimizer_chain(optimizer)[-1]  # the torch (or DeepSpeed CPU) Adam that holds the step
     for state in inner.state.values():
         step = state.get("step")
         state["step"] = (
             torch.tensor(float(neutral["step"]), dtype=step.dtype) if torch.is_tensor(step) else neutral["step"]
         )
+
+
+def init_zero_adam_state(zero_optimizer, inner: torch.optim.Optimizer) -> None:
+    """Adam creates its moments at its first step, and this engine has not stepped yet, so DeepSpeed's setters have
+    nothing to write into. Created here as Adam would, zero, on the fp32 partitions they are keyed by (ZeRO-3 puts
+    its partitions in the optimizer's groups only during the step, so torch's state_dict API cannot create them);
+    ZeRO-1/2 then link each parameter to its share of them, as at their first step."""
+    flats = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3's
+    flats = flats or zero_optimizer.single_partition_of_fp32_groups  # ZeRO-1/2's
+    for flat in flats:
+        if not inner.state.get(flat):
+            # torch's Adam keeps the step as a float tensor; DeepSpeed's CPU Adam as an int
+            step = torch.tensor(0.0) if isinstance(inner, torch.optim.Adam) else 0
+            inner.state[flat] = {"step": step, **{key: torch.zeros_like(flat) for key in MOMENTS}}
+    if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2
+        zero_optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def load_around(path: Path, optimizer, scheduler, rank: int, same_world: bool) -> None:
