@@ -227,6 +227,39 @@ def _load_zero(engine, optimizer, neutral: dict) -> None:
         )
 
 
+def scheduler_state(path: Path) -> dict:
+    """accelerate's `scheduler.bin`, or, when the DeepSpeed engine owned the scheduler (a JSON that defines the
+    optimizer, as the offload configs do), the `lr_scheduler` entry of the engine's model states."""
+    if (path / "scheduler.bin").is_file():
+        return torch.load(path / "scheduler.bin", weights_only=False)
+    tag = (path / "latest").read_text().strip()
+    states = sorted((path / tag).glob("*model_states.pt"))
+    return torch.load(states[0], weights_only=False)["lr_scheduler"]
+
+
+def gather_neutral(net, optimizer) -> dict:
+    """The neutral form of the prepared model and optimizer, on every rank (a collective: ZeRO and FSDP gather their
+    shards), with the libraries' getters."""
+    from .distributed import optimizer_chain, uncompiled
+
+    inner = optimizer_chain(optimizer)[-1]
+    step = int(next(s for s in inner.state.values() if s)["step"])
+    if hasattr(net, "zero_optimization_stage"):  # a DeepSpeedEngine
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        neutral = {"step": step, "weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for name, param in net.module.named_parameters():  # collective per parameter
+            neutral["weights"][name] = safe_get_full_fp32_param(param).cpu()
+            for key in MOMENTS:
+                neutral[key][name] = safe_get_full_optimizer_state(param, key).cpu()
+        return neutral
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    weights, optim = get_state_dict(uncompiled(net), inner, options=full)  # collective under FSDP
+    return _from_optimizer_state(weights, optim["state"])
+
+
 def init_zero_adam_state(zero_optimizer, inner: torch.optim.Optimizer) -> None:
     """Adam creates its moments at its first step, and this engine has not stepped yet, so DeepSpeed's setters have
     nothing to write into. Created here as Adam would, zero, on the fp32 partitions they are keyed by (ZeRO-3 puts
@@ -246,7 +279,7 @@ def init_zero_adam_state(zero_optimizer, inner: torch.optim.Optimizer) -> None:
 def load_around(path: Path, optimizer, scheduler, rank: int, same_world: bool) -> None:
     """The strategy-independent files: the scheduler (and the learning rate it sets for the next step), and each
     rank's RNG states when the number of ranks is the checkpoint's."""
-    scheduler.load_state_dict(torch.load(path / "scheduler.bin", weights_only=False))
+    scheduler.load_state_dict(scheduler_state(path))
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
     if same_world:

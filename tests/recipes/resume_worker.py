@@ -1,0 +1,54 @@
+"""Launched by test_convert.py: prepares a run as recipes/train.py does, resumes it from a checkpoint (converted when
+another strategy or number of ranks wrote it), and gathers what was loaded. Rank 0 writes the neutral form of the
+loaded weights and Adam state to loaded.pt in the output directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from transformers import HfArgumentParser
+
+from recipes.checkpoint import check_resume, load_checkpoint, resolve_resume_once
+from recipes.config import RunConfig
+from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, run_rank
+from recipes.modeling import build_model
+from recipes.optim import make_optimizer, make_scheduler
+from recipes.portable import gather_neutral
+
+
+class Vocabulary:
+    """The corpus tokenizer's size (300, padded to a vocabulary of 384), without reading the corpus."""
+
+    eos_token_id = bos_token_id = 0
+
+    def __len__(self) -> int:
+        return 300
+
+
+def main() -> None:
+    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
+    world = launched_world_size()
+    cfg.validate(world)
+    config = cfg.model_config()
+    strategy = requested_strategy(cfg, config.hidden_size)
+    check_resume(cfg, strategy.name, world)
+    accelerator = make_accelerator(cfg, strategy)  # collective: the process group
+    set_seed(cfg.seed)
+    net = build_model(config, Vocabulary())
+    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
+    scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
+    prepared = accelerator.prepare(net, optimizer, scheduler)  # collective
+    path = resolve_resume_once(accelerator, cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums)
+    load_checkpoint(accelerator, path, config.to_dict(), strategy.name, prepared)  # collective
+    loaded = gather_neutral(*prepared[:2])  # collective
+    loaded["lr"] = prepared[2].get_last_lr()
+    if accelerator.is_main_process:  # rank 0 only: the file write
+        torch.save(loaded, Path(cfg.output_dir) / "loaded.pt")
+    accelerator.wait_for_everyone()  # collective
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    run_rank(main)
