@@ -34,10 +34,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def family(strategy_name: str) -> str:
-    """What decides the checkpoint's files: `zero1`..`zero3` (offload aside), `fsdp1`, `fsdp` (FSDP2) or `plain`
-    (DDP and one process)."""
+    """What decides the checkpoint's files: the ZeRO strategy itself (stage and offload: the offload JSONs hand the
+    schedule to the engine, which saves it elsewhere), `fsdp1`, `fsdp` (FSDP2, any sharding) or `plain` (DDP and one
+    process)."""
     if strategy_name.startswith("zero"):
-        return strategy_name[:5]
+        return strategy_name
     if strategy_name.startswith("fsdp1"):
         return "fsdp1"
     return "fsdp" if strategy_name.startswith("fsdp") else "plain"
@@ -71,7 +72,7 @@ def read_checkpoint(path: Path) -> dict:
     path = Path(path)
     state = json.loads((path / STATE).read_text())
     kind = family(state["strategy"]["strategy"])
-    if kind.startswith("zero"):
+    if kind.startswith("zero") and "nvme" not in kind:
         return _read_zero(path, meta_model(state))
     if kind == "fsdp":
         return _read_dcp(path)
@@ -265,8 +266,11 @@ def init_zero_adam_state(zero_optimizer, inner: torch.optim.Optimizer) -> None:
     nothing to write into. Created here as Adam would, zero, on the fp32 partitions they are keyed by (ZeRO-3 puts
     its partitions in the optimizer's groups only during the step, so torch's state_dict API cannot create them);
     ZeRO-1/2 then link each parameter to its share of them, as at their first step."""
-    flats = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3's
-    flats = flats or zero_optimizer.single_partition_of_fp32_groups  # ZeRO-1/2's
+    flats = (
+        getattr(zero_optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3's
+        or getattr(zero_optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2's
+        or zero_optimizer.fp32_groups_flat_partition  # ZeRO-1 in bf16 with fp32 accumulation: BF16_Optimizer's
+    )
     for flat in flats:
         if not inner.state.get(flat):
             # torch's Adam keeps the step as a float tensor; DeepSpeed's CPU Adam as an int
