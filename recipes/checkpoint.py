@@ -308,14 +308,14 @@ def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict, st
             f"checkpoint {str(path)!r} holds a different model ({detail}): resume with the same --preset and "
             "tokenizer, or start afresh in a new --output_dir"
         )
-    saved, world = state["strategy"], accelerator.num_processes
-    if not portable.needs_conversion(saved, strategy_name, world):
+    written, world = state["strategy"], accelerator.num_processes
+    if not portable.needs_conversion(written, strategy_name, world):
         accelerator.load_state(str(path))
         return state
     model, optimizer, scheduler = prepared
     portable.load_neutral(model, optimizer, neutral_form(accelerator, path))  # collective
-    portable.load_around(path, optimizer, scheduler, accelerator.process_index, saved["world_size"] == world)
-    logger.info("converted %s (%s on %d ranks) for %s", path, saved["strategy"], saved["world_size"], strategy_name)
+    portable.load_around(path, optimizer, scheduler, accelerator.process_index, written["world_size"] == world)
+    logger.info("converted %s (%s on %d ranks) for %s", path, written["strategy"], written["world_size"], strategy_name)
     return state
 
 
