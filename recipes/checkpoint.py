@@ -158,14 +158,17 @@ def check_resume(cfg, strategy_name: str, world: int) -> None:
     yet: rank 0 verifies it later) must have this launch's global batch, and, written under another strategy or
     number of ranks, be one that converts."""
     arg = cfg.resume_from_checkpoint
-    if arg == "auto":
-        complete = [p for _, p in checkpoints(cfg.output_dir) if is_complete(p)]
-        path = complete[-1] if complete else None
+    if arg == "auto":  # the one `auto` will pick, but for the checksums
+        intact = [p for _, p in checkpoints(cfg.output_dir) if is_complete(p) and damage(p, checksums=False) is None]
+        path = intact[-1] if intact else None
     else:
         path = Path(arg) if arg is not None and is_complete(Path(arg)) else None
-    if path is None:
-        return  # nothing to resume, or resolve_resume refuses it
-    state = json.loads((path / STATE).read_text())
+    try:
+        state = json.loads((path / STATE).read_text()) if path is not None else None
+    except ValueError:
+        state = None
+    if state is None:
+        return  # nothing to resume, or rank 0's verification refuses it after the process group
     run, saved = state["run_config"], state["strategy"]
     was, now = state["loader"]["global_batch_size"], cfg.global_batch(world)
     if was != now:
