@@ -132,16 +132,17 @@ def test_convert_checkpoint_writes_an_hf_folder_offline(corpus, tmp_path, tmp_pa
     assert neutral["step"] == 3 and set(neutral) == {"step", "weights", "exp_avg", "exp_avg_sq"}
     net = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert all(torch.equal(p, neutral["weights"][name]) for name, p in net.named_parameters())
-    # The checkpoint at step 6 holds the weights the run exported at its end.
-    converted = load_file(convert(src.output_dir / "checkpoint-6", tmp_path / "hf6") / "model.safetensors")
-    exported = load_file(src.output_dir / "model.safetensors")
-    assert all(torch.equal(converted[k], exported[k]) for k in exported)
+    # The checkpoint at step 6 holds the weights the run exported at its end; --llama writes a plain Llama folder.
+    llama = convert(src.output_dir / "checkpoint-6", tmp_path / "llama", "--llama")
+    assert json.loads((llama / "config.json").read_text())["model_type"] == "llama"
+    converted, exported = load_file(llama / "model.safetensors"), load_file(src.output_dir / "model.safetensors")
+    assert converted.keys() == exported.keys() and all(torch.equal(converted[k], exported[k]) for k in exported)
 
 
-def convert(checkpoint, out):
+def convert(checkpoint, out, *flags):
     """recipes/convert_checkpoint.py in one process, as a user runs it."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "convert_checkpoint.py"), str(checkpoint), str(out)],
+        [sys.executable, str(ROOT / "recipes" / "convert_checkpoint.py"), str(checkpoint), str(out), *flags],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
