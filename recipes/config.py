@@ -21,6 +21,8 @@ from typing import Any
 
 from data import DataArguments
 from model import PRESETS, ShardGPTConfig
+from recipes.profiling import parse_steps
+from recipes.watchdog import GPU_STEP_TIMEOUT, HUNG
 
 PRESET_NAMES = tuple(PRESETS)
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -83,6 +85,16 @@ class RunConfig(DataArguments):
         False, "On resume, check only the sizes of the checkpoint's files, not their CRC-32 (faster on huge ones)."
     )
     report_to: str = arg("none", f"Trackers, comma-separated: {', '.join(TRACKERS)}.")
+    profile: bool = arg(
+        False, "Record a torch.profiler trace of --profile_steps on every rank into output_dir/profile/rank<k>/."
+    )
+    profile_steps: str = arg("3-4", "The optimizer steps --profile records, `first-last` (counted from 1).")
+    step_timeout: float | None = arg(
+        None,
+        "Seconds a step (with its evaluation and checkpoint) may take before every rank dumps its stack to "
+        f"output_dir/hang/ and the run stops (exit status {HUNG}); 0: never. Default: {GPU_STEP_TIMEOUT:.0f} on GPUs, "
+        "off on CPU.",
+    )
     peak_flops: float | None = arg(None, "Peak FLOP/s of one device for MFU (default: from a table of GPUs).")
     sample_max_new_tokens: int = arg(64, "Tokens of the greedy sample printed at the end (0: none).")
     local_rank: int = arg(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
@@ -166,6 +178,12 @@ class RunConfig(DataArguments):
             raise ValueError("--bf16_gradient_reduction needs --bf16 (it lowers bf16 training's gradient reduction)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or unset to keep all)")
+        if self.profile and parse_steps(self.profile_steps)[1] > self.max_steps:
+            raise ValueError(
+                f"--profile_steps {self.profile_steps} ends after --max_steps {self.max_steps}: profile earlier steps"
+            )
+        if (self.step_timeout or 0) < 0:
+            raise ValueError(f"--step_timeout {self.step_timeout} must be 0 (off) or more seconds")
         unknown = set(self.report_to.split(",")) - set(TRACKERS)
         if unknown:
             raise ValueError(f"--report_to {self.report_to!r}: unknown {sorted(unknown)}; choose from {TRACKERS}")
