@@ -202,10 +202,10 @@ def main(argv: list[str] | None = None) -> None:
 
         watchdog.phase("save")
         saved = save() if cfg.save_steps and step % cfg.save_steps == 0 else None  # collective
+        watchdog.phase("agree_on_stop")
         faults.maybe_kill("kill", step, is_main)
         faults.maybe_signal(step, accelerator.process_index, world)
         faults.maybe_stall(step, accelerator.process_index, world)
-        watchdog.phase("agree_on_stop")
         stop = preemption.agreed(accelerator.device)  # collective: every rank stops after the same step
         if stop is not None and step < cfg.max_steps:
             raise Preempted(stop_message(stop, step, saved or save()))  # save: collective

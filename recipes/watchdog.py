@@ -112,15 +112,15 @@ def main_thread_frames(dump: str) -> list[dict]:
 def where_stuck(dump: str) -> str:
     """`phase P, in collective all_reduce (file:line)` or `phase P, at file:line in func`, from a rank's dump."""
     header = dump.splitlines()[0] if dump else ""
-    phase = re.search(r"phase (\S+)", header)
+    phase = re.search(r"phase (\S+):", header)
     frames = main_thread_frames(dump)
     said = f"step {header.split()[3]} phase {phase[1]}" if phase else "unknown phase"
     hits = [i for i, f in enumerate(frames) if any(part in f["file"] for part in COLLECTIVE_FILES)]
-    if hits:  # the innermost frame in torch.distributed (or DeepSpeed's comm), and our call that led there
+    if hits:  # the innermost frame in torch.distributed (or DeepSpeed's comm), and this project's calls to it
         collective = frames[hits[0]]
-        caller = next((f for f in frames[hits[0] :] if "site-packages" not in f["file"]), None)
-        via = f"; called from {short(caller)} in {caller['func']}" if caller else ""
-        return f"{said}, waiting in collective {collective['func']} ({short(collective)}{via})"
+        ours = [f for f in frames[hits[0] :] if "site-packages" not in f["file"] and f["func"] != "run_rank"]
+        via = " < ".join(f"{short(f)} {f['func']}" for f in ours[:3])
+        return f"{said}, waiting in collective {collective['func']} ({short(collective)}, called from {via})"
     if frames:
         return f"{said}, at {short(frames[0])} in {frames[0]['func']}"
     return said
