@@ -8,7 +8,6 @@ pytorch.org/memory_viz). Off, the profiler is `NO_PROFILER`, whose hooks do noth
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import torch
 from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
 
-logger = logging.getLogger("shardgpt")
 SUMMARY_ROWS = 15
 
 
@@ -68,8 +66,8 @@ class StepProfiler:
         if self.rank == 0:  # rank 0 only: one table for the run (every rank has its own trace)
             sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
             table = ops_only(self.torch_profiler.key_averages()).table(sort_by=sort, row_limit=SUMMARY_ROWS)
-            logger.info("profile of steps %d-%d (rank 0, top ops by self time):\n%s", self.first, self.last, table)
-            logger.info("traces of every rank in %s", self.folder.parent)
+            print(f"profile of steps {self.first}-{self.last} (rank 0, top ops by self time):\n{table}", flush=True)
+            print(f"traces of every rank in {self.folder.parent}", flush=True)
 
     @contextmanager
     def step(self, step: int):

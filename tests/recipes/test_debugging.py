@@ -101,8 +101,8 @@ def assert_traces(out: Path, steps: tuple[int, int]) -> None:
 def test_profile_writes_every_ranks_trace_and_one_summary(profiled):
     assert_traces(profiled.output_dir, (3, 4))
     summary = r"profile of steps 3-4 \(rank 0, top ops by self time\):\n(.+?)\nSelf CPU time total"
-    table = re.findall(summary, profiled.stderr, re.S)
-    assert len(table) == 1, profiled.stderr[-3000:]  # rank 0 alone
+    table = re.findall(summary, profiled.stdout, re.S)
+    assert len(table) == 1, profiled.stdout[-3000:]  # rank 0 alone
     assert "aten::mm" in table[0] and "python" not in table[0].lower()
 
 
@@ -188,7 +188,7 @@ def test_profiler_and_watchdog_under_sharding(config, corpus, tmp_path):
     out = tmp_path / "out"
     run = launch(cmd, args, out, check=False, timeout=LAUNCH_TIMEOUT, env={"SHARDGPT_FAULT": "stall@4"})
     assert_traces(out, (2, 3))
-    assert run.stderr.count("profile of steps 2-3 (rank 0") == 1
+    assert run.stdout.count("profile of steps 2-3 (rank 0") == 1
     report = (out / "hang" / "report.txt").read_text()
     assert "rank 0: step 4 phase agree_on_stop, waiting in collective" in report
     assert "rank 1: step 4 phase agree_on_stop, at recipes/faults.py:" in report
