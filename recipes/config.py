@@ -178,10 +178,8 @@ class RunConfig(DataArguments):
             raise ValueError("--bf16_gradient_reduction needs --bf16 (it lowers bf16 training's gradient reduction)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or unset to keep all)")
-        if self.profile and parse_steps(self.profile_steps)[1] > self.max_steps:
-            raise ValueError(
-                f"--profile_steps {self.profile_steps} ends after --max_steps {self.max_steps}: profile earlier steps"
-            )
+        if self.profile:
+            self.check_profile_steps()
         if (self.step_timeout or 0) < 0:
             raise ValueError(f"--step_timeout {self.step_timeout} must be 0 (off) or more seconds")
         unknown = set(self.report_to.split(",")) - set(TRACKERS)
@@ -197,6 +195,21 @@ class RunConfig(DataArguments):
                 f"(mkdir -p {self.nvme_path})"
             )
         self.validate_output_dir()
+
+    def check_profile_steps(self) -> None:
+        first, last = parse_steps(self.profile_steps)
+        if last > self.max_steps:
+            raise ValueError(
+                f"--profile_steps {self.profile_steps} ends after --max_steps {self.max_steps}: profile earlier steps"
+            )
+        # A checkpoint inside the window would be recorded as part of the steps; and torch 2.13's profiler with
+        # stacks fails to read back the events of FSDP's checkpoint-writer threads (UnicodeDecodeError).
+        saves = [s for s in range(first, last) if self.save_steps and s % self.save_steps == 0]
+        if saves:
+            raise ValueError(
+                f"--profile_steps {self.profile_steps} spans checkpoint-{saves[0]} (--save_steps {self.save_steps}): "
+                f"profile steps between checkpoints, such as {saves[0] + 1}-{saves[0] + 1 + last - first}"
+            )
 
     def validate_output_dir(self) -> None:
         """Refuse to train over saved checkpoints unless told to resume or overwrite: nothing saved is lost."""
