@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg.validate(world)
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
+    if cfg.step_timeout:
+        raise ValueError(f"--step_timeout {cfg.step_timeout:g} needs recipes/train.py: the Trainer has no watchdog")
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # the same checks of the JSON as recipes/train.py
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank

@@ -51,6 +51,13 @@ def test_profile_steps_are_parsed_and_checked():
         RunConfig(step_timeout=-1.0, output_dir="unused").validate(1)
 
 
+def test_trainer_path_refuses_step_timeout(tmp_path):
+    from recipes import trainer
+
+    with pytest.raises(ValueError, match="--step_timeout 5 needs recipes/train.py"):
+        trainer.main(["--step_timeout=5", f"--output_dir={tmp_path}"])
+
+
 def test_a_rank_without_a_stack_is_named_dead(tmp_path):
     (tmp_path / "rank0.txt").write_text(
         "rank 0 step 9 phase train_step: no progress for 5 s\nThread 0x1 (most recent call first):\n"
