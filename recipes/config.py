@@ -91,9 +91,9 @@ class RunConfig(DataArguments):
     profile_steps: str = arg("3-4", "The optimizer steps --profile records, `first-last` (counted from 1).")
     step_timeout: float | None = arg(
         None,
-        "Seconds a step (with its evaluation and checkpoint) may take before every rank dumps its stack to "
-        f"output_dir/hang/ and the run stops (exit status {HUNG}); 0: never. Default: {GPU_STEP_TIMEOUT:.0f} on GPUs, "
-        "off on CPU.",
+        "Seconds each phase of a step (training step, evaluation, checkpoint) may take before every rank dumps "
+        f"its stack to output_dir/hang/ and the run stops (exit status {HUNG}); 0: never. "
+        f"Default: {GPU_STEP_TIMEOUT:.0f} on GPUs, off on CPU.",
     )
     peak_flops: float | None = arg(None, "Peak FLOP/s of one device for MFU (default: from a table of GPUs).")
     sample_max_new_tokens: int = arg(64, "Tokens of the greedy sample printed at the end (0: none).")

@@ -31,7 +31,8 @@ def parse_steps(spec: str) -> tuple[int, int]:
 
 
 class StepProfiler:
-    """Records steps `first`..`last` of this rank; `begin(step)` before a step, `end(step)` after it."""
+    """Records steps `first`..`last` of this rank: `begin(step)` before a step, `end(step)` after it, `write()`
+    when the step's time is taken."""
 
     def __init__(self, output_dir: str, steps: tuple[int, int], rank: int, device: torch.device):
         self.first, self.last = steps
@@ -39,7 +40,7 @@ class StepProfiler:
         self.folder = Path(output_dir) / "profile" / f"rank{rank}"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.torch_profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=True)
-        self.label, self.recording = None, False
+        self.label, self.recording, self.unwritten = None, False, False
 
     def begin(self, step: int) -> None:
         if step == self.first:
@@ -58,7 +59,14 @@ class StepProfiler:
         if step != self.last or not self.recording:  # a run resumed past the first step records nothing
             return
         self.torch_profiler.stop()
-        self.recording = False
+        self.recording, self.unwritten = False, True
+
+    def write(self) -> None:
+        """After the last profiled step: this rank's trace, its memory snapshot, rank 0's table; else nothing.
+        Apart from `end`, so that the step's time and --step_timeout's step deadline leave it out."""
+        if not self.unwritten:
+            return
+        self.unwritten = False
         tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")(self.torch_profiler)
         if self.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(str(self.folder / "memory_snapshot.pickle"))
@@ -93,6 +101,9 @@ class NullProfiler(StepProfiler):
         pass
 
     def end(self, step: int) -> None:
+        pass
+
+    def write(self) -> None:
         pass
 
 

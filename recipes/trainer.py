@@ -181,6 +181,7 @@ class ProfilerCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.profiler.end(state.global_step)
+        self.profiler.write()
 
 
 def cpu_ranks(strategy) -> dict:

@@ -1,13 +1,13 @@
 """`--step_timeout`: a step that outlives its deadline ends the run, naming the ranks that hang and where.
 
-A thread per rank is armed when a step starts and told each phase of it (train_step, evaluate, save, agree).
-When the deadline passes, the step's collectives are blocked, so nothing goes through the process group: each rank
-writes `output_dir/hang/rank<k>.txt` (its step and phase, then every thread's Python stack from `faulthandler`),
-rank 0 waits a little for the others' files, reads them and prints which rank hangs in which phase and frame (a
-rank that wrote nothing is named as dead or stuck outside Python), writes `hang/report.txt`, and every rank exits
-with status `HUNG`. Checkpoints are complete only once their marker is written, so the last complete one stays
-intact whatever a step was doing. On GPUs, torch's own `TORCH_NCCL_DUMP_ON_TIMEOUT` adds NCCL's view
-(docs/debugging.md).
+A thread per rank is armed when a step starts and told each phase of it (train_step, profile_export, evaluate,
+save, agree_on_stop); each phase but the profile's export (local work) has --step_timeout seconds. When they
+pass, the step's collectives are blocked, so nothing goes through the process group: each rank writes
+`output_dir/hang/rank<k>.txt` (its step and phase, then every thread's Python stack from `faulthandler`); rank 0
+waits a little for the others' files, reads them, prints which rank hangs in which phase and frame (a rank that
+wrote nothing is named as dead or stuck outside Python) and writes `hang/report.txt`; every rank exits with
+status `HUNG`. Checkpoints are complete only once their marker is written, so the last complete one stays intact
+whatever a step was doing. On GPUs, torch's own `TORCH_NCCL_DUMP_ON_TIMEOUT` adds NCCL's view (docs/debugging.md).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ class StepWatchdog:
     def arm(self, step: int, where: str = "train_step") -> None:
         self.step, self.where, self.deadline = step, where, time.monotonic() + self.timeout
 
-    def phase(self, where: str) -> None:
-        self.where = where
+    def phase(self, where: str, timed: bool = True) -> None:
+        """The step moves on to `where`, which gets a deadline of its own (none if not `timed`)."""
+        self.where, self.deadline = where, time.monotonic() + self.timeout if timed else None
 
     def stop(self) -> None:
         self.stopped.set()
@@ -86,7 +87,7 @@ class NoWatchdog(StepWatchdog):
     def arm(self, step: int, where: str = "train_step") -> None:
         pass
 
-    def phase(self, where: str) -> None:
+    def phase(self, where: str, timed: bool = True) -> None:
         pass
 
     def stop(self) -> None:

@@ -183,9 +183,8 @@ def test_a_stalled_rank_is_named_and_the_run_ends(stalled, profiled):
 def test_profiler_and_watchdog_under_sharding(config, corpus, tmp_path):
     """One launch per strategy: --profile of steps 3-4, then a stall after step 5 under --step_timeout. Under
     ZeRO-3 the DeepSpeed JSON's flops profiler and wall-clock breakdown also run (they pass through from it).
-    The timeout is longer here: step 4 includes rank 0's summary of the profile, which under FSDP took 10 s on 2
-    loaded cores (the Python stacks of the trace are slow to aggregate)."""
-    args = [*corpus["flags"], *TRAIN, *PROFILE, "--step_timeout=25"]
+    Rank 0's summary of the profile after step 4 (10-30 s here, for the trace's Python stacks) is not timed."""
+    args = [*corpus["flags"], *TRAIN, *PROFILE, f"--step_timeout={STEP_TIMEOUT}"]
     cmd = launcher_command("accelerate", config)
     if config == "zero3":
         ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
