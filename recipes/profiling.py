@@ -61,11 +61,11 @@ class StepProfiler:
         self.torch_profiler.stop()
         self.recording, self.unwritten = False, True
 
-    def write(self) -> None:
+    def write(self) -> bool:
         """After the last profiled step: this rank's trace, its memory snapshot, rank 0's table; else nothing.
-        Apart from `end`, so that the step's time and --step_timeout's step deadline leave it out."""
+        Apart from `end`, so that the step's time and --step_timeout's deadlines leave it out. True if written."""
         if not self.unwritten:
-            return
+            return False
         self.unwritten = False
         tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")(self.torch_profiler)
         if self.device.type == "cuda":
@@ -76,6 +76,7 @@ class StepProfiler:
             table = ops_only(self.torch_profiler.key_averages()).table(sort_by=sort, row_limit=SUMMARY_ROWS)
             print(f"profile of steps {self.first}-{self.last} (rank 0, top ops by self time):\n{table}", flush=True)
             print(f"traces of every rank in {self.folder.parent}", flush=True)
+        return True
 
     @contextmanager
     def step(self, step: int):
@@ -103,8 +104,8 @@ class NullProfiler(StepProfiler):
     def end(self, step: int) -> None:
         pass
 
-    def write(self) -> None:
-        pass
+    def write(self) -> bool:
+        return False
 
 
 NO_PROFILER = NullProfiler()

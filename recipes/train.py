@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
                 accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1
             )  # collectives inside: gradient reduction, the loss all-reduce, clipping
         elapsed = time.perf_counter() - t0  # the loss's .item() has synchronised the device
-        watchdog.phase("profile_export", timed=False)  # no collective; rank 0's table can take a while
-        profiler.write()  # after the last profiled step: every rank's trace, rank 0's table; else nothing
+        watchdog.phase("profile_export", timed=False)  # rank 0's table can take a while
+        if profiler.write():  # after the last profiled step: every rank's trace, rank 0's table
+            accelerator.wait_for_everyone()  # collective: the others wait for rank 0 here, with no deadline running
         if compiling:
             compile_time, compiling = elapsed, False
             logger.info("torch.compile: the first step took %.1f s (compilation included)", elapsed)
