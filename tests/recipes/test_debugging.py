@@ -206,3 +206,23 @@ def test_profiler_and_watchdog_under_sharding(config, corpus, tmp_path):
     if config == "zero3":
         logs = run.stdout + run.stderr
         assert "DeepSpeed Flops Profiler" in logs and "fwd_microstep" in logs
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_profile_on_a_gpu_records_cuda_kernels_and_a_memory_snapshot(corpus, tmp_path):
+    """One process on a GPU: the trace holds CUDA kernels beside the CPU operators, and the allocator's history of
+    the profiled steps is in memory_snapshot.pickle, with the allocations' stacks."""
+    import pickle
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA activity and torch.cuda.memory's snapshot need a CUDA GPU")
+    args = [*corpus["flags"], *TRAIN, *PROFILE, "--per_device_train_batch_size=8"]
+    launch(launcher_command("python"), args, tmp_path / "out", timeout=LAUNCH_TIMEOUT)
+    folder = tmp_path / "out" / "profile" / "rank0"
+    (trace,) = folder.glob("rank0.*.pt.trace.json")
+    assert any(e.get("cat") == "kernel" for e in json.loads(trace.read_text())["traceEvents"])
+    snapshot = pickle.loads((folder / "memory_snapshot.pickle").read_bytes())
+    assert snapshot["segments"] and any(events for events in snapshot["device_traces"])
