@@ -21,6 +21,8 @@ from typing import Any
 
 from data import DataArguments
 from model import PRESETS, ShardGPTConfig
+from recipes.profiling import parse_steps
+from recipes.watchdog import GPU_STEP_TIMEOUT, HUNG
 
 PRESET_NAMES = tuple(PRESETS)
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -88,6 +90,16 @@ class RunConfig(DataArguments):
         False, "On resume, check only the sizes of the checkpoint's files, not their CRC-32 (faster on huge ones)."
     )
     report_to: str = arg("none", f"Trackers, comma-separated: {', '.join(TRACKERS)}.")
+    profile: bool = arg(
+        False, "Record a torch.profiler trace of --profile_steps on every rank into output_dir/profile/rank<k>/."
+    )
+    profile_steps: str = arg("3-4", "The optimizer steps --profile records, `first-last` (counted from 1).")
+    step_timeout: float | None = arg(
+        None,
+        "Seconds each phase of a step (training step, evaluation, checkpoint) may take before every rank dumps "
+        f"its stack to output_dir/hang/ and the run stops (exit status {HUNG}); 0: never. "
+        f"Default: {GPU_STEP_TIMEOUT:.0f} on GPUs, off on CPU.",
+    )
     peak_flops: float | None = arg(None, "Peak FLOP/s of one device for MFU (default: from a table of GPUs).")
     sample_max_new_tokens: int = arg(64, "Tokens of the greedy sample printed at the end (0: none).")
     local_rank: int = arg(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
@@ -172,6 +184,10 @@ class RunConfig(DataArguments):
             raise ValueError("--bf16_gradient_reduction needs --bf16 (it lowers bf16 training's gradient reduction)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or unset to keep all)")
+        if self.profile:
+            self.check_profile_steps()
+        if (self.step_timeout or 0) < 0:
+            raise ValueError(f"--step_timeout {self.step_timeout} must be 0 (off) or more seconds")
         unknown = set(self.report_to.split(",")) - set(TRACKERS)
         if unknown:
             raise ValueError(f"--report_to {self.report_to!r}: unknown {sorted(unknown)}; choose from {TRACKERS}")
@@ -203,6 +219,21 @@ class RunConfig(DataArguments):
                 f"{g} (micro {micro} x world {world_size} gives accumulation {accum}): pass only one of them"
             )
         self.gradient_accumulation_steps = accum
+
+    def check_profile_steps(self) -> None:
+        first, last = parse_steps(self.profile_steps)
+        if last > self.max_steps:
+            raise ValueError(
+                f"--profile_steps {self.profile_steps} ends after --max_steps {self.max_steps}: profile earlier steps"
+            )
+        # A checkpoint inside the window would be recorded as part of the steps; and torch 2.13's profiler with
+        # stacks fails to read back the events of FSDP's checkpoint-writer threads (UnicodeDecodeError).
+        saves = [s for s in range(first, last) if self.save_steps and s % self.save_steps == 0]
+        if saves:
+            raise ValueError(
+                f"--profile_steps {self.profile_steps} spans checkpoint-{saves[0]} (--save_steps {self.save_steps}): "
+                f"profile steps between checkpoints, such as {saves[0] + 1}-{saves[0] + 1 + last - first}"
+            )
 
     def validate_output_dir(self) -> None:
         """Refuse to train over saved checkpoints unless told to resume or overwrite: nothing saved is lost."""

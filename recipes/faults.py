@@ -11,13 +11,16 @@
 - `term_launcher@N`: rank 0 sends SIGTERM to its parent (the launcher) after step N, as SLURM or a spot-instance
   preemption does; the launcher forwards it to every rank;
 - `usr1_last_rank@N`: the last rank alone sends itself SIGUSR1 after step N (SLURM's `--signal`): the other ranks
-  only learn it through the ranks' agreement.
+  only learn it through the ranks' agreement;
+- `stall@N`: the last rank stops answering after step N (it sleeps for an hour) while the others wait for it in
+  the next collective, as a rank stuck on a bad node does.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -40,6 +43,11 @@ def maybe_signal(step: int, rank: int, world_size: int) -> None:
         os.kill(os.getppid(), signal.SIGTERM)
     if rank == world_size - 1 and active("usr1_last_rank", step):
         os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def maybe_stall(step: int, rank: int, world_size: int) -> None:
+    if rank == world_size - 1 and active("stall", step):
+        time.sleep(3600)
 
 
 def maybe_fill_disk(step: int, directory: Path, is_main_process: bool) -> None:

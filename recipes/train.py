@@ -49,10 +49,13 @@ from recipes.distributed import (
     verify_strategy,
 )
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
+from recipes.model_card import write_model_card
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
 from recipes.preemption import Preempted, PreemptionWatch, stop_message
+from recipes.profiling import make_profiler
 from recipes.step import NonFiniteLossError, step_was_skipped, train_step
+from recipes.watchdog import make_watchdog
 
 logger = logging.getLogger("shardgpt")
 
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     shares = StateShares(optimizer)  # gradient and optimizer-state shares, measured at the first step
     logger.info("strategy in force: %s", seen)
     if cfg.report_to != "none":
-        accelerator.init_trackers("shardgpt", config={k: v for k, v in cfg.to_dict().items() if v is not None})
+        hparams = {k: v for k, v in cfg.to_dict().items() if v is not None}
+        accelerator.init_trackers("shardgpt", config=hparams, init_kwargs={"wandb": {"dir": cfg.output_dir}})
 
     # ------------------------------------------------------------------ resume
     step = 0
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
     batches = iter(loader)
     preemption = PreemptionWatch()  # from here on SIGTERM and SIGUSR1 stop the run after a checkpoint
+    profiler = make_profiler(cfg, accelerator.process_index, accelerator.device)  # does nothing without --profile
+    # --step_timeout: a step that outlives it dumps every rank's stack to output_dir/hang/ and ends the run.
+    watchdog = make_watchdog(cfg.step_timeout, cfg.output_dir, accelerator.process_index, world)
     net.train()
 
     def save() -> Path:  # collective: every rank saves its share
@@ -146,11 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     # logged as compile_time_s (compilation and that one step) and left out of step_time_s and tokens/s.
     compiling, compile_time, skipped = cfg.torch_compile, None, 0
     while step < cfg.max_steps:
+        watchdog.arm(step + 1)
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(
-            accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1
-        )  # collectives inside: gradient reduction, the loss all-reduce, clipping
+        with profiler.step(step + 1):  # --profile: records the steps of --profile_steps
+            loss, grad_norm = train_step(
+                accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1
+            )  # collectives inside: gradient reduction, the loss all-reduce, clipping
         elapsed = time.perf_counter() - t0  # the loss's .item() has synchronised the device
+        watchdog.phase("profile_export", timed=False)  # rank 0's table can take a while
+        if profiler.write():  # after the last profiled step: every rank's trace, rank 0's table
+            accelerator.wait_for_everyone()  # collective: the others wait for rank 0 here, with no deadline running
         if compiling:
             compile_time, compiling = elapsed, False
             logger.info("torch.compile: the first step took %.1f s (compilation included)", elapsed)
@@ -190,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             train_time, loss_sum, steps_since_log, timed_steps = 0.0, 0.0, 0, 0
 
         if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
+            watchdog.phase("evaluate")
             val = evaluate(accelerator, net, packed.validation, cfg)  # collective: all ranks, reduced sums
             if val is not None:
                 perplexity = math.exp(min(val, 50))  # capped: exp overflows for a diverged model
@@ -198,13 +211,17 @@ def main(argv: list[str] | None = None) -> None:
                     progress.write(f"step {step:>6} | eval loss {val:.4f} | perplexity {perplexity:.2f}")
             net.train()
 
+        watchdog.phase("save")
         saved = save() if cfg.save_steps and step % cfg.save_steps == 0 else None  # collective
+        watchdog.phase("agree_on_stop")
         faults.maybe_kill("kill", step, is_main)
         faults.maybe_signal(step, accelerator.process_index, world)
+        faults.maybe_stall(step, accelerator.process_index, world)
         stop = preemption.agreed(accelerator.device)  # collective: every rank stops after the same step
         if stop is not None and step < cfg.max_steps:
             raise Preempted(stop_message(stop, step, saved or save()))  # save: collective
     progress.close()
+    watchdog.stop()  # the export has no step deadline
 
     # ------------------------------------------------------------------ export
     # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
@@ -215,8 +232,10 @@ def main(argv: list[str] | None = None) -> None:
         if unwrapped.config.tie_word_embeddings:  # ZeRO-1/2's state dict repeats tied weights; store them once
             for tied in unwrapped._tied_weights_keys:
                 state_dict.pop(tied, None)
+        parameters = sum(t.numel() for t in state_dict.values())  # save_pretrained empties the dict
         unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        write_model_card(out, cfg, unwrapped.config, tokenizer, seen, parameters, step)  # README.md for the Hub
         logger.info("exported the model, tokenizer and configs to %s", out)
         if cfg.sample_max_new_tokens:
             print_sample(out, tokenizer, cfg.sample_max_new_tokens)

@@ -44,6 +44,7 @@ from recipes.metrics import MetricsWriter, flops_per_token, memory_gb, peak_flop
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
 from recipes.preemption import Preempted, PreemptionWatch, stop_message
+from recipes.profiling import StepProfiler, make_profiler
 from recipes.train import print_sample
 
 IGNORE_INDEX = -100
@@ -169,6 +170,20 @@ class PreemptionCallback(TrainerCallback):
             control.should_save = control.should_training_stop = True  # the Trainer saves (collective), then stops
 
 
+class ProfilerCallback(TrainerCallback):
+    """--profile under the Trainer: recipes/profiling.py's recorder around the optimizer steps of --profile_steps."""
+
+    def __init__(self, profiler: StepProfiler):
+        self.profiler = profiler
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.profiler.begin(state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.profiler.end(state.global_step)
+        self.profiler.write()
+
+
 def cpu_ranks(strategy) -> dict:
     """TrainingArguments for several CPU ranks (gloo), which the Trainer does not set up by itself: `use_cpu` gives
     accelerate's MULTI_CPU DDP; under DeepSpeed it would start a process group with no backend and count a world
@@ -220,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg.validate(world)
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
+    if cfg.step_timeout:
+        raise ValueError(f"--step_timeout {cfg.step_timeout:g} needs recipes/train.py: the Trainer has no watchdog")
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # the same checks of the JSON as recipes/train.py
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
@@ -250,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     flops = flops_per_token(config, cfg.block_size) * tokens_per_step
     peak = peak_flops(args.device, cfg.peak_flops)
     trainer.add_callback(MetricsCallback(trainer, strategy, tokens_per_step, flops, peak))
+    trainer.add_callback(ProfilerCallback(make_profiler(cfg, args.process_index, args.device)))  # no-op when off
     preemption = PreemptionCallback()
     trainer.add_callback(preemption)
     resume = cfg.resume_from_checkpoint

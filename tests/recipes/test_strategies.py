@@ -21,6 +21,7 @@ import json
 import pytest
 from launching import ROOT, launch, launcher_command
 from safetensors.torch import load_file
+from trackers import assert_same_as_metrics, tensorboard_scalars, wandb_history
 
 STEPS = 20
 TRAIN = [
@@ -84,6 +85,9 @@ LAUNCHES = [
     ("torchrun", "zero2", "zero2"),
     ("torchrun", None, "ddp"),
 ]
+# Launches that also report to trackers, read back from their files (W&B offline): rank 0's metrics, as
+# metrics.jsonl holds them (tests/recipes/test_debugging.py reads W&B under DDP).
+TRACKERS = {("accelerate", "ddp"): "tensorboard", ("accelerate", "zero3"): "tensorboard,wandb"}
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +156,11 @@ def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, refe
     args = [*corpus["flags"], *TRAIN, *TWO_RANKS, f"--nvme_path={tmp_path}"]
     if launcher in ("deepspeed", "torchrun") and config:
         args.append(f"--deepspeed=ds_configs/{config}.json")
-    run = launch(launcher_command(launcher, config), args, tmp_path / "out")
+    trackers = TRACKERS.get((launcher, config))
+    if trackers:
+        args.append(f"--report_to={trackers}")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    run = launch(launcher_command(launcher, config), args, tmp_path / "out", env=env)
 
     # The strategy in force is the one asked for, as the prepared objects show it.
     assert run.strategy["strategy"] == strategy
@@ -168,6 +176,16 @@ def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, refe
 
     # It trains the same model as one process does, and exports it whole.
     assert_same_training(run, reference)
+    if trackers:
+        assert_trackers_logged(run, trackers)
+
+
+def assert_trackers_logged(run, trackers: str) -> None:
+    """Each tracker got every metrics.jsonl record, from rank 0 alone (one event file, one W&B run)."""
+    assert len(list((run.output_dir / "shardgpt").glob("events.out.tfevents.*"))) == 1
+    assert_same_as_metrics(tensorboard_scalars(run.output_dir), run.records, "tensorboard")
+    if "wandb" in trackers:
+        assert_same_as_metrics(wandb_history(run.output_dir), run.records, "wandb")
 
 
 @pytest.mark.slow

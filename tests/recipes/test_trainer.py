@@ -54,7 +54,12 @@ def test_trainer_trains_what_train_py_trains(launcher, config, split, corpus, tm
     if config:
         args.append(f"--deepspeed=ds_configs/{config}.json")
     ref = launch(launcher_command(launcher, script="train.py"), args, tmp_path / "train")
-    run = launch(launcher_command(launcher, script="trainer.py"), args, tmp_path / "trainer")
+    # One process: the Trainer's run also records --profile's trace (its callback), which must change no loss.
+    profile = ["--profile", "--profile_steps=2-3"] if launcher == "python" else []
+    run = launch(launcher_command(launcher, script="trainer.py"), [*args, *profile], tmp_path / "trainer")
+    if profile:
+        assert len(list((run.output_dir / "profile" / "rank0").glob("rank0.*.pt.trace.json"))) == 1
+        assert "profile of steps 2-3 (rank 0, top ops by self time)" in run.stdout
 
     # Both write the same records, for every step.
     assert sorted(run.losses) == sorted(ref.losses) == list(range(1, STEPS + 1))
