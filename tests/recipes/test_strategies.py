@@ -53,6 +53,12 @@ EXPECTED = {
     "zero2-offload-cpu": {**ZERO, "zero_stage": 2, "inner": "DeepSpeedCPUAdam", "shares": (WHOLE, HALF, HALF),
                           "offload": ("none", "cpu"), "gradients_partitioned_in_backward": True},
     "zero3": {**ZERO, "zero_stage": 3, "shares": (HALF, HALF, HALF), "gradients_partitioned_in_backward": True},
+    # DeepSpeed AutoTP over the 2 ranks (one data-parallel rank): each holds half of every split matrix, whole
+    # norms. The 2 layers' q, k, v, gate, up split by output rows, o and down by input columns, the tied
+    # embedding and head by vocabulary rows.
+    "zero1-autotp": {**ZERO, "zero_stage": 1, "shares": (HALF, HALF, HALF), "gradients_partitioned_in_backward": False,
+                     "tensor_parallel": {"size": 2, "data_parallel_size": 1, "split_modules": {
+                         "colwise": 10, "rowwise": 4, "embedding_rowwise": 1, "colwise_gather_output": 1}}},
     "zero3-offload-cpu": {**ZERO, "zero_stage": 3, "inner": "DeepSpeedCPUAdam", "shares": (HALF, HALF, HALF),
                           "offload": ("cpu", "cpu"), "gradients_partitioned_in_backward": True},
     # NVMe offload in force, though the `debug` model's partitions are all below DeepSpeed's 1 MiB swap minimum:
@@ -82,6 +88,8 @@ LAUNCHES = [
     ("deepspeed", "zero3_offload_cpu", "zero3-offload-cpu"),
     ("deepspeed", "zero3_offload_nvme", "zero3-offload-nvme"),
     ("torchrun", "zero2", "zero2"),
+    ("deepspeed", "autotp", "zero1-autotp"),
+    pytest.param("accelerate", "autotp", "zero1-autotp", marks=pytest.mark.matrix),
     ("torchrun", None, "ddp"),
 ]
 
@@ -115,6 +123,7 @@ def assert_in_force(seen: dict, strategy: str) -> None:
         "fsdp_offload_policy",
         "gradients_partitioned_in_backward",
         "fsdp_sharding_strategy",
+        "tensor_parallel",
     ):
         assert seen.get(key) == want.get(key), f"{key}: {seen}"
     # fp32 throughout (precision in force: docs/precision.md): fp32 parameters, no autocast, FSDP2's policy with no
@@ -149,7 +158,9 @@ def assert_same_training(run, reference) -> None:
 @pytest.mark.parametrize(("launcher", "config", "strategy"), LAUNCHES, ids=lambda v: str(v))
 def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, reference, tmp_path):
     needs_libaio(config)
-    args = [*corpus["flags"], *TRAIN, *TWO_RANKS, f"--nvme_path={tmp_path}"]
+    # Tensor-parallel ranks train on the same batch: one data-parallel rank takes the whole global batch of 8.
+    batch = ["--per_device_train_batch_size=8"] if "autotp" in strategy else TWO_RANKS
+    args = [*corpus["flags"], *TRAIN, *batch, f"--nvme_path={tmp_path}"]
     if launcher in ("deepspeed", "torchrun") and config:
         args.append(f"--deepspeed=ds_configs/{config}.json")
     run = launch(launcher_command(launcher, config), args, tmp_path / "out")
