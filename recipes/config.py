@@ -321,12 +321,13 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
     dp = data_parallel_size(ds, world_size, source)
     global_batch = micro * accum * dp
     if ds.get("train_batch_size", "auto") not in ("auto", global_batch):
-        tp = f" / autotp_size {world_size // dp}" if dp != world_size else ""
+        ranks = f"world {world_size}" if dp == world_size else (
+            f"data-parallel ranks {dp} (world {world_size} / autotp_size {world_size // dp})"
+        )
         raise ValueError(
             f"DeepSpeed config {source}: train_batch_size = {ds['train_batch_size']} but micro {micro} x "
-            f'accumulation {accum} x data-parallel ranks {dp} (world {world_size}{tp}) = {global_batch}; set '
-            'train_batch_size to "auto", or change --per_device_train_batch_size / --gradient_accumulation_steps / '
-            "the number of ranks"
+            f'accumulation {accum} x {ranks} = {global_batch}; set train_batch_size to "auto", or '
+            "change --per_device_train_batch_size / --gradient_accumulation_steps / the number of ranks"
         )
     # DeepSpeed's own batch check (runtime/config.py:602, 0.19.8) counts every rank as data-parallel, as it is
     # given no mpu when it is built (accelerate and the Trainer give none): under AutoTP its train_batch_size

@@ -59,6 +59,11 @@ BAD_JSON = [
     ({"wall_clock": True}, "unknown key 'wall_clock'", "did you mean 'wall_clock_breakdown'?"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/no/such/nvme"}}},
      "offload_param.nvme_path = '/no/such/nvme' does not exist", "or pass --nvme_path DIR"),
+    # AutoTP: the ranks of a tensor-parallel group share one batch, so the global batch counts data-parallel ranks.
+    ({"train_batch_size": 16, "tensor_parallel": {"autotp_size": 2}}, "train_batch_size = 16 but micro 4 x "
+     "accumulation 2 x data-parallel ranks 1 (world 2 / autotp_size 2) = 8", 'set train_batch_size to "auto"'),
+    ({"tensor_parallel": {"autotp_size": 3}}, "tensor_parallel.autotp_size = 3 does not divide the 2 launched ranks",
+     "set it to one of [1, 2]"),
     ({"steps_per_print": "auto"}, 'no flag resolves steps_per_print = "auto"', "set them to values in the JSON"),
 ]  # fmt: skip
 
