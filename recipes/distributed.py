@@ -93,6 +93,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             "accelerate config): launch with one of them"
         )
     apply_launch_precision(cfg)
+    check_parallelism_config_tp()
     if ds_file or env_flag("ACCELERATE_USE_DEEPSPEED"):
         if ds_file:
             raw, source = load_json(ds_file), repr(ds_file)
@@ -226,6 +227,24 @@ def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
             f"--save_steps {cfg.save_steps} with fsdp_version: 1 and fsdp_state_dict_type: FULL_STATE_DICT on CPU "
             "ranks: the first save ends the run here; set fsdp_state_dict_type: SHARDED_STATE_DICT, or pass "
             "--save_steps 0 (the trained model is still exported at the end)"
+        )
+
+
+def check_parallelism_config_tp() -> None:
+    """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`, with or without FSDP2) is
+    refused before the process group: accelerate 1.15 prepares such a model in `Accelerator._prepare_tp`, whose
+    FSDP2 branch (accelerate/accelerator.py:1618) runs `from transformers.integrations.tensor_parallel import
+    ReplicateParallel` for the parameters the plan leaves whole (the norms), and transformers 5.23 has no such class
+    (its replicated style is `ReplicatedWithGradAllReduce`): the ImportError would end every rank inside `prepare`,
+    on GPUs as on CPUs. Without FSDP (`tp_size` = the world) it is refused too: this script has no data-parallel
+    gradient reduction for it. DeepSpeed AutoTP splits the same plan and trains."""
+    tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) if parallelism_config() else 1
+    if tp > 1:
+        raise ValueError(
+            f"the accelerate config's parallelism_config sets tp_size: {tp}, which accelerate 1.15 cannot prepare with "
+            "transformers 5.23 (accelerate/accelerator.py:1618 imports transformers' removed ReplicateParallel): "
+            "for tensor parallelism launch accelerate_configs/autotp.yaml or --deepspeed ds_configs/autotp.json "
+            "(DeepSpeed AutoTP), or remove parallelism_config_tp_size"
         )
 
 
