@@ -321,9 +321,8 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
     dp = data_parallel_size(ds, world_size, source)
     global_batch = micro * accum * dp
     if ds.get("train_batch_size", "auto") not in ("auto", global_batch):
-        ranks = f"world {world_size}" if dp == world_size else (
-            f"data-parallel ranks {dp} (world {world_size} / autotp_size {world_size // dp})"
-        )
+        tp = world_size // dp
+        ranks = f"data-parallel ranks {dp} (world {world_size} / autotp_size {tp})" if tp > 1 else f"world {world_size}"
         raise ValueError(
             f"DeepSpeed config {source}: train_batch_size = {ds['train_batch_size']} but micro {micro} x "
             f'accumulation {accum} x {ranks} = {global_batch}; set train_batch_size to "auto", or '

@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     compiling, compile_time, skipped = cfg.torch_compile, None, 0
     while step < cfg.max_steps:
         t0 = time.perf_counter()
+        # collectives inside: gradient reduction, the loss all-reduce, clipping
         loss, grad_norm = train_step(
             accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1,
             strategy.tp_size,
-        )  # collectives inside: gradient reduction, the loss all-reduce, clipping
+        )  # fmt: skip
         elapsed = time.perf_counter() - t0  # the loss's .item() has synchronised the device
         if compiling:
             compile_time, compiling = elapsed, False

@@ -30,9 +30,10 @@ def test_export_loads_tensor_parallel_with_tp_plan_auto(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={port}", str(WORKER), str(tmp_path / "shardgpt")]
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={port}", str(WORKER)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([*cmd, str(out)], cwd=tmp_path, env=env, check=True, timeout=120, stdin=subprocess.DEVNULL)
+    args = [str(tmp_path / "shardgpt"), str(out)]
+    subprocess.run([*cmd, *args], cwd=tmp_path, env=env, check=True, timeout=120, stdin=subprocess.DEVNULL)
     seen = json.loads(out.read_text())
     # debug preset: hidden 64, 4 heads x 16, 2 key-value heads, intermediate 176; weights are (out, in).
     assert seen["shards"] == {
