@@ -40,6 +40,11 @@ CASES = [
     pytest.param(
         "deepspeed", "zero3", ["--per_device_train_batch_size=4"], id="deepspeed-zero3", marks=pytest.mark.multiproc
     ),
+    # DeepSpeed AutoTP: both ranks split every layer and train on the same micro batches of 4 (2 accumulated).
+    pytest.param(
+        "deepspeed", "autotp", ["--per_device_train_batch_size=4", "--gradient_accumulation_steps=2"],
+        id="deepspeed-autotp", marks=[pytest.mark.multiproc, pytest.mark.matrix],
+    ),
 ]  # fmt: skip
 
 
