@@ -76,6 +76,9 @@ def test_trainer_trains_what_train_py_trains(launcher, config, split, corpus, tm
     # The DeepSpeed JSON as the Trainer resolved it equals recipes/train.py's resolution of it.
     if config:
         ds_ref, ds_run = (json.loads((r.output_dir / "ds_config.json").read_text()) for r in (ref, run))
+        # Under AutoTP the Trainer calls deepspeed.tp_model_init, which records its tp_size in the config it was
+        # given (deepspeed/runtime/tensor_parallel/init_utils.py): the same size, written twice.
+        assert ds_run.get("tensor_parallel", {}).pop("tp", {"tp_size": 2}) == {"tp_size": 2}
         assert {k: v for k, v in ds_run.items() if k not in TRAINER_DS_KEYS} == {
             k: v for k, v in ds_ref.items() if k not in TRAINER_DS_KEYS
         }
