@@ -89,7 +89,6 @@ LAUNCHES = [
     ("deepspeed", "zero3_offload_nvme", "zero3-offload-nvme"),
     ("torchrun", "zero2", "zero2"),
     ("deepspeed", "autotp", "zero1-autotp"),
-    pytest.param("accelerate", "autotp", "zero1-autotp", marks=pytest.mark.matrix),
     ("torchrun", None, "ddp"),
 ]
 
@@ -230,3 +229,22 @@ def test_nvme_offload_swaps_and_trains_the_same(corpus, tmp_path):
     assert sorted(losses) == sorted(ref) == list(range(1, 7))
     for step in ref:
         assert losses[step] == pytest.approx(ref[step], rel=1e-6 if step == 1 else 1e-5), f"step {step}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+def test_autotp_with_two_data_parallel_ranks_trains_the_same_model(corpus, reference, tmp_path):
+    """4 ranks (2 cores oversubscribed): 2 data-parallel ranks x tensor-parallel groups of 2. Ranks 0-1 read the
+    first micro batch of 4 of every global batch of 8, ranks 2-3 the second, and ZeRO-1 reduces over the data-parallel
+    pairs (0, 2) and (1, 3): the same losses and export as one process. (accelerate launch of the same JSON trains and
+    resumes in tests/recipes/test_resume.py.)"""
+    args = [*corpus["flags"], *TRAIN, *TWO_RANKS, "--deepspeed=ds_configs/autotp.json"]
+    run = launch(launcher_command("deepspeed", nproc=4), args, tmp_path / "out")
+    seen = run.strategy
+    assert (seen["strategy"], seen["world_size"], seen["zero_stage"]) == ("zero1-autotp", 4, 1), seen
+    assert seen["tensor_parallel"] == {**EXPECTED["zero1-autotp"]["tensor_parallel"], "data_parallel_size": 2}, seen
+    # Each rank: half of the model (its tensor-parallel slice), a quarter of Adam's states (ZeRO-1 over 2 of it).
+    shares = (seen["local_parameter_fraction"], seen["local_optimizer_state_fraction"])
+    assert shares == pytest.approx((0.5, 0.25), abs=0.02), seen
+    assert_same_training(run, reference)
