@@ -94,6 +94,18 @@ REFUSALS = {
         "asked for DDP": "the prepared model is a FSDPShardGPTForCausalLM, not DistributedDataParallel",
         "as launched, not sharded": "parameters (FSDP should hold about 1/2)",
     },
+    "autotp": {
+        "as launched": "ok",
+        "asked for ZeRO-2": "the engine runs ZeRO stage 1",
+        "asked for ZeRO-3": "the engine runs ZeRO stage 1",
+        "asked for FSDP": "accelerate runs DistributedType.DEEPSPEED",
+        "asked for DDP": "the prepared model is a DeepSpeedEngine, not DistributedDataParallel",
+        "asked for tensor parallelism over 4": "the engine splits layers over 2 ranks",
+        "as launched, rows and columns swapped": (
+            "model.layers.0.self_attn.q_proj (rowwise) holds a weight of (32, 64), not 1/2 of (64, 64) along dim 1"
+        ),
+        "as launched, not sharded": "ok",  # AutoTP's shares are its split shapes, checked above
+    },
     "zero3": {
         "as launched": "ok",
         "asked for ZeRO-3": "ok",
