@@ -147,3 +147,17 @@ def test_weight_decay_only_on_matrices():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(net.parameters()))
     decay_all, _ = param_groups(net, 0.1, decay_embeddings=True)
     assert any("embed" in names[id(p)] for p in decay_all["params"])
+
+
+def test_autotp_batch_counts_data_parallel_ranks(monkeypatch):
+    """ds_configs/autotp.json on 4 ranks: tensor-parallel pairs (0, 1) and (2, 3) each read one share of the
+    global batch of micro 4 x accumulation 2 x 2 data-parallel ranks; DeepSpeed's own check counts all 4 ranks."""
+    from recipes.distributed import requested_strategy
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    autotp = str(ROOT / "ds_configs" / "autotp.json")
+    c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2, deepspeed=autotp)
+    strategy = requested_strategy(c, hidden_size=64)
+    assert (strategy.name, strategy.tp_size, strategy.data_parallel_size) == ("zero1-autotp", 2, 2)
+    assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert strategy.deepspeed["train_batch_size"] == 4 * 2 * 4
