@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +34,14 @@ def test_export_loads_tensor_parallel_with_tp_plan_auto(tmp_path):
     cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={port}", str(WORKER)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [str(tmp_path / "shardgpt"), str(out)]
-    subprocess.run([*cmd, *args], cwd=tmp_path, env=env, check=True, timeout=120, stdin=subprocess.DEVNULL)
+    # A session of its own, so that a hang kills the ranks too, not only torchrun.
+    p = subprocess.Popen([*cmd, *args], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert p.wait(timeout=120) == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     seen = json.loads(out.read_text())
     # debug preset: hidden 64, 4 heads x 16, 2 key-value heads, intermediate 176; weights are (out, in).
     assert seen["shards"] == {
