@@ -57,6 +57,9 @@ ORDER = [
     "single", "ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_offload", "zero1", "zero2", "zero2_offload", "zero3",
     "zero3_offload_cpu", "zero3_offload_nvme",
 ]  # fmt: skip
+# Left out of "all": their tensor-parallel ranks share a batch, so with the same micro batch they would train on
+# 1/tp of the others' global batch (autotp), or they are refused (fsdp_tp: docs/strategies.md).
+TENSOR_PARALLEL = ("autotp", "fsdp_tp")
 TRAINER_STAGES = ("zero2", "zero3")  # run also through recipes/trainer.py when it exists
 # Flags this script sets on every launch; passing them through would break the comparison.
 OWNED = (
@@ -136,7 +139,11 @@ def single_node_configs() -> list[str]:
     """The accelerate configs that run on one machine, in report order."""
     from recipes.doctor import read_launch_config
 
-    names = [p.stem for p in CONFIGS.glob("*.yaml") if read_launch_config(p).get("num_machines", 1) == 1]
+    names = [
+        p.stem
+        for p in CONFIGS.glob("*.yaml")
+        if read_launch_config(p).get("num_machines", 1) == 1 and p.stem not in TENSOR_PARALLEL
+    ]
     return sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
 
 

@@ -318,6 +318,23 @@ def zero_config_error(error, model) -> str:
     return f"{field} = {first.get('input')!r}: {first['msg']}; fix the value (DeepSpeed's ZeRO config reference)"
 
 
+def autotp_size(ds: dict) -> int:
+    """Ranks each layer is split over by DeepSpeed AutoTP (`tensor_parallel.autotp_size`); 1 without it."""
+    return max(int((ds.get("tensor_parallel") or {}).get("autotp_size", 1) or 1), 1)
+
+
+def data_parallel_size(ds: dict, world_size: int, source: str) -> int:
+    """Ranks that train on different data: the world divided by the tensor-parallel size."""
+    tp = autotp_size(ds)
+    if world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"DeepSpeed config {source}: tensor_parallel.autotp_size = {tp} does not divide the {world_size} "
+            f"launched ranks; set it to one of {divisors}, or launch a multiple of {tp} ranks"
+        )
+    return world_size // tp
+
+
 def zero_stage(ds: dict) -> int:
     return int((ds.get("zero_optimization") or {}).get("stage", 0))
 
@@ -355,14 +372,21 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
 
     own(ds, "train_micro_batch_size_per_gpu", micro, "--per_device_train_batch_size")
     own(ds, "gradient_accumulation_steps", accum, "--gradient_accumulation_steps")
-    global_batch = micro * accum * world_size
+    # The ranks of a tensor-parallel group train on the same batch: the global batch counts data-parallel ranks.
+    dp = data_parallel_size(ds, world_size, source)
+    global_batch = micro * accum * dp
     if ds.get("train_batch_size", "auto") not in ("auto", global_batch):
+        tp = world_size // dp
+        ranks = f"data-parallel ranks {dp} (world {world_size} / autotp_size {tp})" if tp > 1 else f"world {world_size}"
         raise ValueError(
             f"DeepSpeed config {source}: train_batch_size = {ds['train_batch_size']} but micro {micro} x "
-            f'accumulation {accum} x world {world_size} = {global_batch}; set train_batch_size to "auto", or '
+            f'accumulation {accum} x {ranks} = {global_batch}; set train_batch_size to "auto", or '
             "change --per_device_train_batch_size / --gradient_accumulation_steps / the number of ranks"
         )
-    ds["train_batch_size"] = global_batch
+    # DeepSpeed's own batch check (runtime/config.py:602, 0.19.8) counts every rank as data-parallel, as it is
+    # given no mpu when it is built (accelerate and the Trainer give none): under AutoTP its train_batch_size
+    # counts each tensor-parallel group's one batch autotp_size times.
+    ds["train_batch_size"] = micro * accum * world_size
     own(ds, "gradient_clipping", float(cfg.max_grad_norm), "--max_grad_norm")
 
     for dtype, flag in (("bf16", cfg.bf16), ("fp16", cfg.fp16)):

@@ -21,7 +21,9 @@ train unless the prepared model really is sharded the way the config says:
 
 from __future__ import annotations
 
+import fnmatch
 import logging
+import math
 import os
 import sys
 import warnings
@@ -40,7 +42,7 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from .config import RunConfig, load_json, offload_devices, resolve_deepspeed, zero_stage
+from .config import RunConfig, autotp_size, load_json, offload_devices, resolve_deepspeed, zero_stage
 from .ops import check_op_cache, launch_ops
 
 
@@ -63,10 +65,21 @@ class Strategy:
     deepspeed_source: str | None = None
     fsdp_env: dict = field(default_factory=dict)
     shard_size: int | None = None  # ranks one copy of the model is sharded over (hybrid FSDP: fewer than all)
+    tp_size: int = 1  # ranks each layer is split over (tensor parallelism); they train on the same batch
 
     @property
     def zero_stage(self) -> int:
         return zero_stage(self.deepspeed) if self.deepspeed else 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that train on different data: the global batch is micro x accumulation x this."""
+        return self.world_size // self.tp_size
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which share of the global batch `rank` trains on. Tensor-parallel groups are consecutive ranks
+        (DeepSpeed's and accelerate's meshes put the `tp` dimension innermost), so ranks 0..tp-1 share one."""
+        return rank // self.tp_size
 
 
 def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
@@ -80,6 +93,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             "accelerate config): launch with one of them"
         )
     apply_launch_precision(cfg)
+    check_parallelism_config_tp()
     if ds_file or env_flag("ACCELERATE_USE_DEEPSPEED"):
         if ds_file:
             raw, source = load_json(ds_file), repr(ds_file)
@@ -88,8 +102,9 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         ds = resolve_deepspeed(raw, cfg, world, hidden_size, source)
         devices = offload_devices(ds)
         offload = next((d for d in (devices["offload_param"], devices["offload_optimizer"]) if d != "none"), None)
-        name = f"zero{zero_stage(ds)}" + (f"-offload-{offload}" if offload else "")
-        return Strategy(name, world, deepspeed=ds, deepspeed_source=source)
+        tp = autotp_size(ds)
+        name = f"zero{zero_stage(ds)}" + (f"-offload-{offload}" if offload else "") + ("-autotp" if tp > 1 else "")
+        return Strategy(name, world, deepspeed=ds, deepspeed_source=source, tp_size=tp)
     if use_fsdp:
         fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
         # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.
@@ -212,6 +227,24 @@ def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
             f"--save_steps {cfg.save_steps} with fsdp_version: 1 and fsdp_state_dict_type: FULL_STATE_DICT on CPU "
             "ranks: the first save ends the run here; set fsdp_state_dict_type: SHARDED_STATE_DICT, or pass "
             "--save_steps 0 (the trained model is still exported at the end)"
+        )
+
+
+def check_parallelism_config_tp() -> None:
+    """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`, with or without FSDP2) is
+    refused before the process group: accelerate 1.15 prepares such a model in `Accelerator._prepare_tp`, whose
+    FSDP2 branch (accelerate/accelerator.py:1618) runs `from transformers.integrations.tensor_parallel import
+    ReplicateParallel` for the parameters the plan leaves whole (the norms), and transformers 5.23 has no such class
+    (its replicated style is `ReplicatedWithGradAllReduce`): the ImportError would end every rank inside `prepare`,
+    on GPUs as on CPUs. Without FSDP (`tp_size` = the world) it is refused too: this script has no data-parallel
+    gradient reduction for it. DeepSpeed AutoTP splits the same plan and trains."""
+    tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) if parallelism_config() else 1
+    if tp > 1:
+        raise ValueError(
+            f"the accelerate config's parallelism_config sets tp_size: {tp}, which accelerate 1.15 cannot prepare with "
+            "transformers 5.23 (accelerate/accelerator.py:1618 imports transformers' removed ReplicateParallel): "
+            "for tensor parallelism launch accelerate_configs/autotp.yaml or --deepspeed ds_configs/autotp.json "
+            "(DeepSpeed AutoTP), or remove parallelism_config_tp_size"
         )
 
 
@@ -454,6 +487,8 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
         sharded = strategy.zero_stage == 3 and world > 1
         if sharded and local > total / world * 1.05 + 1024:
             refuse(f"this rank holds {local} of {total} parameters (ZeRO-3 should hold about 1/{world})")
+        if strategy.tp_size > 1:
+            seen["tensor_parallel"] = verify_autotp(model, unwrapped, strategy, refuse)
     elif strategy.fsdp_env:
         if accelerator.distributed_type != DistributedType.FSDP:
             refuse(f"accelerate runs {accelerator.distributed_type}")
@@ -463,6 +498,34 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
     elif world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         refuse(f"the prepared model is a {type(model).__name__}, not DistributedDataParallel")
     return seen
+
+
+def verify_autotp(engine, unwrapped: torch.nn.Module, strategy: Strategy, refuse: Callable[[str], NoReturn]) -> dict:
+    """DeepSpeed AutoTP in force as asked: the engine's tensor-parallel size, this rank's place in the (dp, tp)
+    mesh (the data loader's shard), and every module of the model's tensor-parallel plan split along the plan's
+    dimension: "colwise" (q, k, v, gate, up; the head over the vocabulary) keeps 1/tp of the output rows of the
+    weight (out, in), "rowwise" (o, down) 1/tp of its input columns. Returns the count of each style."""
+    tp = strategy.tp_size
+    if engine.autotp_size() != tp:
+        refuse(f"the engine splits layers over {engine.autotp_size()} ranks")
+    mpu, rank = engine.mpu, torch.distributed.get_rank()
+    place = (mpu.get_data_parallel_rank(), mpu.get_tensor_model_parallel_world_size())
+    if place != (strategy.data_parallel_rank(rank), tp):
+        refuse(f"rank {rank} is data-parallel rank {place[0]} of a tensor-parallel group of {place[1]}")
+    # transformers' merged plan, full module names: the config's base_model_tp_plan, the head's _tp_plan, and the
+    # embedding split over the vocabulary (embedding_rowwise), which AutoTP shares with the tied head.
+    counts: dict[str, int] = {}
+    for name, module in unwrapped.named_modules():
+        style = next((s for pattern, s in unwrapped.tp_plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if style is None:
+            continue
+        whole, split = tuple(getattr(module, "_orig_weight_shape", ())), tuple(module.weight.shape)
+        dim = 1 if style == "rowwise" else 0  # weights are (out, in); an embedding's (vocabulary, hidden)
+        want = tuple(n // tp if d == dim else n for d, n in enumerate(whole))
+        if not whole or split != want:
+            refuse(f"{name} ({style}) holds a weight of {split}, not 1/{tp} of {whole or split} along dim {dim}")
+        counts[style] = counts.get(style, 0) + 1
+    return {"size": tp, "data_parallel_size": strategy.data_parallel_size, "split_modules": counts}
 
 
 def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
@@ -576,7 +639,10 @@ def _on_nvme(partition: torch.Tensor) -> bool:
 
 
 def parameter_count(model: torch.nn.Module) -> int:
-    return sum(_global_numel(p) for p in model.parameters())
+    """The whole model's parameter elements, whatever this rank holds of them."""
+    # DeepSpeed AutoTP's split layers keep their weight's whole shape (the model has no biases).
+    split = {id(m.weight): math.prod(m._orig_weight_shape) for m in model.modules() if hasattr(m, "_orig_weight_shape")}
+    return sum(split.get(id(p)) or _global_numel(p) for p in model.parameters())
 
 
 def _device(offloaded: bool, to_nvme: bool) -> str:

@@ -283,21 +283,24 @@ def main(argv: list[str] | None = None) -> None:
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)  # collective
     seen = verify_strategy(accelerator, net, strategy)
 
-    # Random tokens, the same on every rank, through the real loader (this rank's micro batches).
-    global_batch = cfg.global_batch(world)
+    # Random tokens, the same on every rank, through the real loader (this rank's micro batches; the ranks of a
+    # tensor-parallel group share theirs).
+    dp, dp_rank = strategy.data_parallel_size, strategy.data_parallel_rank(accelerator.process_index)
+    global_batch = cfg.global_batch(dp)
     generator = torch.Generator().manual_seed(cfg.seed)
     blocks = torch.randint(0, config.vocab_size, (global_batch, cfg.block_size + 1), generator=generator)
-    loader = iter(ShardedLoader(blocks, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, world,
-                                accelerator.process_index, cfg.seed))  # fmt: skip
+    loader = iter(ShardedLoader(blocks, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, dp,
+                                dp_rank, cfg.seed))  # fmt: skip
 
     probe = Probe(net, optimizer, strategy)
     probe.exclude = {id(blocks)}
     probe.install()
     net.train()
-    loss_scale = world * cfg.gradient_accumulation_steps
+    loss_scale = dp * cfg.gradient_accumulation_steps
     for step in range(1, MEASURED_STEP + 1):
         probe.step = step
-        train_step(accelerator, net, optimizer, scheduler, next(loader), loss_scale, cfg.max_grad_norm, step)
+        train_step(accelerator, net, optimizer, scheduler, next(loader), loss_scale, cfg.max_grad_norm, step,
+                   strategy.tp_size)  # fmt: skip
 
     if not probe.snapshots:
         raise RuntimeError("no snapshot was taken: the optimizer step was never reached")

@@ -29,6 +29,8 @@ def write_model_card(out: Path, cfg, config, tokenizer, seen: dict, parameters: 
         card_data.datasets = [cfg.dataset_name]
     precision = cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32"
     zero = f", ZeRO stage {seen['zero_stage']}" if seen.get("zero_stage") else ""
+    # Tensor-parallel ranks share a batch: the global batch counts data-parallel ranks only.
+    data_parallel = seen.get("tensor_parallel", {}).get("data_parallel_size", seen.get("world_size", 1))
     rows = [
         ("architecture", f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                          f"{config.num_attention_heads} heads ({config.num_key_value_heads} key/value), "
@@ -39,7 +41,7 @@ def write_model_card(out: Path, cfg, config, tokenizer, seen: dict, parameters: 
         ("strategy", f"{seen.get('strategy', 'single process')} ({seen.get('engine', 'no wrapper')}{zero}) on "
                      f"{seen.get('world_size', 1)} ranks"),
         ("precision", f"{precision}; parameters {', '.join(seen.get('parameter_dtypes', ['float32']))}"),
-        ("batch", f"{cfg.global_batch_size(seen.get('world_size', 1))} sequences per optimizer step"),
+        ("batch", f"{cfg.global_batch(data_parallel)} sequences per optimizer step"),
         ("steps", f"{steps}"),
         ("final training loss", f"{loss:.4f}" if loss is not None else "not logged"),
         ("final validation loss", f"{eval_loss:.4f} (perplexity {math.exp(min(eval_loss, 50)):.2f})"

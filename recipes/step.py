@@ -18,13 +18,14 @@ class NonFiniteLossError(RuntimeError):
 
 
 def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale: float, max_grad_norm: float,
-               step: int) -> tuple[float, float | None]:  # fmt: skip
+               step: int, tp_size: int = 1) -> tuple[float, float | None]:  # fmt: skip
     """Forward and backward every micro batch of this rank, then step the optimizer and the schedule.
 
     Each micro batch's loss is sum(CE) / (targets in the whole global batch). DDP, FSDP and DeepSpeed average
     gradients over ranks and accelerate/DeepSpeed divide the loss by the accumulation steps, so the caller's
     `loss_scale` = world size x accumulation steps makes the update the gradient of the token-mean loss of the
-    global batch, however it is split into micro batches and ranks.
+    global batch, however it is split into micro batches and ranks. `loss_scale` counts data-parallel ranks: the
+    `tp_size` ranks of a tensor-parallel group compute the same loss on the same batch.
 
     Returns the global batch's loss and the gradient norm (before clipping). Raises `NonFiniteLossError`
     before the optimizer step if either is not finite.
@@ -41,8 +42,9 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
             step_loss += loss.detach()
             if i == len(micro_batches) - 1:
                 # Before the backward that ends the step (under DeepSpeed it also steps the optimizer).
-                # Collective: the sum of the ranks' partial losses is the global batch's token-mean loss.
-                global_loss = accelerator.reduce(step_loss, reduction="sum").item()
+                # Collective: the sum of the ranks' partial losses is the global batch's token-mean loss (each
+                # tensor-parallel group adds its share tp_size times).
+                global_loss = accelerator.reduce(step_loss, reduction="sum").item() / tp_size
                 if not math.isfinite(global_loss) and not scaled:
                     raise NonFiniteLossError(
                         f"loss is {global_loss} at step {step}; stopped before the optimizer step, the weights of "

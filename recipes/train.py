@@ -89,13 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ data
     # Rank 0 tokenizes and caches while the others wait (collective barrier inside), then all read the cache.
     packed = prepare_data(cfg, config.max_position_embeddings, is_main, accelerator.wait_for_everyone)
+    # Ranks of one tensor-parallel group read the same batch (each computes its slice of every layer on it).
+    dp, dp_rank = strategy.data_parallel_size, strategy.data_parallel_rank(accelerator.process_index)
     if not cfg.streaming:  # a stream's length is unknown; the loader checks its first global batch
-        cfg.check_data_size(len(packed.train), world)
+        cfg.check_data_size(len(packed.train), dp)
     tokenizer = packed.tokenizer
     loader = ShardedLoader(
-        packed.train, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
-        world, accelerator.process_index, cfg.seed,
-    )  # fmt: skip
+        packed.train, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, dp, dp_rank, cfg.seed
+    )
 
     # ------------------------------------------------------------------ model
     # Vocabulary padded to a multiple of 128, special ids from the tokenizer (recipes/modeling.py).
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     flops_per_step = flops_per_token(config, cfg.block_size) * tokens_per_step
     peak = peak_flops(accelerator.device, cfg.peak_flops)
     metrics = MetricsWriter(accelerator, cfg.output_dir)
-    # Token-weighted accumulation across micro batches and ranks (see recipes/step.py).
-    loss_scale = world * cfg.gradient_accumulation_steps
+    # Token-weighted accumulation across micro batches and data-parallel ranks (see recipes/step.py).
+    loss_scale = dp * cfg.gradient_accumulation_steps
     progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
     batches = iter(loader)
     preemption = PreemptionWatch()  # from here on SIGTERM and SIGUSR1 stop the run after a checkpoint
@@ -157,8 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         with profiler.step(step + 1):  # --profile: records the steps of --profile_steps
             loss, grad_norm = train_step(
-                accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1
-            )  # collectives inside: gradient reduction, the loss all-reduce, clipping
+                accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1,
+                strategy.tp_size,
+            )  # fmt: skip  # collectives inside: gradient reduction, the loss all-reduce, clipping
         elapsed = time.perf_counter() - t0  # the loss's .item() has synchronised the device
         watchdog.phase("profile_export", timed=False)  # rank 0's table can take a while
         if profiler.write():  # after the last profiled step: every rank's trace, rank 0's table
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
             watchdog.phase("evaluate")
-            val = evaluate(accelerator, net, packed.validation, cfg)  # collective: all ranks, reduced sums
+            val = evaluate(accelerator, net, packed.validation, cfg, dp, dp_rank)  # collective: all ranks, reduced sums
             if val is not None:
                 perplexity = math.exp(min(val, 50))  # capped: exp overflows for a diverged model
                 metrics.write({"step": step, "eval_loss": val, "eval_perplexity": perplexity})
@@ -244,17 +246,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 @torch.no_grad()
-def evaluate(accelerator, net, blocks, cfg: RunConfig) -> float | None:
-    """Token-mean validation loss over every validation block: each rank sums CE over its share, then the
-    sums are added across ranks. Every rank runs the same number of forwards (ZeRO-3 and FSDP gather inside)."""
+def evaluate(accelerator, net, blocks, cfg: RunConfig, dp: int, dp_rank: int) -> float | None:
+    """Token-mean validation loss over every validation block: each data-parallel rank sums CE over its share,
+    then the sums are added across ranks (a tensor-parallel group adds its one share tp times, to the CE sum and
+    the token count alike). Every rank runs the same number of forwards (ZeRO-3 and FSDP gather inside)."""
     if blocks is None or (hasattr(blocks, "__len__") and len(blocks) == 0):
         return None
     net.eval()
     total = torch.zeros((), device=accelerator.device)
     count = torch.zeros((), device=accelerator.device)
-    batches = iter_eval_batches(
-        blocks, cfg.per_device_eval_batch_size, accelerator.num_processes, accelerator.process_index
-    )
+    batches = iter_eval_batches(blocks, cfg.per_device_eval_batch_size, dp, dp_rank)
     for i, micro in enumerate(batches):
         if cfg.max_eval_batches is not None and i >= cfg.max_eval_batches:
             break

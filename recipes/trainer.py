@@ -64,10 +64,11 @@ class ShardGPTTrainer(Trainer):
         super().__init__(*args, **kwargs)
 
     def _get_train_sampler(self, train_dataset=None):
-        # ShardedLoader's order; accelerate deals batch k to rank k % world, as ShardedLoader does.
+        # ShardedLoader's order; accelerate deals batch k to data-parallel rank k % ranks, as ShardedLoader does
+        # (DeepSpeed AutoTP: the ranks of a tensor-parallel group get the same batch).
         n = len(self.train_dataset if train_dataset is None else train_dataset)
         cfg = self.run_config
-        return EpochSampler(n, cfg.global_batch(self.args.world_size), cfg.seed)
+        return EpochSampler(n, cfg.global_batch(self.args.world_size // self.get_tp_size()), cfg.seed)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         # The Trainer counts targets only in batches that carry `labels`; ours carry `shift_labels`. The count
@@ -75,7 +76,8 @@ class ShardGPTTrainer(Trainer):
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         count = sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
         if self.args.world_size > 1:
-            count = self.accelerator.gather(count).sum()  # collective
+            # collective; a tensor-parallel group's ranks hold the same batch: its count once
+            count = self.accelerator.gather(count).sum() // self.get_tp_size()
         return batches, count
 
     def create_optimizer(self, model=None):
@@ -244,13 +246,14 @@ def main(argv: list[str] | None = None) -> None:
     is_main = args.process_index == 0  # creating the arguments initialised the process group
     set_seed(cfg.seed)  # then data, then model, in recipes/train.py's order: the same initial weights
     packed = prepare_data(cfg, config.max_position_embeddings, is_main, args.distributed_state.wait_for_everyone)
-    cfg.check_data_size(len(packed.train), world)
+    dp = strategy.data_parallel_size  # ranks that train on different data (AutoTP: world / autotp_size)
+    cfg.check_data_size(len(packed.train), dp)
     net = build_model(config, packed.tokenizer, cfg.gradient_checkpointing)
     validation = None
     if packed.validation is not None and len(packed.validation):
         validation = BlockDataset(packed.validation)
         if cfg.max_eval_batches is not None:  # the blocks recipes/train.py evaluates on
-            cap = cfg.max_eval_batches * cfg.per_device_eval_batch_size * world
+            cap = cfg.max_eval_batches * cfg.per_device_eval_batch_size * dp
             validation = Subset(validation, range(min(cap, len(validation))))
     if validation is None:
         args.eval_strategy = IntervalStrategy.NO
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         data_collator=default_data_collator, processing_class=packed.tokenizer, run_config=cfg,
         fused_adamw=args.device.type == "cuda" and "offload" not in strategy.name,
     )  # fmt: skip
-    tokens_per_step = cfg.global_batch(world) * cfg.block_size
+    tokens_per_step = cfg.global_batch(dp) * cfg.block_size
     flops = flops_per_token(config, cfg.block_size) * tokens_per_step
     peak = peak_flops(args.device, cfg.peak_flops)
     trainer.add_callback(MetricsCallback(trainer, strategy, tokens_per_step, flops, peak))

@@ -94,6 +94,18 @@ REFUSALS = {
         "asked for DDP": "the prepared model is a FSDPShardGPTForCausalLM, not DistributedDataParallel",
         "as launched, not sharded": "parameters (FSDP should hold about 1/2)",
     },
+    "autotp": {
+        "as launched": "ok",
+        "asked for ZeRO-2": "the engine runs ZeRO stage 1",
+        "asked for ZeRO-3": "the engine runs ZeRO stage 1",
+        "asked for FSDP": "accelerate runs DistributedType.DEEPSPEED",
+        "asked for DDP": "the prepared model is a DeepSpeedEngine, not DistributedDataParallel",
+        "asked for tensor parallelism over 4": "the engine splits layers over 2 ranks",
+        "as launched, rows and columns swapped": (
+            "model.layers.0.self_attn.q_proj (rowwise) holds a weight of (32, 64), not 1/2 of (64, 64) along dim 1"
+        ),
+        "as launched, not sharded": "ok",  # AutoTP's shares are its split shapes, checked above
+    },
     "zero3": {
         "as launched": "ok",
         "asked for ZeRO-3": "ok",
@@ -184,3 +196,18 @@ def test_a_stale_op_build_lock_fails_fast_instead_of_hanging(corpus, tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and f"rm {lock}" in last, last
     assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_tensor_parallel_config_is_refused_naming_the_blocker(corpus, tmp_path):
+    """accelerate_configs/fsdp_tp.yaml (dp_shard 2 x tp 2, 4 ranks) as shipped: accelerate 1.15 cannot prepare a
+    tensor-parallel model with transformers 5.23, so every rank stops before its process group, naming the
+    library line and the route that trains (DeepSpeed AutoTP)."""
+    cmd = launcher_command("accelerate", "fsdp_tp")
+    run = launch(cmd, [*corpus["flags"], *FAST], tmp_path / "out", check=False)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all("parallelism_config sets tp_size: 2" in e for e in errors), run.stderr[-3000:]
+    assert "accelerate/accelerator.py:1618" in errors[0] and "accelerate_configs/autotp.yaml" in errors[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -59,6 +59,11 @@ BAD_JSON = [
     ({"wall_clock": True}, "unknown key 'wall_clock'", "did you mean 'wall_clock_breakdown'?"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/no/such/nvme"}}},
      "offload_param.nvme_path = '/no/such/nvme' does not exist", "or pass --nvme_path DIR"),
+    # AutoTP: the ranks of a tensor-parallel group share one batch, so the global batch counts data-parallel ranks.
+    ({"train_batch_size": 16, "tensor_parallel": {"autotp_size": 2}}, "train_batch_size = 16 but micro 4 x "
+     "accumulation 2 x data-parallel ranks 1 (world 2 / autotp_size 2) = 8", 'set train_batch_size to "auto"'),
+    ({"tensor_parallel": {"autotp_size": 3}}, "tensor_parallel.autotp_size = 3 does not divide the 2 launched ranks",
+     "set it to one of [1, 2]"),
     ({"steps_per_print": "auto"}, 'no flag resolves steps_per_print = "auto"', "set them to values in the JSON"),
 ]  # fmt: skip
 
@@ -142,3 +147,17 @@ def test_weight_decay_only_on_matrices():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(net.parameters()))
     decay_all, _ = param_groups(net, 0.1, decay_embeddings=True)
     assert any("embed" in names[id(p)] for p in decay_all["params"])
+
+
+def test_autotp_batch_counts_data_parallel_ranks(monkeypatch):
+    """ds_configs/autotp.json on 4 ranks: tensor-parallel pairs (0, 1) and (2, 3) each read one share of the
+    global batch of micro 4 x accumulation 2 x 2 data-parallel ranks; DeepSpeed's own check counts all 4 ranks."""
+    from recipes.distributed import requested_strategy
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    autotp = str(ROOT / "ds_configs" / "autotp.json")
+    c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2, deepspeed=autotp)
+    strategy = requested_strategy(c, hidden_size=64)
+    assert (strategy.name, strategy.tp_size, strategy.data_parallel_size) == ("zero1-autotp", 2, 2)
+    assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert strategy.deepspeed["train_batch_size"] == 4 * 2 * 4

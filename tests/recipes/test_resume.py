@@ -18,7 +18,11 @@ TRAIN = [
     "--eval_steps=0", "--sample_max_new_tokens=0", "--per_device_train_batch_size=4", "--save_total_limit=5",
 ]  # fmt: skip
 
-STRATEGIES = [("accelerate", "ddp"), ("accelerate", "fsdp"), ("accelerate", "zero2"), ("accelerate", "zero3")]
+STRATEGIES = [
+    ("accelerate", "ddp"), ("accelerate", "fsdp"), ("accelerate", "zero2"), ("accelerate", "zero3"),
+    # DeepSpeed AutoTP: each rank saves and reloads its column/row shards (one data-parallel rank of micro 4).
+    pytest.param("accelerate", "autotp", marks=pytest.mark.matrix),
+]  # fmt: skip
 
 
 def test_latest_checkpoint_skips_incomplete_ones(tmp_path):

@@ -8,6 +8,10 @@ launch below; the test allows 1e-6 at step 1 and 1e-5 after (10-100x margin for 
 exported weights after 20 steps (magnitudes up to about 1) differ from the single process's by at most 1.0e-5
 (measured, every launch below); the test allows EXPORT_ATOL = 1e-4.
 
+DeepSpeed AutoTP (`ds_configs/autotp.json`) splits every layer over the 2 ranks, which then train on one batch: its
+launch takes micro batch 8, the reference's global batch, and must match it the same way (measured: steps 1-3 equal
+to the last digit on 2 ranks; at most 1.1e-7 relative on 4 ranks, 2 data-parallel x 2 tensor-parallel).
+
 What each rank holds is read from the prepared objects (`strategy.json`, written by the script after its
 first optimizer step): the wrapper and optimizer classes, the ZeRO stage, where parameters and Adam's states
 live, FSDP2's resharding and offload policy, and this rank's share of parameters, gradients and optimizer
@@ -54,6 +58,12 @@ EXPECTED = {
     "zero2-offload-cpu": {**ZERO, "zero_stage": 2, "inner": "DeepSpeedCPUAdam", "shares": (WHOLE, HALF, HALF),
                           "offload": ("none", "cpu"), "gradients_partitioned_in_backward": True},
     "zero3": {**ZERO, "zero_stage": 3, "shares": (HALF, HALF, HALF), "gradients_partitioned_in_backward": True},
+    # DeepSpeed AutoTP over the 2 ranks (one data-parallel rank): each holds half of every split matrix, whole
+    # norms. The 2 layers' q, k, v, gate, up split by output rows, o and down by input columns, the tied
+    # embedding and head by vocabulary rows.
+    "zero1-autotp": {**ZERO, "zero_stage": 1, "shares": (HALF, HALF, HALF), "gradients_partitioned_in_backward": False,
+                     "tensor_parallel": {"size": 2, "data_parallel_size": 1, "split_modules": {
+                         "colwise": 10, "rowwise": 4, "embedding_rowwise": 1, "colwise_gather_output": 1}}},
     "zero3-offload-cpu": {**ZERO, "zero_stage": 3, "inner": "DeepSpeedCPUAdam", "shares": (HALF, HALF, HALF),
                           "offload": ("cpu", "cpu"), "gradients_partitioned_in_backward": True},
     # NVMe offload in force, though the `debug` model's partitions are all below DeepSpeed's 1 MiB swap minimum:
@@ -83,6 +93,7 @@ LAUNCHES = [
     ("deepspeed", "zero3_offload_cpu", "zero3-offload-cpu"),
     ("deepspeed", "zero3_offload_nvme", "zero3-offload-nvme"),
     ("torchrun", "zero2", "zero2"),
+    ("deepspeed", "autotp", "zero1-autotp"),
     ("torchrun", None, "ddp"),
 ]
 # Launches that also report to trackers, read back from their files (W&B offline): rank 0's metrics, as
@@ -119,6 +130,7 @@ def assert_in_force(seen: dict, strategy: str) -> None:
         "fsdp_offload_policy",
         "gradients_partitioned_in_backward",
         "fsdp_sharding_strategy",
+        "tensor_parallel",
     ):
         assert seen.get(key) == want.get(key), f"{key}: {seen}"
     # fp32 throughout (precision in force: docs/precision.md): fp32 parameters, no autocast, FSDP2's policy with no
@@ -153,7 +165,9 @@ def assert_same_training(run, reference) -> None:
 @pytest.mark.parametrize(("launcher", "config", "strategy"), LAUNCHES, ids=lambda v: str(v))
 def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, reference, tmp_path):
     needs_libaio(config)
-    args = [*corpus["flags"], *TRAIN, *TWO_RANKS, f"--nvme_path={tmp_path}"]
+    # Tensor-parallel ranks train on the same batch: one data-parallel rank takes the whole global batch of 8.
+    batch = ["--per_device_train_batch_size=8"] if "autotp" in strategy else TWO_RANKS
+    args = [*corpus["flags"], *TRAIN, *batch, f"--nvme_path={tmp_path}"]
     if launcher in ("deepspeed", "torchrun") and config:
         args.append(f"--deepspeed=ds_configs/{config}.json")
     trackers = TRACKERS.get((launcher, config))
@@ -237,3 +251,22 @@ def test_nvme_offload_swaps_and_trains_the_same(corpus, tmp_path):
     assert sorted(losses) == sorted(ref) == list(range(1, 7))
     for step in ref:
         assert losses[step] == pytest.approx(ref[step], rel=1e-6 if step == 1 else 1e-5), f"step {step}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+def test_autotp_with_two_data_parallel_ranks_trains_the_same_model(corpus, reference, tmp_path):
+    """4 ranks (2 cores oversubscribed): 2 data-parallel ranks x tensor-parallel groups of 2. Ranks 0-1 read the
+    first micro batch of 4 of every global batch of 8, ranks 2-3 the second, and ZeRO-1 reduces over the data-parallel
+    pairs (0, 2) and (1, 3): the same losses and export as one process. (accelerate launch of the same JSON trains and
+    resumes in tests/recipes/test_resume.py.)"""
+    args = [*corpus["flags"], *TRAIN, *TWO_RANKS, "--deepspeed=ds_configs/autotp.json"]
+    run = launch(launcher_command("deepspeed", nproc=4), args, tmp_path / "out")
+    seen = run.strategy
+    assert (seen["strategy"], seen["world_size"], seen["zero_stage"]) == ("zero1-autotp", 4, 1), seen
+    assert seen["tensor_parallel"] == {**EXPECTED["zero1-autotp"]["tensor_parallel"], "data_parallel_size": 2}, seen
+    # Each rank: half of the model (its tensor-parallel slice), a quarter of Adam's states (ZeRO-1 over 2 of it).
+    shares = (seen["local_parameter_fraction"], seen["local_optimizer_state_fraction"])
+    assert shares == pytest.approx((0.5, 0.25), abs=0.02), seen
+    assert_same_training(run, reference)

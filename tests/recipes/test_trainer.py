@@ -40,6 +40,11 @@ CASES = [
     pytest.param(
         "deepspeed", "zero3", ["--per_device_train_batch_size=4"], id="deepspeed-zero3", marks=pytest.mark.multiproc
     ),
+    # DeepSpeed AutoTP: both ranks split every layer and train on the same micro batches of 4 (2 accumulated).
+    pytest.param(
+        "deepspeed", "autotp", ["--per_device_train_batch_size=4", "--gradient_accumulation_steps=2"],
+        id="deepspeed-autotp", marks=[pytest.mark.multiproc, pytest.mark.matrix],
+    ),
 ]  # fmt: skip
 
 
@@ -76,6 +81,9 @@ def test_trainer_trains_what_train_py_trains(launcher, config, split, corpus, tm
     # The DeepSpeed JSON as the Trainer resolved it equals recipes/train.py's resolution of it.
     if config:
         ds_ref, ds_run = (json.loads((r.output_dir / "ds_config.json").read_text()) for r in (ref, run))
+        # Under AutoTP the Trainer calls deepspeed.tp_model_init, which records its tp_size in the config it was
+        # given (deepspeed/runtime/tensor_parallel/init_utils.py): the same size, written twice.
+        assert ds_run.get("tensor_parallel", {}).pop("tp", {"tp_size": 2}) == {"tp_size": 2}
         assert {k: v for k, v in ds_run.items() if k not in TRAINER_DS_KEYS} == {
             k: v for k, v in ds_ref.items() if k not in TRAINER_DS_KEYS
         }

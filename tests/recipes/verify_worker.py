@@ -4,6 +4,7 @@ whole on this rank. Rank 0 writes {case: the refusal, or "ok"} to refusals.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from unittest import mock
@@ -45,6 +46,16 @@ def main() -> None:
     seen = {}
     for name, asked in cases.items():
         seen[name] = check(accelerator, net, asked)
+    if strategy.tp_size > 1:  # DeepSpeed AutoTP: another tensor-parallel size, and a plan its shards do not follow
+        cases_tp = {"asked for tensor parallelism over 4": dataclasses.replace(strategy, tp_size=4)}
+        for name, asked in cases_tp.items():
+            seen[name] = check(accelerator, net, asked)
+        model = accelerator.unwrap_model(net)
+        plan = model.tp_plan
+        flipped = {"colwise": "rowwise", "rowwise": "colwise"}
+        model.tp_plan = {k: flipped.get(v, v) for k, v in plan.items()}  # columns where rows were split, and back
+        seen["as launched, rows and columns swapped"] = check(accelerator, net, strategy)
+        model.tp_plan = plan
     # Every parameter counted as whole on this rank: what a strategy that did not shard would show.
     with mock.patch.object(distributed, "_local_numel", distributed._global_numel):
         seen["as launched, not sharded"] = check(accelerator, net, strategy)
