@@ -84,6 +84,9 @@ class RunConfig(DataArguments):
     )
     report_to: str = arg("none", f"Trackers, comma-separated: {', '.join(TRACKERS)}.")
     peak_flops: float | None = arg(None, "Peak FLOP/s of one device for MFU (default: from a table of GPUs).")
+    skip_memory_check: bool = arg(
+        False, "Start even if the memory planner predicts that the launch does not fit this machine's free memory."
+    )
     sample_max_new_tokens: int = arg(64, "Tokens of the greedy sample printed at the end (0: none).")
     local_rank: int = arg(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
 

@@ -42,6 +42,7 @@ from recipes.distributed import (
     uncompiled,
     verify_strategy,
 )
+from recipes.memory_fit import check_launch_fits
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
 from recipes.modeling import build_model
 from recipes.optim import make_optimizer, make_scheduler
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
         check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(config))
+    check_launch_fits(cfg, config, strategy)  # the planner's prediction against this host's free memory and disk
 
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
     is_main = accelerator.is_main_process
