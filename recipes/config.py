@@ -37,6 +37,11 @@ class RunConfig(DataArguments):
     `data.DataArguments`; the strategy (DDP, FSDP, ZeRO) comes from the launcher's config file."""
 
     preset: str = arg("tiny", f"Model size: one of {', '.join(PRESET_NAMES)} (`python -m model` lists them).")
+    model_name_or_path: str | None = arg(
+        None,
+        "Start from these weights instead of a fresh --preset model: an exported shardgpt folder or any "
+        "Llama-architecture transformers folder (its tokenizer too, unless --tokenizer_name is given).",
+    )
     config_overrides: str | None = arg(
         None, "Replace fields of the preset, as run_clm.py does: `intermediate_size=4096,num_hidden_layers=4`."
     )
@@ -116,7 +121,12 @@ class RunConfig(DataArguments):
         return asdict(self)
 
     def model_config(self) -> ShardGPTConfig:
-        """The preset's config with --config_overrides applied (numbers and true/false only)."""
+        """The preset's config with --config_overrides applied (numbers and true/false only), or the config of
+        --model_name_or_path."""
+        if self.model_name_or_path:
+            from recipes.modeling import start_config
+
+            return start_config(self.model_name_or_path)
         overrides, preset = {}, ShardGPTConfig.from_preset(self.preset)
         for item in (self.config_overrides or "").split(","):
             if not item.strip():
@@ -138,7 +148,17 @@ class RunConfig(DataArguments):
         """Every flag-level check, before any process group, model or data exists."""
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"--preset {self.preset!r} is unknown; valid presets: {', '.join(PRESET_NAMES)}")
-        self.model_config()  # a bad --config_overrides fails here, naming the field
+        if self.model_name_or_path and self.config_overrides:
+            raise ValueError(
+                f"--config_overrides {self.config_overrides!r} with --model_name_or_path: the checkpoint fixes the "
+                "model's shape; drop --config_overrides"
+            )
+        self.model_config()  # a bad --config_overrides or checkpoint fails here, naming the field
+        if self.model_name_or_path and self.tokenizer_name is None:
+            from recipes.modeling import has_tokenizer
+
+            if has_tokenizer(self.model_name_or_path):  # the checkpoint's own tokenizer
+                self.tokenizer_name = self.model_name_or_path
         positive = (
             "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
             "max_steps", "logging_steps",

@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
 
     # ------------------------------------------------------------------ model
-    # Vocabulary padded to a multiple of 128, special ids from the tokenizer (recipes/modeling.py).
-    net = build_model(config, tokenizer, cfg.gradient_checkpointing)
+    # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
+    # tokenizer (recipes/modeling.py). Under ZeRO-3 a checkpoint is loaded into each rank's partitions.
+    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path)
 
     # ------------------------------------------------------------------ optimizer
     fused = accelerator.device.type == "cuda" and "offload" not in strategy.name

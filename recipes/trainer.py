@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     set_seed(cfg.seed)  # then data, then model, in recipes/train.py's order: the same initial weights
     packed = prepare_data(cfg, config.max_position_embeddings, is_main, args.distributed_state.wait_for_everyone)
     cfg.check_data_size(len(packed.train), world)
-    net = build_model(config, packed.tokenizer, cfg.gradient_checkpointing)
+    net = build_model(config, packed.tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path)
     validation = None
     if packed.validation is not None and len(packed.validation):
         validation = BlockDataset(packed.validation)
