@@ -5,10 +5,15 @@ shardgpt folder or any Llama-architecture transformers folder). Shared by `recip
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, LlamaConfig
+from torch import nn
+from transformers import AutoConfig, LlamaConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.integrations.deepspeed import deepspeed_config, is_deepspeed_zero3_enabled
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from model.export import from_llama_config
@@ -54,7 +59,8 @@ def build_model(
     config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
     if model_name_or_path is None:
-        net = ShardGPTForCausalLM(config)
+        with partitioned_construction():
+            net = ShardGPTForCausalLM(config)
     else:
         # Under ZeRO-3 (accelerate's zero3_init_flag sets transformers' HfDeepSpeedConfig) transformers builds
         # the model inside deepspeed.zero.Init and loads the checkpoint into each rank's partitions.
@@ -63,3 +69,44 @@ def build_model(
         net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     net.config.use_cache = False  # training never reads a KV cache
     return net
+
+
+@contextmanager
+def partitioned_construction():
+    """Under ZeRO-3 (accelerate's zero3_init_flag sets transformers' HfDeepSpeedConfig), build inside DeepSpeed's
+    `zero.Init`: each module's parameters are partitioned over the ranks as soon as the module is built, so a rank
+    holds its share plus the module being built. transformers' own weight init runs where a plain build runs it
+    (in each `post_init`), on the module's gathered parameters, in the same order: the RNG draws, hence the weights,
+    are those of a plain build with the same seed, on every rank (rank 0's values are kept). Elsewhere: a plain
+    build."""
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    import deepspeed
+
+    plain = PreTrainedModel.initialize_weights
+    PreTrainedModel.initialize_weights = initialize_gathered
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=deepspeed_config()):
+            yield
+    finally:
+        PreTrainedModel.initialize_weights = plain
+
+
+@torch.no_grad()
+@init.guard_torch_init_functions()
+def initialize_gathered(self: PreTrainedModel) -> None:
+    """`PreTrainedModel.initialize_weights` (children before parents, as its `smart_apply`) on ZeRO-3 partitions:
+    collective: every rank gathers each module's parameters in turn and initialises them; rank 0's are kept."""
+    import deepspeed
+
+    for module in post_order(self):
+        params = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
+            self._initialize_weights(module)
+
+
+def post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from post_order(child)
+    yield module
