@@ -42,7 +42,6 @@ class Launch:
     seq_len: int
     checkpointing: bool
     ds_config: dict | None = None
-    zero3_init: bool = True  # ZeRO-3 builds the model inside zero.Init (accelerate's zero3_init_flag)
 
 
 @dataclass
@@ -84,8 +83,7 @@ def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
     from recipes.plan_memory import predict
 
     pred = predict(config, launch.strategy, launch.world_size, launch.precision, launch.micro_batch,
-                   launch.seq_len, launch.checkpointing, ds_config=launch.ds_config,
-                   zero3_init=launch.zero3_init)  # fmt: skip
+                   launch.seq_len, launch.checkpointing, ds_config=launch.ds_config)  # fmt: skip
     # On CPU ranks the "GPU" figures live in host RAM too. The full fp32 model a rank builds before `prepare`
     # shards it is the peak when it exceeds what the rank keeps afterwards.
     resident = pred["host_ram"] + (0 if on_gpu else pred["total"])
@@ -168,6 +166,5 @@ def check_launch_fits(cfg, config, strategy) -> None:
         mapped[0], mapped[1], min(ranks_per_host(strategy.world_size), mapped[1]),
         cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
         cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, strategy.deepspeed,
-        zero3_init=os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() == "true",
     )  # fmt: skip
     check_memory_fit(config, launch, capacity(nvme, int(os.environ.get("LOCAL_RANK", "0"))))

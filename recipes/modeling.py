@@ -62,7 +62,7 @@ def build_model(
         with partitioned_construction():
             net = ShardGPTForCausalLM(config)
     else:
-        # Under ZeRO-3 (accelerate's zero3_init_flag sets transformers' HfDeepSpeedConfig) transformers builds
+        # Under ZeRO-3 (accelerate's DeepSpeed plugin sets transformers' HfDeepSpeedConfig) transformers builds
         # the model inside deepspeed.zero.Init and loads the checkpoint into each rank's partitions.
         net = ShardGPTForCausalLM.from_pretrained(model_name_or_path, config=config, dtype=torch.float32)
     if gradient_checkpointing:
@@ -73,7 +73,7 @@ def build_model(
 
 @contextmanager
 def partitioned_construction():
-    """Under ZeRO-3 (accelerate's zero3_init_flag sets transformers' HfDeepSpeedConfig), build inside DeepSpeed's
+    """Under ZeRO-3 (accelerate's DeepSpeed plugin sets transformers' HfDeepSpeedConfig), build inside DeepSpeed's
     `zero.Init`: each module's parameters are partitioned over the ranks as soon as the module is built, so a rank
     holds its share plus the module being built. transformers' own weight init runs where a plain build runs it
     (in each `post_init`), on the module's gathered parameters, in the same order: the RNG draws, hence the weights,

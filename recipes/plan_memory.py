@@ -387,15 +387,14 @@ def temporaries(lay: Layout, strategy: str, world: int, precision: str, zero: di
 
 def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: str = "bf16", micro_batch: int = 1,
             seq_len: int = 2048, activation_checkpointing: bool = False, ds_config: dict | None = None,
-            rank: int | None = None, decay_embeddings: bool = False, zero3_init: bool = True) -> dict:  # fmt: skip
+            rank: int | None = None, decay_embeddings: bool = False) -> dict:  # fmt: skip
     """Bytes one GPU needs, by category, for `strategy` on `world_size` GPUs.
 
     Returns params, grads, optimizer_states (fp32 master copies + Adam), activations, logits, temporary and
     total on the GPU; model_states (params + grads + optimizer_states on the GPU); host_ram and nvme per GPU
     (offload); detail (every item, by label and place) and the inputs. `rank`: one rank's figures (ZeRO-1/2
     and FSDP differ slightly between ranks); default the largest over ranks. `ds_config`: a DeepSpeed JSON
-    (dict) instead of the repo's ds_configs/ file for the strategy. `zero3_init`: ZeRO-3 builds the model inside
-    `zero.Init` (the repo's configs; accelerate's `zero3_init_flag`), so no rank holds it whole at start-up.
+    (dict) instead of the repo's ds_configs/ file for the strategy.
     """
     strategy = ALIASES.get(strategy, strategy)
     if strategy not in STRATEGIES:
@@ -427,7 +426,7 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
     out["host_ram"] = sum(it.nbytes for it in states + temps if it.where == "host")
     # Every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves or shards it; under
     # ZeRO-3's zero.Init a rank holds its partition and the one module being built (recipes/modeling.py).
-    partitioned = zero3_init and strategy.startswith("zero3")
+    partitioned = strategy.startswith("zero3")
     out["host_ram_at_start"] = 4 * (math.ceil(lay.psi / world_size) + lay.largest_module if partitioned else lay.psi)
     out["nvme"] = sum(it.nbytes for it in states + temps if it.where == "nvme")
     out["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
