@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # ------------------------------------------------------------------ model
     # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
-    # tokenizer (recipes/modeling.py). Under ZeRO-3 a checkpoint is loaded into each rank's partitions.
+    # tokenizer (recipes/modeling.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
+    # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it).
     net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path)
 
     # ------------------------------------------------------------------ optimizer
