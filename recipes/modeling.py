@@ -38,7 +38,10 @@ def start_config(model_name_or_path: str) -> ShardGPTConfig:
 
 
 def has_tokenizer(model_name_or_path: str) -> bool:
+    """Whether the checkpoint brings a tokenizer: a folder holding one, or a hub name (resolved by transformers)."""
     folder = Path(model_name_or_path)
+    if not folder.is_dir():
+        return True
     return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
 
 

@@ -109,3 +109,21 @@ def test_a_llama_config_translates_field_for_field():
                  "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):  # fmt: skip
         assert getattr(back, name) == getattr(llama, name), name
     assert back.rope_parameters["rope_theta"] == 5e5
+
+
+def test_the_checkpoints_tokenizer_unless_tokenizer_name_says_otherwise(tmp_path):
+    from recipes.config import RunConfig
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path / "bare")
+    cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), output_dir=str(tmp_path / "out"))
+    cfg.validate(1)
+    assert cfg.tokenizer_name is None  # no tokenizer in the folder: the BPE trained on the corpus
+    (tmp_path / "bare" / "tokenizer.json").write_text("{}")
+    cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), output_dir=str(tmp_path / "out"))
+    cfg.validate(1)
+    assert cfg.tokenizer_name == str(tmp_path / "bare")
+    cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), tokenizer_name="other", output_dir=str(tmp_path / "o"))
+    cfg.validate(1)
+    assert cfg.tokenizer_name == "other"
+    with pytest.raises(ValueError, match="--config_overrides 'num_hidden_layers=2' with --model_name_or_path"):
+        RunConfig(model_name_or_path=str(tmp_path / "bare"), config_overrides="num_hidden_layers=2").validate(1)
