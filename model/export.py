@@ -55,3 +55,51 @@ def to_llama(model: torch.nn.Module) -> LlamaForCausalLM:
 def save_llama(model: torch.nn.Module, save_directory: str | os.PathLike, **save_kwargs) -> None:
     """Write `model` as a plain Llama folder (config.json with `model_type: llama`, safetensors weights)."""
     to_llama(model).save_pretrained(save_directory, **save_kwargs)
+
+
+# What a `LlamaConfig` may say for the network to be shardgpt's: (field, value shardgpt computes with).
+LLAMA_AS_SHARDGPT = (
+    ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1),
+    ("attention_dropout", 0.0),
+)  # fmt: skip
+
+
+def from_llama_config(llama: LlamaConfig, source: str = "the checkpoint") -> ShardGPTConfig:
+    """The `ShardGPTConfig` of the network a `LlamaConfig` describes; a field whose value shardgpt does not
+    compute (another activation, biases, a rope scaling, a head_dim other than hidden_size / heads) is a
+    ValueError naming it."""
+    for name, value in LLAMA_AS_SHARDGPT:
+        if getattr(llama, name, value) != value:
+            raise ValueError(
+                f"{source}: config.json {name} = {getattr(llama, name)!r}, but shardgpt computes with {name} = "
+                f"{value!r}: start from a checkpoint of the plain Llama architecture"
+            )
+    rope = dict(getattr(llama, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"{source}: config.json rope_parameters.rope_type = {rope['rope_type']!r}, but shardgpt's rotary "
+            "embeddings are unscaled ('default'): start from a checkpoint without rope scaling"
+        )
+    heads = llama.num_attention_heads
+    head_dim = getattr(llama, "head_dim", None) or llama.hidden_size // heads
+    if head_dim * heads != llama.hidden_size:
+        raise ValueError(
+            f"{source}: config.json head_dim = {head_dim}, but shardgpt's heads are hidden_size / "
+            f"num_attention_heads = {llama.hidden_size // heads} wide: start from a checkpoint where they are"
+        )
+    return ShardGPTConfig(
+        vocab_size=llama.vocab_size,
+        hidden_size=llama.hidden_size,
+        intermediate_size=llama.intermediate_size,
+        num_hidden_layers=llama.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=llama.num_key_value_heads or heads,
+        max_position_embeddings=llama.max_position_embeddings,
+        rms_norm_eps=llama.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(llama, "rope_theta", 10000.0)),
+        tie_word_embeddings=llama.tie_word_embeddings,
+        initializer_range=llama.initializer_range,
+        bos_token_id=llama.bos_token_id,
+        eos_token_id=llama.eos_token_id,
+        pad_token_id=llama.pad_token_id,
+    )

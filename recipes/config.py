@@ -39,6 +39,11 @@ class RunConfig(DataArguments):
     `data.DataArguments`; the strategy (DDP, FSDP, ZeRO) comes from the launcher's config file."""
 
     preset: str = arg("tiny", f"Model size: one of {', '.join(PRESET_NAMES)} (`python -m model` lists them).")
+    model_name_or_path: str | None = arg(
+        None,
+        "Start from these weights instead of a fresh --preset model: an exported shardgpt folder or any "
+        "Llama-architecture transformers folder (its tokenizer too, unless --tokenizer_name is given).",
+    )
     config_overrides: str | None = arg(
         None, "Replace fields of the preset, as run_clm.py does: `intermediate_size=4096,num_hidden_layers=4`."
     )
@@ -101,6 +106,9 @@ class RunConfig(DataArguments):
         f"Default: {GPU_STEP_TIMEOUT:.0f} on GPUs, off on CPU.",
     )
     peak_flops: float | None = arg(None, "Peak FLOP/s of one device for MFU (default: from a table of GPUs).")
+    skip_memory_check: bool = arg(
+        False, "Start even if the memory planner predicts that the launch does not fit this machine's free memory."
+    )
     sample_max_new_tokens: int = arg(64, "Tokens of the greedy sample printed at the end (0: none).")
     local_rank: int = arg(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
 
@@ -130,7 +138,12 @@ class RunConfig(DataArguments):
         return asdict(self)
 
     def model_config(self) -> ShardGPTConfig:
-        """The preset's config with --config_overrides applied (numbers and true/false only)."""
+        """The preset's config with --config_overrides applied (numbers and true/false only), or the config of
+        --model_name_or_path."""
+        if self.model_name_or_path:
+            from recipes.modeling import start_config
+
+            return start_config(self.model_name_or_path)
         overrides, preset = {}, ShardGPTConfig.from_preset(self.preset)
         for item in (self.config_overrides or "").split(","):
             if not item.strip():
@@ -152,7 +165,17 @@ class RunConfig(DataArguments):
         """Every flag-level check, before any process group, model or data exists."""
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"--preset {self.preset!r} is unknown; valid presets: {', '.join(PRESET_NAMES)}")
-        self.model_config()  # a bad --config_overrides fails here, naming the field
+        if self.model_name_or_path and self.config_overrides:
+            raise ValueError(
+                f"--config_overrides {self.config_overrides!r} with --model_name_or_path: the checkpoint fixes the "
+                "model's shape; drop --config_overrides"
+            )
+        self.model_config()  # a bad --config_overrides or checkpoint fails here, naming the field
+        if self.model_name_or_path and self.tokenizer_name is None:
+            from recipes.modeling import has_tokenizer
+
+            if has_tokenizer(self.model_name_or_path):  # the checkpoint's own tokenizer
+                self.tokenizer_name = self.model_name_or_path
         self.derive_accumulation(world_size)
         positive = (
             "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",

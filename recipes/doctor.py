@@ -504,7 +504,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         check_nvme(report, path, "the config's nvme_path", args.write_mb, need)
     if args.nvme_path and nvme_paths:
         args.nvme_need = need
-    plan(report, config, name, world, per_node, cfg, ds, found)
+    plan(report, config, name, world, per_node, cfg, ds)
 
 
 def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
@@ -527,39 +527,37 @@ def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
     }
 
 
-def plan(report: Report, config, name: str, world: int, per_node: int, cfg, ds, found: list[dict]) -> None:
-    """The memory planner's prediction for one rank against the GPU's memory, and the host RAM the node's
-    ranks need (offload; on CPU ranks everything) against what is free, when `recipes/plan_memory.py` exists."""
-    try:
-        from recipes.plan_memory import predict
-    except ImportError:
-        report.add("memory plan", NA, "recipes/plan_memory.py not found")
-        return
-    if name == "single":
-        report.add("memory plan", NA, "the planner models multi-rank strategies (launch with 2+ ranks to check)")
-        return
-    import psutil
+def plan(report: Report, config, name: str, world: int, per_node: int, cfg, ds) -> None:
+    """The check the training script makes before it starts (`recipes/memory_fit.py`): the memory planner's
+    prediction for this launch against this host's free GPU memory, RAM and NVMe disk, with the cheapest fix."""
+    from recipes.memory_fit import Launch, MemoryFitError, capacity, check_memory_fit, needs, planner_strategy
 
-    precision = cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32"
+    mapped = planner_strategy(name, world, None)
+    if mapped is None:
+        report.add("memory plan", NA, f"the planner does not model {name}")
+        return
+    zero = (ds or {}).get("zero_optimization") or {}
+    nvme = next((zero[k].get("nvme_path") for k in ("offload_param", "offload_optimizer")
+                 if (zero.get(k) or {}).get("device") == "nvme"), None)  # fmt: skip
+    launch = Launch(
+        mapped[0], mapped[1], min(per_node, mapped[1]), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
+        cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, ds,
+    )  # fmt: skip
     try:
-        pred = predict(
-            config, name, world, precision, cfg.per_device_train_batch_size, cfg.block_size,
-            cfg.gradient_checkpointing, ds_config=ds,
-        )  # fmt: skip
+        have = capacity(nvme if nvme and Path(nvme).is_dir() else None)
+        need = needs(config, launch, have.gpu_free is not None)
+        check_memory_fit(config, launch, have)
+    except MemoryFitError as e:
+        report.add("memory plan", FAIL, str(e))
+        return
     except Exception as e:
         report.add("memory plan", WARN, f"plan_memory.predict failed: {type(e).__name__}: {e}")
         return
-    host_need = pred.get("host_ram", 0) + (0 if found else pred["total"])
-    host_free = psutil.virtual_memory().available / per_node
-    checks = [(host_need, host_free, "host RAM free per rank")]
-    if found:
-        checks.insert(0, (pred["total"], min(g["total_gb"] for g in found) * 2**30, "GPU memory"))
-    parts, status = [], OK
-    for need, capacity, where in checks:
-        ratio = need / capacity
-        status = FAIL if ratio > 1 or status == FAIL else WARN if ratio > 0.9 or status == WARN else OK
-        parts.append(f"{size(need)} of {size(capacity)} {where} ({ratio:.0%})")
-    report.add("memory plan", status, "predicted per rank: " + "; ".join(parts))
+    free = {"GPU memory": have.gpu_free, "host RAM": have.host_free, "NVMe disk": have.disk_free}
+    parts = [f"{size(n)} of {size(free[where])} {where} free" for where, n in need if free[where] is not None]
+    status = WARN if any(n > 0.9 * free[where] for where, n in need if free[where] is not None) else OK
+    host = f"predicted for the {launch.ranks_per_host} rank(s) of this host: "
+    report.add("memory plan", status, host + "; ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------- main

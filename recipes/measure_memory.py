@@ -265,7 +265,9 @@ class StandInTokenizer:
         return self.size
 
 
-def main(argv: list[str] | None = None) -> None:
+def set_up(argv: list[str] | None):
+    """The start of `recipes/train.py`: flags parsed and checked, the strategy read, the Accelerator made
+    (collective: initialises the process group), the seed set. Returns (cfg, world, config, strategy, accelerator)."""
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
     cfg.validate(world)
@@ -273,9 +275,14 @@ def main(argv: list[str] | None = None) -> None:
     strategy = requested_strategy(cfg, config.hidden_size)
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
     set_seed(cfg.seed)
+    return cfg, world, config, strategy, accelerator
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, world, config, strategy, accelerator = set_up(argv)
 
     net = build_model(config, StandInTokenizer(cfg.tokenizer_vocab_size), cfg.gradient_checkpointing)
-    psi = sum(p.numel() for p in net.parameters())
+    psi = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())  # ds_numel: a zero.Init partition
     tensors = sum(1 for _ in net.parameters())
     fused = accelerator.device.type == "cuda" and "offload" not in strategy.name
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)

@@ -22,7 +22,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: 
         if not p.requires_grad:
             continue
         is_embedding = "embed_tokens" in name or name.startswith("lm_head")
-        if p.ndim >= 2 and (decay_embeddings or not is_embedding):
+        # A parameter built inside ZeRO-3's zero.Init is an empty 1-D partition; ds_shape is its real shape.
+        if len(getattr(p, "ds_shape", p.shape)) >= 2 and (decay_embeddings or not is_embedding):
             decay.append(p)
         else:
             no_decay.append(p)

@@ -48,6 +48,7 @@ from recipes.distributed import (
     uncompiled,
     verify_strategy,
 )
+from recipes.memory_fit import check_launch_fits
 from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
 from recipes.model_card import write_model_card
 from recipes.modeling import build_model
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
         check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(config))
+    check_launch_fits(cfg, config, strategy)  # the planner's prediction against this host's free memory and disk
 
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
     is_main = accelerator.is_main_process
@@ -99,8 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # ------------------------------------------------------------------ model
-    # Vocabulary padded to a multiple of 128, special ids from the tokenizer (recipes/modeling.py).
-    net = build_model(config, tokenizer, cfg.gradient_checkpointing)
+    # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
+    # tokenizer (recipes/modeling.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
+    # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it).
+    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path)
 
     # ------------------------------------------------------------------ optimizer
     fused = accelerator.device.type == "cuda" and "offload" not in strategy.name

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     packed = prepare_data(cfg, config.max_position_embeddings, is_main, args.distributed_state.wait_for_everyone)
     dp = strategy.data_parallel_size  # ranks that train on different data (AutoTP: world / autotp_size)
     cfg.check_data_size(len(packed.train), dp)
-    net = build_model(config, packed.tokenizer, cfg.gradient_checkpointing)
+    net = build_model(config, packed.tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path)
     validation = None
     if packed.validation is not None and len(packed.validation):
         validation = BlockDataset(packed.validation)

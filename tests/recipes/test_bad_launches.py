@@ -39,6 +39,8 @@ CASES = {
                            "existing path or glob"),
     "missing nvme path": (lambda t: ["--deepspeed=ds_configs/zero3_offload_nvme.json"],
                           "nvme_path = '/local_nvme' does not exist", "or pass --nvme_path DIR"),
+    "cannot fit": (lambda t: ["--preset=llama-7b", "--config_overrides=num_hidden_layers=200"],
+                   "is predicted not to fit: host RAM needs", "cheapest fix: "),
 }  # fmt: skip
 
 

@@ -153,3 +153,15 @@ def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, 
         m.setattr(ALL_OPS["cpu_adam"], "load", lambda verbose=False: None)  # no compiler run in the test
         doctor.build_ops(report, names=("cpu_adam",), remove_stale_locks=True)
     assert [c.status for c in report.checks] == ["WARN", "OK"] and not lock.exists()
+
+
+def test_memory_plan_refuses_what_the_training_script_refuses(tmp_path, capfd):
+    """The doctor's memory plan is the training script's check (recipes/memory_fit.py): same numbers, same fix."""
+    code, out = run_doctor(
+        capfd, "--config_file", "accelerate_configs/ddp.yaml", "--json", "--", "--preset", "llama-7b",
+        "--config_overrides", "num_hidden_layers=200", "--output_dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    plan = checks(out)["memory plan"]
+    assert code != 0 and plan["status"] == "FAIL", plan
+    assert "ddp on 2 rank(s), fp32" in plan["detail"] and "is predicted not to fit: host RAM needs" in plan["detail"]
+    assert "cheapest fix: " in plan["detail"]

@@ -183,3 +183,12 @@ def test_bad_input_is_one_line(capsys):
         pm.main(["--strategy", "zero4"])
     assert e.value.code == 2
     assert "zero4" in capsys.readouterr().err
+
+
+def test_zero3_builds_partitioned_at_start():
+    """Under zero.Init a rank holds its fp32 partition and the module being built; under FSDP, the whole model."""
+    config = ShardGPTConfig.from_preset("llama-1b")
+    lay = pm.layout(config)
+    built = pm.predict(config, "zero3", 8)["host_ram_at_start"]
+    assert built == 4 * (math.ceil(lay.psi / 8) + lay.largest_module)
+    assert pm.predict(config, "fsdp", 8)["host_ram_at_start"] == 4 * lay.psi

@@ -1,0 +1,170 @@
+"""Will this launch fit the machine? The memory planner's prediction (`recipes/plan_memory.predict`) for the
+launch, against what this host has free, before any process group, model or data exists.
+
+Three places can run out, each compared for the ranks of one host together:
+- GPU memory: one rank's prediction against the free memory of its GPU;
+- host RAM: the host's ranks x what each keeps in host memory (offloaded states; on CPU ranks, everything;
+  and the fp32 model each rank builds before `prepare`), against the RAM available;
+- disk: the host's ranks x their NVMe-offloaded bytes, against the free space at `nvme_path`.
+
+A launch that does not fit is refused with the numbers and the cheapest change that the planner predicts would
+fit (activation checkpointing, a smaller micro batch, a sharding strategy, offload, more hosts), unless
+`--skip_memory_check`. `recipes/doctor.py` shows the same comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, replace
+
+import psutil
+import torch
+
+GiB = 2**30
+
+
+class MemoryFitError(ValueError):
+    """The planner predicts that the launch runs out of memory or disk (every rank finds the same)."""
+
+    same_on_every_rank = True
+
+
+@dataclass
+class Launch:
+    """What the prediction depends on: the planner's strategy name and the launch's sizes."""
+
+    strategy: str  # a name of plan_memory.STRATEGIES
+    world_size: int
+    ranks_per_host: int
+    precision: str  # fp32, bf16 or fp16
+    micro_batch: int
+    seq_len: int
+    checkpointing: bool
+    ds_config: dict | None = None
+
+
+@dataclass
+class Capacity:
+    """What one host has free: bytes of free GPU memory per GPU (None: CPU ranks), available RAM and free disk
+    at the NVMe offload path (None: no NVMe offload)."""
+
+    gpu_free: int | None
+    host_free: int
+    disk_free: int | None = None
+
+
+def planner_strategy(name: str, world: int, shard_size: int | None) -> tuple[str, int] | None:
+    """The planner's name for a strategy of `recipes/distributed.py` and the ranks one model copy is sharded
+    over; None for what the planner does not model (FSDP1's flat parameters count as FSDP2's shards)."""
+    from recipes.plan_memory import ALIASES, STRATEGIES
+
+    if name == "single":
+        return "ddp", 1
+    name = ALIASES.get(name, name)
+    if name.startswith("fsdp1"):
+        name = "ddp" if "-no-shard" in name else "fsdp" + name.removeprefix("fsdp1")
+    if name.startswith("fsdp-hybrid"):  # the memory of a rank is that of FSDP over its shard group
+        name, world = "fsdp" + name.removeprefix("fsdp-hybrid"), shard_size or world
+    return (name, world) if name in STRATEGIES else None
+
+
+def capacity(nvme_path: str | None, local_rank: int = 0) -> Capacity:
+    """This host's free memory and disk, now."""
+    gpu_free = None
+    if torch.cuda.is_available():
+        gpu_free = torch.cuda.mem_get_info(local_rank % torch.cuda.device_count())[0]
+    disk_free = shutil.disk_usage(nvme_path).free if nvme_path else None
+    return Capacity(gpu_free, psutil.virtual_memory().available, disk_free)
+
+
+def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
+    """(place, bytes one host needs there) for `launch`, as the planner predicts it."""
+    from recipes.plan_memory import predict
+
+    pred = predict(config, launch.strategy, launch.world_size, launch.precision, launch.micro_batch,
+                   launch.seq_len, launch.checkpointing, ds_config=launch.ds_config)  # fmt: skip
+    # On CPU ranks the "GPU" figures live in host RAM too. The full fp32 model a rank builds before `prepare`
+    # shards it is the peak when it exceeds what the rank keeps afterwards.
+    resident = pred["host_ram"] + (0 if on_gpu else pred["total"])
+    out = [("host RAM", launch.ranks_per_host * max(resident, pred["host_ram_at_start"]))]
+    if on_gpu:
+        out.insert(0, ("GPU memory", pred["total"]))
+    if pred["nvme"]:
+        out.append(("NVMe disk", launch.ranks_per_host * pred["nvme"]))
+    return out
+
+
+def shortfalls(config, launch: Launch, have: Capacity) -> list[tuple[str, int, int]]:
+    """(place, bytes needed, bytes free) for every place the launch is predicted not to fit."""
+    free = {"GPU memory": have.gpu_free, "host RAM": have.host_free, "NVMe disk": have.disk_free}
+    return [(where, need, free[where]) for where, need in needs(config, launch, have.gpu_free is not None)
+            if free[where] is not None and need > free[where]]  # fmt: skip
+
+
+def cheapest_fix(config, launch: Launch, have: Capacity) -> str:
+    """The first change, in order of what it costs the run, that the planner predicts would fit."""
+    on_gpu = have.gpu_free is not None
+    candidates = []
+    if not launch.checkpointing:
+        candidates.append(("pass --gradient_checkpointing (about 30% slower)", replace(launch, checkpointing=True)))
+    micro = launch.micro_batch // 2
+    while micro >= 1:
+        accumulation = f"x{launch.micro_batch // micro}" if launch.micro_batch % micro == 0 else "more"
+        candidates.append((
+            f"pass --per_device_train_batch_size {micro} and {accumulation} --gradient_accumulation_steps "
+            "(same global batch)", replace(launch, micro_batch=micro),
+        ))  # fmt: skip
+        micro //= 2
+    if launch.world_size > 1 and launch.strategy != "zero3":
+        candidates.append(("launch with accelerate_configs/zero3.yaml (ZeRO-3 shards every state)",
+                           replace(launch, strategy="zero3", ds_config=None)))  # fmt: skip
+    if on_gpu and "offload" not in launch.strategy and launch.world_size > 1:
+        candidates.append(("launch with accelerate_configs/zero3_offload_cpu.yaml (states in host RAM)",
+                           replace(launch, strategy="zero3-offload-cpu", ds_config=None)))  # fmt: skip
+    hosts = launch.world_size // launch.ranks_per_host
+    for more in (2, 4, 8, 16):
+        if launch.strategy.startswith(("zero", "fsdp")):
+            candidates.append((f"launch on {more * hosts} hosts of {launch.ranks_per_host} ranks (more shards)",
+                               replace(launch, world_size=more * launch.world_size)))  # fmt: skip
+    for fix, changed in candidates:
+        if not shortfalls(config, changed, have):
+            return fix
+    return "no single change fits: choose a smaller --preset, or a larger machine"
+
+
+def check_memory_fit(config, launch: Launch, have: Capacity) -> None:
+    """Refuse `launch` in one line when it is predicted not to fit: the numbers and the cheapest fix."""
+    short = shortfalls(config, launch, have)
+    if not short:
+        return
+    per_host = f" for {launch.ranks_per_host} ranks on this host" if launch.ranks_per_host > 1 else ""
+    numbers = "; ".join(f"{where} needs {need / GiB:.1f} GiB{per_host}, {free / GiB:.1f} GiB free"
+                        for where, need, free in short)  # fmt: skip
+    raise MemoryFitError(
+        f"{launch.strategy} on {launch.world_size} rank(s), {launch.precision}, micro batch {launch.micro_batch} x "
+        f"{launch.seq_len} tokens is predicted not to fit: {numbers}; cheapest fix: "
+        f"{cheapest_fix(config, launch, have)} (or --skip_memory_check to start anyway)"
+    )
+
+
+def ranks_per_host(world: int) -> int:
+    """Ranks of this host: every launcher exports LOCAL_WORLD_SIZE (torchrun, accelerate, deepspeed)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def check_launch_fits(cfg, config, strategy) -> None:
+    """`check_memory_fit` for the launch the training script was started with (`strategy` from
+    `recipes/distributed.requested_strategy`), on this host now."""
+    mapped = planner_strategy(strategy.name, strategy.world_size, strategy.shard_size)
+    if cfg.skip_memory_check or mapped is None:
+        return
+    zero = (strategy.deepspeed or {}).get("zero_optimization") or {}
+    nvme = next((zero[k]["nvme_path"] for k in ("offload_param", "offload_optimizer")
+                 if (zero.get(k) or {}).get("device") == "nvme"), None)  # fmt: skip
+    launch = Launch(
+        mapped[0], mapped[1], min(ranks_per_host(strategy.world_size), mapped[1]),
+        cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
+        cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, strategy.deepspeed,
+    )  # fmt: skip
+    check_memory_fit(config, launch, capacity(nvme, int(os.environ.get("LOCAL_RANK", "0"))))

@@ -1,0 +1,97 @@
+"""recipes/memory_fit.py: a launch the planner predicts not to fit is refused with the numbers and the cheapest
+fix. Capacities are given explicitly, so the cases do not depend on what this machine has free."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from model import ShardGPTConfig
+from recipes.config import RunConfig
+from recipes.distributed import Strategy
+from recipes.memory_fit import (
+    Capacity,
+    Launch,
+    MemoryFitError,
+    check_launch_fits,
+    check_memory_fit,
+    needs,
+    planner_strategy,
+    shortfalls,
+)
+from recipes.plan_memory import predict
+
+GiB = 2**30
+LLAMA_1B = ShardGPTConfig.from_preset("llama-1b")
+
+
+def on_gpu(launch: Launch) -> dict[str, int]:
+    return dict(needs(LLAMA_1B, launch, on_gpu=True))
+
+
+def test_host_ram_need_is_ranks_per_host_times_what_a_rank_keeps_in_host_memory():
+    launch = Launch("zero3", 2, 2, "fp32", 1, 128, False)
+    pred = predict(LLAMA_1B, "zero3", 2, "fp32", 1, 128)
+    # CPU ranks: the whole prediction lives in host memory, for both ranks of the host.
+    assert dict(needs(LLAMA_1B, launch, on_gpu=False)) == {"host RAM": 2 * (pred["total"] + pred["host_ram"])}
+    offload = replace(launch, strategy="zero3-offload-nvme", world_size=8, ranks_per_host=8)
+    pred = predict(LLAMA_1B, "zero3-offload-nvme", 8, "fp32", 1, 128)
+    assert on_gpu(offload) == {
+        "GPU memory": pred["total"],
+        "host RAM": 8 * max(pred["host_ram"], pred["host_ram_at_start"]),
+        "NVMe disk": 8 * pred["nvme"],
+    }
+
+
+def test_a_launch_that_fits_passes_and_one_that_does_not_names_the_numbers():
+    launch = Launch("zero3", 2, 2, "fp32", 1, 128, False)
+    need = dict(needs(LLAMA_1B, launch, on_gpu=False))["host RAM"]
+    check_memory_fit(LLAMA_1B, launch, Capacity(None, need))  # exactly enough
+    with pytest.raises(MemoryFitError) as e:
+        check_memory_fit(LLAMA_1B, launch, Capacity(None, need - 1))
+    msg = str(e.value)
+    assert f"host RAM needs {need / GiB:.1f} GiB for 2 ranks on this host, {(need - 1) / GiB:.1f} GiB free" in msg
+    assert "--skip_memory_check" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "launch, fix",
+    [
+        (Launch("zero3", 8, 8, "bf16", 8, 2048, False), "--gradient_checkpointing"),
+        (Launch("zero3", 8, 8, "bf16", 8, 2048, True), "--per_device_train_batch_size 4 and x2"),
+        (Launch("ddp", 8, 8, "bf16", 1, 2048, True), "zero3.yaml"),
+    ],
+)
+def test_the_cheapest_fix_is_the_first_change_that_fits(launch, fix):
+    """GPU memory set between the launch's need and the need after the fix: that fix is the one offered, and
+    the fix offered fits."""
+    before = on_gpu(launch)["GPU memory"]
+    changed = {
+        "--gradient_checkpointing": replace(launch, checkpointing=True),
+        "--per_device_train_batch_size 4 and x2": replace(launch, micro_batch=4),
+        "zero3.yaml": replace(launch, strategy="zero3"),
+    }[fix]
+    after = on_gpu(changed)["GPU memory"]
+    assert after < before
+    have = Capacity(gpu_free=after, host_free=2**50)
+    assert not shortfalls(LLAMA_1B, changed, have)
+    with pytest.raises(MemoryFitError, match="cheapest fix: [^;]*" + fix.replace("(", r"\(")):
+        check_memory_fit(LLAMA_1B, launch, have)
+
+
+def test_planner_names_for_the_training_scripts_strategies():
+    assert planner_strategy("single", 1, None) == ("ddp", 1)
+    assert planner_strategy("zero2-offload-cpu", 4, None) == ("zero2-offload", 4)
+    assert planner_strategy("fsdp1-shard-grad-op", 2, 2) == ("fsdp-shard-grad-op", 2)
+    assert planner_strategy("fsdp1-no-shard", 2, 1) == ("ddp", 2)
+    assert planner_strategy("fsdp-hybrid", 8, 4) == ("fsdp", 4)
+    assert planner_strategy("zero0", 2, None) is None  # not modelled: not checked
+
+
+def test_skip_memory_check_starts_anyway():
+    huge = ShardGPTConfig.from_preset("llama-7b", num_hidden_layers=200)
+    strategy = Strategy("ddp", 2)
+    with pytest.raises(MemoryFitError):
+        check_launch_fits(RunConfig(preset="llama-7b"), huge, strategy)
+    check_launch_fits(RunConfig(preset="llama-7b", skip_memory_check=True), huge, strategy)
