@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -746,6 +747,16 @@ def _is_rank_0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def remove_deepspeed_shm_buffer() -> None:
+    """DeepSpeed's CPU all-reduce (its `shm_comm` op, deepspeed 0.19.8 `ops/csrc/cpu/comm/shm.cpp`) creates one
+    shared-memory file per rank, /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>
+    (69 MB), and never removes it: every CPU launch left its files behind, and /dev/shm is RAM (12 GB had piled
+    up on a test machine). This rank's file is unlinked at exit; mappings the other ranks still hold stay valid."""
+    addr, port, rank = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
+    if addr and port and rank:
+        Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}").unlink(missing_ok=True)
+
+
 def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...] = BAD_INPUT) -> NoReturn:
     """Run a launched script's `main` and end the process. Bad input (and `errors`) ends with one line,
     `error: ...`, and exit status 2 instead of a traceback (set SHARDGPT_TRACEBACK=1 to see it); an error that
@@ -778,6 +789,7 @@ def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...]
         if _is_rank_0():  # rank 0 only: one line for the whole run
             print(e, file=sys.stderr, flush=True)
         code = PREEMPTED
+    remove_deepspeed_shm_buffer()
     if launched_world_size() <= 1:
         sys.exit(code)
     logging.shutdown()
