@@ -242,7 +242,8 @@ def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
     part = sum(math.ceil(n / world) for n in lay.numels)
     subs = zero3_groups(lay, world, zero["sub_group_size"])
     # Persistent parameters are gathered into buffers padded to a multiple of world, as every ZeRO-3 gather.
-    whole = sum(world * math.ceil(lay.numels[i] / world) for i in persistent(lay, zero))
+    # On one rank the partition is the whole parameter and DeepSpeed keeps no second copy.
+    whole = sum(world * math.ceil(lay.numels[i] / world) for i in persistent(lay, zero)) if world > 1 else 0
     items = [
         Item("params", "partitions", e * part, param_where),
         Item("params", "persistent_whole", e * whole),
