@@ -322,7 +322,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), (grad_weight * grad_total).to(ctx.weight_dtype), None, None
+        grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight, None, None
 
 
 class ShardGPTLMHead(nn.Linear):

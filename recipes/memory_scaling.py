@@ -61,12 +61,16 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    formulas: dict[tuple, list[str]] = {}  # ZeRO-3 and FSDP share the paper's 16/N: one dashed line for both
     for i, config in enumerate(STRATEGIES):
         mine = [r for r in rows if r["launch"] == config]
         n = [r["world"] for r in mine]
-        color = f"C{i}"
-        ax.plot(n, [r["measured"] / r["psi"] for r in mine], "o-", color=color, label=f"{config} measured")
-        ax.plot(n, [r["paper"] / r["psi"] for r in mine], "--", color=color, alpha=0.6, label=f"{config} paper")
+        ax.plot(n, [r["measured"] / r["psi"] for r in mine], "o-", color=f"C{i}", label=f"{config} measured")
+        formulas.setdefault(tuple((r["world"], r["paper"] / r["psi"]) for r in mine), []).append(config)
+    for line, configs in formulas.items():
+        color = f"C{STRATEGIES.index(configs[0])}"
+        n, paper_bytes = zip(*line, strict=True)
+        ax.plot(n, paper_bytes, "--", color=color, alpha=0.7, label=f"{' = '.join(configs)} paper")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["world"] for r in rows}), [str(w) for w in sorted({r["world"] for r in rows})])
     ax.set_xlabel("ranks N")
