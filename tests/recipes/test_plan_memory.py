@@ -147,7 +147,7 @@ def test_zero3_persistence_and_sub_groups_follow_the_json():
     lay = pm.layout(config)
     zero = pm.zero_config("zero3", config, 8, "bf16", 1)
     assert zero["stage3_param_persistence_threshold"] == 10 * config.hidden_size  # "auto" resolved as training
-    assert zero["reduce_bucket_size"] == config.hidden_size**2
+    assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == 10_000_000  # fixed in the JSON
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
     assert sum(lay.numels[i] for i in pm.persistent(lay, zero)) == norms
     assert len(pm.zero3_groups(lay, 8, zero["sub_group_size"])) == 2  # decay, no decay
