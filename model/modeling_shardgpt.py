@@ -306,15 +306,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
             counted = (t != -100).unsqueeze(1)  # (n, 1)
-            t = t.clamp(min=0).unsqueeze(1)  # ignored rows point at class 0; their loss and gradient are masked
-            logits = (h @ weight.T).float()  # (n, V), the only vocabulary-wide tensor, one chunk at a time
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (n, 1)
-            total += ((lse - logits.gather(1, t)) * counted).sum()
-            grad = logits.sub_(lse).exp_()  # softmax, in place of the logits
-            grad.scatter_add_(1, t, torch.full_like(lse, -1.0)).mul_(counted)  # d(sum CE)/d logits
+            t = t.clamp(min=0).unsqueeze(1)  # ignored rows point at class 0; masked below on the (n, C) side
+            logits = (h @ weight.T).float()  # (n, V), the only vocabulary-wide tensors, one chunk at a time
+            logp = torch.log_softmax(logits, dim=-1)
+            del logits
+            total -= (logp.gather(1, t) * counted).sum()
+            grad = logp.exp_().scatter_add_(1, t, -counted.float())  # softmax - one-hot = d(CE)/d logits
             grad = grad.to(h.dtype)  # under autocast the matmuls below cast to its dtype, as lm_head's would
-            grad_hidden[start : start + chunk_size] = grad @ weight  # (n, C)
-            grad_weight += grad.T @ h  # (V, C)
+            # Ignored rows are zeroed on the narrow side: their hidden states' gradient and their share of the
+            # weight's gradient (h masked), not the (n, V) softmax.
+            grad_hidden[start : start + chunk_size] = (grad @ weight) * counted  # (n, C)
+            grad_weight += grad.T @ (h * counted)  # (V, C)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
