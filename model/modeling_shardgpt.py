@@ -286,6 +286,62 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """sum over tokens of cross_entropy(hidden @ weight.T, targets) without the (tokens, vocab) logits.
+
+    The tokens are taken `chunk_size` at a time: a chunk's logits (chunk, vocab) are computed in fp32, give
+    the chunk's loss and at once its gradient (softmax - one-hot), which is turned into the gradients of the
+    chunk's hidden states and added to the weight's (fp32) gradient before the next chunk. The forward saves
+    only those two gradients, (tokens, hidden) and (vocab, hidden); the backward scales them by the loss's
+    incoming gradient. Targets equal to -100 are ignored. Runs under autocast (the matmuls take its dtype, as
+    `lm_head` would) and torch.compile, which traces the chunk loop. No double backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
+        # hidden (N, C), weight (V, C), targets (N,)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+            counted = (t != -100).unsqueeze(1)  # (n, 1)
+            t = t.clamp(min=0).unsqueeze(1)  # ignored rows point at class 0; masked below on the (n, C) side
+            logits = (h @ weight.T).float()  # (n, V), the only vocabulary-wide tensors, one chunk at a time
+            logp = torch.log_softmax(logits, dim=-1)
+            del logits
+            total -= (logp.gather(1, t) * counted).sum()
+            grad = logp.exp_().scatter_add_(1, t, -counted.float())  # softmax - one-hot = d(CE)/d logits
+            grad = grad.to(h.dtype)  # under autocast the matmuls below cast to its dtype, as lm_head's would
+            # Ignored rows are zeroed on the narrow side: their hidden states' gradient and their share of the
+            # weight's gradient (h masked), not the (n, V) softmax.
+            grad_hidden[start : start + chunk_size] = (grad @ weight) * counted  # (n, C)
+            grad_weight += grad.T @ (h * counted)  # (V, C)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight, None, None
+
+
+class ShardGPTLMHead(nn.Linear):
+    """`lm_head`: an `nn.Linear` (vocab, hidden) that, given targets, returns the summed cross-entropy
+    (`ChunkedCrossEntropy`) instead of the logits. The loss goes through the module's own call so that engines
+    that gather the weight around a module's forward (ZeRO-3, FSDP) see it used."""
+
+    chunk_size = 1024  # tokens per chunk: (1024, vocab) fp32 logits at a time; larger chunks run matmuls better
+
+    def forward(self, hidden_states: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(hidden_states)
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (B*T, C)
+        return ChunkedCrossEntropy.apply(hidden, self.weight, targets.reshape(-1), self.chunk_size)
+
+
 class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -294,7 +350,7 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
     def __init__(self, config: ShardGPTConfig):
         super().__init__(config)
         self.model = ShardGPTModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ShardGPTLMHead(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     @can_return_tuple
@@ -319,7 +375,10 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
         With `num_items_in_batch` the loss is the *sum* over tokens divided by that count, so several
         micro batches (or ranks) with different numbers of counted tokens add up to the mean over all of
         them: gradient accumulation then weights tokens, not micro batches. Without it, the mean here.
-        Both are transformers' `ForCausalLMLoss` (`self.loss_function`), in fp32.
+        In training mode the loss is `ChunkedCrossEntropy` (fp32, a chunk of tokens at a time) and `logits` is
+        None: the (B, T, vocab) logits and their gradient are never held. In eval mode, or without labels, the
+        logits are computed and returned as in Llama, and the loss is transformers' `ForCausalLMLoss`
+        (`self.loss_function`) on them: the same value.
         """
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -330,12 +389,23 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))  # (B, T, vocab)
-
-        loss = None
+        hidden = outputs.last_hidden_state  # (B, T, C)
+        loss = logits = None
+        if self.training and (labels is not None or shift_labels is not None):
+            # Training: the chunked loss; the (B, T, vocab) logits never exist.
+            if shift_labels is None:
+                shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]  # position t predicts labels[t + 1]
+            total = self.lm_head(hidden, targets=shift_labels)  # sum of the tokens' cross-entropy, fp32
+            if num_items_in_batch is None:
+                num_items_in_batch = (shift_labels != -100).sum()
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(total.device)
+            loss = total / num_items_in_batch
+        else:
+            logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))  # (B, T, vocab)
         if shift_labels is not None:
             shift_labels = shift_labels.contiguous()  # the loss flattens it with `.view`; a slice of a batch is not
-        if labels is not None or shift_labels is not None:
+        if logits is not None and (labels is not None or shift_labels is not None):
             loss = self.loss_function(
                 logits=logits,
                 labels=labels,

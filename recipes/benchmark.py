@@ -5,15 +5,23 @@ timed in alternation (A, B, A, B, ...) so that drift in the machine's speed hits
 forward, backward and optimizer step; warm-up steps are excluded; on GPUs each step is timed with CUDA
 events. MFU uses PaLM's FLOPs per token, `6 N + 12 L H Q T` (recipes/metrics.py), against the device's peak.
 
+With --separate each model runs in a fresh process of its own (one after the other: no alternation), which
+also measures its peak memory: the process's peak RSS on CPU (weights, Adam, activations, the loss; the
+model is built and copied once before the steps), `torch.cuda.max_memory_allocated` on a GPU.
+
     python recipes/benchmark.py                                   # CPU: tiny preset, fp32, a quick check
     python recipes/benchmark.py --presets gpt2-124m gpt2-350m --seq_len 1024 --steps 50 --write docs/benchmarks.md
     python recipes/benchmark.py --presets llama-1b --seq_len 2048 --batch_size 4 --steps 50
+    python recipes/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 8 --steps 2 --warmup 1 --separate
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,9 +73,12 @@ def measure(preset: str, args, device: torch.device, dtype: torch.dtype) -> dict
     llama = to_llama(ours).to(device, dtype).train()
     llama.config._attn_implementation = "sdpa"
     fused = device.type == "cuda"
-    nets = {"shardgpt": ours, "llama": llama}
-    opts = {k: torch.optim.AdamW(n.parameters(), lr=1e-4, fused=fused or None) for k, n in nets.items()}
     x = torch.randint(0, ours.config.vocab_size, (args.batch_size, args.seq_len), device=device)
+    nets = {"shardgpt": ours, "llama": llama}
+    if args.only:  # --separate: this process trains one of them
+        nets = {args.only: nets[args.only]}
+        del ours, llama
+    opts = {k: torch.optim.AdamW(n.parameters(), lr=1e-4, fused=fused or None) for k, n in nets.items()}
     times = {k: [] for k in nets}
     for i in range(args.warmup + args.steps):
         for name, net in nets.items():
@@ -77,16 +88,38 @@ def measure(preset: str, args, device: torch.device, dtype: torch.dtype) -> dict
                 times[name].append(t)
     tokens = args.batch_size * args.seq_len
     peak = peak_flops(device, args.peak_flops)
-    flops = flops_per_token(ours.config, args.seq_len)
-    row = {"preset": preset, "params": sum(p.numel() for p in ours.parameters())}
+    config = next(iter(nets.values())).config
+    flops = flops_per_token(config, args.seq_len)
+    row = {"preset": preset, "params": sum(p.numel() for p in next(iter(nets.values())).parameters())}
     for name in nets:
         step = statistics.median(t.elapsed() for t in times[name])
         row[f"{name}_tokens_per_sec"] = tokens / step
         row[f"{name}_mfu"] = flops * tokens / step / peak if peak else None
-    row["ratio"] = row["shardgpt_tokens_per_sec"] / row["llama_tokens_per_sec"]
+        if args.only:
+            row[f"{name}_peak_gb"] = peak_memory_gb(device)
+    if not args.only:
+        row["ratio"] = row["shardgpt_tokens_per_sec"] / row["llama_tokens_per_sec"]
+    del nets, opts
+    return row
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak: allocated GPU memory, or on CPU the peak resident set (Linux reports KiB)."""
     if device.type == "cuda":
-        row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-    del nets, opts, ours, llama
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def measure_separately(preset: str, args) -> dict:
+    """One fresh process per model, each printing its row as JSON on its last line; the rows merged."""
+    row = {}
+    for name in ("shardgpt", "llama"):
+        flags = [f"--{k}={v}" for k in ("batch_size", "seq_len", "steps", "warmup", "device", "dtype", "peak_flops")
+                 if (v := getattr(args, k)) is not None]  # fmt: skip
+        cmd = [sys.executable, __file__, "--presets", preset, "--only", name, *flags]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        row.update(json.loads(done.stdout.splitlines()[-1]))
+    row["ratio"] = row["shardgpt_tokens_per_sec"] / row["llama_tokens_per_sec"]
     return row
 
 
@@ -94,17 +127,23 @@ def table(rows: list[dict], header: str) -> str:
     def pct(v):
         return f"{100 * v:.1f}%" if v is not None else "n/a"
 
+    peaks = "shardgpt_peak_gb" in rows[0]
     lines = [
         header,
         "",
-        "| preset | params | shardgpt tokens/s | MFU | Llama tokens/s | MFU | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| preset | params | shardgpt tokens/s | MFU | Llama tokens/s | MFU | ratio |"
+        + (" shardgpt peak GB | Llama peak GB | peak saved |" if peaks else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|---|" if peaks else ""),
     ]
     for r in rows:
-        lines.append(
+        line = (
             f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {r['shardgpt_tokens_per_sec']:,.0f} | "
             f"{pct(r['shardgpt_mfu'])} | {r['llama_tokens_per_sec']:,.0f} | {pct(r['llama_mfu'])} | {r['ratio']:.3f} |"
         )
+        if peaks:
+            ours, theirs = r["shardgpt_peak_gb"], r["llama_peak_gb"]
+            line += f" {ours:.2f} | {theirs:.2f} | {1 - ours / theirs:.1%} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -119,19 +158,25 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--peak_flops", type=float, default=None, help="peak FLOP/s of the device, for MFU")
     p.add_argument("--write", default=None, help="append the table to this markdown file")
+    p.add_argument("--separate", action="store_true", help="each model in a fresh process; measures peak memory")
+    p.add_argument("--only", choices=["shardgpt", "llama"], help=argparse.SUPPRESS)  # set by --separate
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    if args.only:  # a process of --separate: its row, for the parent to read
+        print(json.dumps(measure(args.presets[0], args, device, dtype)))
+        return
     rows = []
     for preset in args.presets:
-        rows.append(measure(preset, args, device, dtype))
+        rows.append(measure_separately(preset, args) if args.separate else measure(preset, args, device, dtype))
         print(f"{preset}: {rows[-1]}", flush=True)
     command = "python recipes/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (
         f"**{name}**, {str(dtype).replace('torch.', '')}, batch {args.batch_size} x seq {args.seq_len}, "
-        f"median of {args.steps} timed steps (forward, backward, AdamW) after {args.warmup} warm-up; torch "
+        f"median of {args.steps} timed steps (forward, backward, AdamW) after {args.warmup} warm-up"
+        f"{', each model in its own process' if args.separate else ''}; torch "
         f"{torch.__version__}, transformers {transformers.__version__}. Command: `{command.strip()}`"
     )
     text = table(rows, header)

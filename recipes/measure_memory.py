@@ -38,15 +38,20 @@ import gc
 import json
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 from data import ShardedLoader
+from model import ShardGPTConfig
 from recipes.config import RunConfig
 from recipes.distributed import (
+    Strategy,
     launched_world_size,
     make_accelerator,
     requested_strategy,
@@ -278,9 +283,35 @@ def set_up(argv: list[str] | None):
     return cfg, world, config, strategy, accelerator
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg, world, config, strategy, accelerator = set_up(argv)
+@dataclass
+class SyntheticRun:
+    """The training setup of `recipes/train.py` on random tokens: what `synthetic_run` returns."""
 
+    cfg: RunConfig
+    config: ShardGPTConfig
+    strategy: Strategy
+    accelerator: Accelerator
+    net: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    seen: dict
+    blocks: torch.Tensor
+    loader: Iterator
+    psi: int
+    tensors: int
+
+    def step(self, step: int) -> None:
+        """One `train_step` on this rank's next micro batches (collectives on every rank)."""
+        loss_scale = self.strategy.data_parallel_size * self.cfg.gradient_accumulation_steps
+        batch = next(self.loader)
+        train_step(self.accelerator, self.net, self.optimizer, self.scheduler, batch, loss_scale,
+                   self.cfg.max_grad_norm, step, self.strategy.tp_size)  # fmt: skip
+
+
+def synthetic_run(argv: list[str] | None = None) -> SyntheticRun:
+    """Parse train.py's flags, check them, pick the strategy, build and `prepare` model, AdamW and schedule,
+    and feed a synthetic global batch (random tokens, the same on every rank) through the real loader."""
+    cfg, world, config, strategy, accelerator = set_up(argv)
     net = build_model(config, StandInTokenizer(cfg.tokenizer_vocab_size), cfg.gradient_checkpointing)
     psi = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())  # ds_numel: a zero.Init partition
     tensors = sum(1 for _ in net.parameters())
@@ -298,16 +329,20 @@ def main(argv: list[str] | None = None) -> None:
     blocks = torch.randint(0, config.vocab_size, (global_batch, cfg.block_size + 1), generator=generator)
     loader = iter(ShardedLoader(blocks, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, dp,
                                 dp_rank, cfg.seed))  # fmt: skip
-
-    probe = Probe(net, optimizer, strategy)
-    probe.exclude = {id(blocks)}
-    probe.install()
     net.train()
-    loss_scale = dp * cfg.gradient_accumulation_steps
+    return SyntheticRun(cfg, config, strategy, accelerator, net, optimizer, scheduler, seen, blocks, loader, psi,
+                        tensors)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    run = synthetic_run(argv)
+    cfg, strategy, accelerator = run.cfg, run.strategy, run.accelerator
+    probe = Probe(run.net, run.optimizer, strategy)
+    probe.exclude = {id(run.blocks)}
+    probe.install()
     for step in range(1, MEASURED_STEP + 1):
         probe.step = step
-        train_step(accelerator, net, optimizer, scheduler, next(loader), loss_scale, cfg.max_grad_norm, step,
-                   strategy.tp_size)  # fmt: skip
+        run.step(step)
 
     if not probe.snapshots:
         raise RuntimeError("no snapshot was taken: the optimizer step was never reached")
@@ -316,13 +351,13 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "rank": accelerator.process_index,
         "strategy": strategy.name,
-        "world_size": world,
+        "world_size": strategy.world_size,
         "precision": "fp32" if cfg.mixed_precision == "no" else cfg.mixed_precision,
         "preset": cfg.preset,
-        "vocab_size": config.vocab_size,
-        "psi": psi,
-        "param_tensors": tensors,
-        "local_parameter_fraction": seen["local_parameter_fraction"],
+        "vocab_size": run.config.vocab_size,
+        "psi": run.psi,
+        "param_tensors": run.tensors,
+        "local_parameter_fraction": run.seen["local_parameter_fraction"],
         "ds_config": strategy.deepspeed,
         "micro_batch": cfg.per_device_train_batch_size,
         "block_size": cfg.block_size,

@@ -242,7 +242,8 @@ def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
     part = sum(math.ceil(n / world) for n in lay.numels)
     subs = zero3_groups(lay, world, zero["sub_group_size"])
     # Persistent parameters are gathered into buffers padded to a multiple of world, as every ZeRO-3 gather.
-    whole = sum(world * math.ceil(lay.numels[i] / world) for i in persistent(lay, zero))
+    # On one rank the partition is the whole parameter and DeepSpeed keeps no second copy.
+    whole = sum(world * math.ceil(lay.numels[i] / world) for i in persistent(lay, zero)) if world > 1 else 0
     items = [
         Item("params", "partitions", e * part, param_where),
         Item("params", "persistent_whole", e * whole),
@@ -283,7 +284,8 @@ def bytes_by_category(items: list[Item], where: str = "gpu") -> dict[str, int]:
 
 
 def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool) -> int:
-    """Tensors autograd saves for the backward (no logits: see `logits_bytes`), at the start of the backward.
+    """Tensors autograd saves for the backward (not the loss's: see `saved_loss_bytes`), at the start of the
+    backward.
 
     Per decoder layer and token, with h hidden, g = key/value heads x head_dim, f ffn, a heads, e bytes of
     the compute dtype:
@@ -293,8 +295,8 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
       SDPA reads grouped-query heads itself, `enable_gqa`), saved by SDPA (flash and memory-efficient
       kernels keep no T x T matrix) and its fp32 log-sum-exp (4a); o_proj reads SDPA's output itself;
       MLP: gate and up outputs, silu(gate) and the product (4 e f).
-    Once per forward: the token ids (8), the final norm (4h + 4 + 2 e h) per token; rotary cos and sin
-    (2 e head_dim) per position, shared by the batch; cross-entropy's scalar (4 bytes in all).
+    Once per forward: the token ids (8), the final norm (4h + 4 + e h: the chunked loss keeps no copy of its
+    output) per token; rotary cos and sin (2 e head_dim) per position, shared by the batch.
     With activation checkpointing each layer keeps only its input (e h per token) and one layer at a time
     is recomputed in the backward with all of its activations.
     """
@@ -303,22 +305,29 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     g = c.num_key_value_heads * c.head_dim
     tokens = micro_batch * seq_len
     layer = e * (6 * h + 2 * g + 4 * f) + 8 * h + 4 * a + 8
-    once = 8 + 4 * h + 4 + 2 * e * h
+    once = 8 + 4 * h + 4 + e * h
     kept = e * h if checkpointing else layer  # per layer: its input only, or everything it saves
     recomputed = layer if checkpointing else 0  # the one layer being recomputed in the backward
-    return (c.num_hidden_layers * kept + recomputed + once) * tokens + 2 * e * c.head_dim * seq_len + 4
+    return (c.num_hidden_layers * kept + recomputed + once) * tokens + 2 * e * c.head_dim * seq_len
 
 
-def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int) -> int:
-    """The loss in fp32 over the vocabulary: at the start of the backward the saved log-probabilities, their
-    gradient and the logits' gradient, 3 x 4 bytes per token and vocabulary entry (the lm_head output in the
-    compute dtype and its fp32 copy exist at the end of the forward and are gone by then)."""
-    return 12 * micro_batch * seq_len * config.vocab_size
+LOSS_CHUNK = 1024  # tokens per chunk of the model's chunked cross-entropy (`ShardGPTLMHead.chunk_size`)
 
 
-def saved_logprob_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int) -> int:
-    """The part of `logits_bytes` that autograd saves in the forward (fp32 log-softmax output)."""
-    return 4 * micro_batch * seq_len * config.vocab_size
+def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
+    """The chunked cross-entropy at its largest, in the forward's last chunk (the model's `ChunkedCrossEntropy`;
+    the (tokens, vocab) logits never exist): what it saves for the backward (`saved_loss_bytes`), plus one
+    chunk's fp32 logits (turned into their gradient in place) and that gradient in the compute dtype,
+    (4 + e) x chunk x vocab, and the chunk's (vocab, hidden) weight-gradient product before it is added."""
+    chunk = min(LOSS_CHUNK, micro_batch * seq_len)
+    v, h = config.vocab_size, config.hidden_size
+    return saved_loss_bytes(config, micro_batch, seq_len, e) + (4 + e) * chunk * v + e * v * h
+
+
+def saved_loss_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
+    """What the chunked loss saves from its forward for the backward: the gradient of the hidden states (e bytes
+    per token and hidden unit) and the fp32 gradient of the head's weight (4 x vocab x hidden)."""
+    return e * micro_batch * seq_len * config.hidden_size + 4 * config.vocab_size * config.hidden_size
 
 
 # ---------------------------------------------------------------------------------------------- temporaries
@@ -418,7 +427,7 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
         "grads": gpu["grads"],
         "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
         "activations": activation_bytes(config, micro_batch, seq_len, e, activation_checkpointing),
-        "logits": logits_bytes(config, micro_batch, seq_len),
+        "logits": logits_bytes(config, micro_batch, seq_len, e),
         "temporary": sum(it.nbytes for it in temps if it.where == "gpu"),
     }
     out["model_states"] = out["params"] + out["grads"] + out["optimizer_states"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import model
@@ -166,6 +167,7 @@ sys.path = [p for p in sys.path if p not in ("", {root!r})]
 for name in ("model", "data", "recipes"):  # make the project unimportable, even if pip-installed
     sys.modules[name] = None
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 net = AutoModelForCausalLM.from_pretrained({path!r}, trust_remote_code={remote})
 assert type(net).__name__ == {cls!r}, type(net)
@@ -211,3 +213,76 @@ def test_model_package_imports_nothing_from_the_rest_of_the_project():
             else:
                 continue
             assert not roots & forbidden, f"{path.name} imports {roots & forbidden}"
+
+
+# ---------------------------------------------------------------------------------------------- chunked loss
+
+
+def losses_and_grads(net, x, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor], object]:
+    net.zero_grad(set_to_none=True)
+    out = net(x, **kw)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}, out
+
+
+def chunked_and_plain(net, x, **kw):
+    """The loss and gradients of the training forward (chunked) and of the eval forward (full logits,
+    transformers' loss) on the same weights: the debug model has no dropout, so the modes differ only there."""
+    chunked = losses_and_grads(net.train(), x, **kw)
+    plain = losses_and_grads(net.eval(), x, **kw)
+    return chunked, plain
+
+
+@pytest.mark.parametrize("variant", ["tied-gqa", "untied-mha"])
+@pytest.mark.parametrize("targets", ["labels", "shift_labels+num_items_in_batch"])
+def test_chunked_loss_and_gradients_equal_the_plain_path(variant, targets):
+    """In fp32 to the default tolerances: several chunks with a partial last one (7 tokens per chunk over
+    3 x 40), ignored positions, tied and untied heads; the training forward holds no logits."""
+    torch.manual_seed(0)
+    net = build(**VARIANTS[variant])
+    net.lm_head.chunk_size = 7
+    x = torch.randint(0, net.config.vocab_size, (3, 40))
+    labels = x.clone()
+    labels[:, :5] = -100
+    kw = dict(labels=labels) if targets == "labels" else dict(shift_labels=labels, num_items_in_batch=77)
+    (loss, grads, out), (plain_loss, plain_grads, plain_out) = chunked_and_plain(net, x, **kw)
+    assert out.logits is None and plain_out.logits.shape == (3, 40, net.config.vocab_size)
+    torch.testing.assert_close(loss, plain_loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, plain_grads[name], msg=name)
+
+
+@pytest.mark.parametrize("precision", ["autocast-bf16", "bf16-weights"])
+def test_chunked_loss_in_bf16_is_the_plain_loss(precision):
+    """Under autocast (DDP/FSDP --bf16) and with bf16 weights (DeepSpeed --bf16) the loss is fp32 and equals
+    the plain path's up to bf16 rounding of the matmuls; the head's gradient keeps the weight's dtype."""
+    torch.manual_seed(0)
+    net = build()
+    net.lm_head.chunk_size = 16
+    if precision == "bf16-weights":
+        net = net.to(torch.bfloat16)
+    x = torch.randint(0, net.config.vocab_size, (2, 40))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast-bf16"):
+        (loss, grads, _), (plain_loss, plain_grads, _) = chunked_and_plain(net, x, labels=x)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, plain_loss.float(), rtol=1e-2, atol=1e-2)
+    assert net.lm_head.weight.grad.dtype == net.lm_head.weight.dtype
+    for name, g in grads.items():
+        cos = F.cosine_similarity(g.float().flatten(), plain_grads[name].float().flatten(), dim=0)
+        assert cos > 0.99, f"{name}: cosine {cos:.4f}"
+
+
+@pytest.mark.matrix  # compiles for ~30 s on CPU
+def test_chunked_loss_compiles():
+    """torch.compile traces the chunk loop: the compiled training step gives the eager loss and gradients."""
+    torch.manual_seed(0)
+    net = build().train()
+    net.lm_head.chunk_size = 16
+    x = torch.randint(0, net.config.vocab_size, (2, 40))
+    loss, grads, _ = losses_and_grads(net, x, labels=x)
+    net.zero_grad(set_to_none=True)
+    compiled_loss = torch.compile(net)(x, labels=x).loss
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss.detach(), loss)
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], msg=name)

@@ -126,3 +126,17 @@ def test_planner_exact_with_padding_on_3_ranks(config, tmp_path):
     for record in measure(config, args, tmp_path / "out", nproc=3):
         predicted = pm.bytes_by_category(planned(record))
         assert {k: record["bytes"][k] for k in predicted} == predicted, (record["rank"], record["snapshots"])
+
+
+@pytest.mark.matrix  # 4 ranks oversubscribed on 2 cores: only bytes are measured
+@pytest.mark.multiproc
+@pytest.mark.parametrize("config", ["zero3", "fsdp"])
+def test_sharded_states_fall_as_one_over_n_on_4_ranks(config, tmp_path):
+    """What recipes/memory_scaling.py plots: on 4 ranks ZeRO-3 and FSDP hold a quarter of the model states,
+    the paper's 16Ψ/4 plus exactly the named terms (ZeRO-3's fp32 master copy and whole norms, Adam's step
+    counters), and the planner's count to the byte."""
+    for record in measure(config, TINY, tmp_path / "out", nproc=4):
+        predicted = pm.bytes_by_category(planned(record))
+        assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]
+        assert deviations(record) == pytest.approx(expected_deviations(record), abs=1e-6)
+        assert record["model_states"] < 6 * record["psi"]  # against 16Ψ to 20Ψ unsharded

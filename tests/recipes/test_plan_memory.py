@@ -73,7 +73,7 @@ def test_activation_formula_is_what_autograd_saves(dtype, layers):
     config = ShardGPTConfig.from_preset("debug", num_hidden_layers=layers)
     e = 2 if dtype == torch.bfloat16 else 4
     batch, seq = 2, 48
-    expected = pm.activation_bytes(config, batch, seq, e, False) + pm.saved_logprob_bytes(config, batch, seq)
+    expected = pm.activation_bytes(config, batch, seq, e, False) + pm.saved_loss_bytes(config, batch, seq, e)
     assert saved_activation_bytes(config, dtype, batch, seq) == expected
 
 
@@ -106,8 +106,12 @@ def test_predict_every_strategy():
         assert preds[s]["model_states"] == (0 if s.startswith("fsdp") else norms) and preds[s]["host_ram"] > 0
     assert preds["zero2-offload"]["model_states"] == preds["zero2"]["params"]  # the bf16 weights stay
     assert preds["zero3-offload-nvme"]["nvme"] > 16 * psi / 8
-    # The logits: 12 bytes per token and vocabulary entry.
-    assert preds["zero3"]["logits"] == 12 * 2048 * config.vocab_size
+    # The chunked loss: the saved gradients of the hidden states and of the head, one chunk's logits in fp32
+    # and bf16, one chunk's weight-gradient product; far below the 12 bytes per token and vocabulary entry of
+    # full fp32 logits, log-probabilities and their gradients.
+    v, h = config.vocab_size, config.hidden_size
+    assert preds["zero3"]["logits"] == 2 * 2048 * h + 4 * v * h + 6 * 1024 * v + 2 * v * h
+    assert preds["zero3"]["logits"] < 12 * 2048 * v
 
 
 def test_predict_matches_deepspeeds_estimators():
@@ -143,7 +147,7 @@ def test_zero3_persistence_and_sub_groups_follow_the_json():
     lay = pm.layout(config)
     zero = pm.zero_config("zero3", config, 8, "bf16", 1)
     assert zero["stage3_param_persistence_threshold"] == 10 * config.hidden_size  # "auto" resolved as training
-    assert zero["reduce_bucket_size"] == config.hidden_size**2
+    assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == 10_000_000  # fixed in the JSON
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
     assert sum(lay.numels[i] for i in pm.persistent(lay, zero)) == norms
     assert len(pm.zero3_groups(lay, 8, zero["sub_group_size"])) == 2  # decay, no decay
