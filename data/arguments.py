@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .files import builder_for, resolve_files
 from .packing import storage_dtype
-from .sources import builder_for, resolve_files
 
 # A byte-level BPE starts from the 256 byte tokens plus its special token; merges come on top.
 MIN_BPE_VOCAB = 256 + 1

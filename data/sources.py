@@ -7,12 +7,9 @@ that changes when the documents do (the caches are keyed by it).
 
 from __future__ import annotations
 
-import glob
 import os
 import sysconfig
-from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,6 +17,7 @@ from datasets import Dataset, IterableDataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
 
 from .cache import fingerprint
+from .files import builder_for, nonempty_files, resolve_files
 from .packing import TEXT
 
 if TYPE_CHECKING:
@@ -27,8 +25,6 @@ if TYPE_CHECKING:
 
 # Where installed third-party packages live inside the standard library's folder.
 INSTALLED_PACKAGES = {"site-packages", "dist-packages"}
-# File suffix -> `load_dataset` builder.
-BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # Fractional part of the golden ratio in 64-bit fixed point (see `validation_mask`).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -42,18 +38,13 @@ class Corpus:
     """The flag that chose the data, for error messages (e.g. "--train_file 'a/*.txt'")."""
 
 
-def _nonempty_files(paths: Iterable[str | Path]) -> list[str]:
-    # An empty file holds no document, and `load_dataset` fails on some kinds of them.
-    return sorted(str(path) for path in paths if os.path.isfile(path) and os.path.getsize(path) > 0)
-
-
 def stdlib_files() -> list[str]:
     """The non-empty *.py files of the running Python's standard library, sorted, without installed packages."""
     files = []
     for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
         subfolders[:] = [name for name in subfolders if name not in INSTALLED_PACKAGES]  # don't descend
         files += [os.path.join(folder, name) for name in names if name.endswith(".py")]
-    return _nonempty_files(files)
+    return nonempty_files(files)
 
 
 def unreachable(flag: str, name: str, error: Exception, instead: str, offline_variable: str) -> str:
@@ -65,28 +56,6 @@ def unreachable(flag: str, name: str, error: Exception, instead: str, offline_va
         f"without network, {instead}; or download it once where there is network (the same --cache_dir) and run "
         f"with {offline_variable}=1 and HF_HUB_OFFLINE=1 to use that cached copy"
     )
-
-
-def resolve_files(pattern: str, flag: str) -> list[str]:
-    """Expand a path or glob (`**` allowed) into a sorted list of the non-empty files it matches."""
-    matches = glob.glob(os.path.expanduser(pattern), recursive=True)
-    if not any(os.path.isfile(path) for path in matches):
-        raise FileNotFoundError(f"{flag} {pattern!r} matches no file: pass an existing path or glob")
-    files = _nonempty_files(matches)
-    if not files:
-        raise ValueError(f"{flag} {pattern!r} matches only empty files: pass files that hold text")
-    return files
-
-
-def builder_for(files: list[str], flag: str) -> str:
-    """The `load_dataset` builder for a list of files, which must all be of one supported kind."""
-    builders = {BUILDERS.get(Path(path).suffix.lower()) for path in files}
-    if None in builders:
-        odd = next(path for path in files if Path(path).suffix.lower() not in BUILDERS)
-        raise ValueError(f"{flag} {odd!r} is not one of {sorted(BUILDERS)}: convert it or pick other files")
-    if len(builders) > 1:
-        raise ValueError(f"{flag} mixes file kinds {sorted(builders)}: pass files of one kind")
-    return builders.pop()
 
 
 def validation_mask(indices: np.ndarray, percentage: int) -> np.ndarray:
