@@ -18,10 +18,10 @@ import resource
 import psutil
 import torch
 
-from recipes.distributed import run_rank
-from recipes.measure_memory import StandInTokenizer, set_up
-from recipes.modeling import build_model
-from recipes.optim import make_optimizer, make_scheduler
+from training.build import build_model
+from training.optim import make_optimizer, make_scheduler
+from training.ranks import run_rank
+from training.synthetic import StandInTokenizer, set_up
 
 GiB = 2**30
 

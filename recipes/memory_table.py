@@ -13,126 +13,14 @@ predicts (`=` when it is the measured figure to the byte); and the measured minu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from model import ShardGPTConfig
-from recipes import plan_memory as pm
+from training.memory.measured import LAUNCHES, format_table, launch_command, rows
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHES = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero3", "fp32"), ("fsdp", "fp32"),
-            ("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "bf16")]  # fmt: skip
-STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
-
-
-def launch_command(config: str, precision: str, preset: str, output_dir: Path) -> list[str]:
-    """The command that measures one launch (2 ranks, as accelerate_configs/ says)."""
-    with socket.socket() as s:  # a free port: other jobs may be training on this machine
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    bin_dir = Path(sys.executable).parent
-    cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
-           "--main_process_port", str(port), str(ROOT / "recipes" / "measure_memory.py"), f"--preset={preset}",
-           "--per_device_train_batch_size=1", "--block_size=64", f"--output_dir={output_dir}"]  # fmt: skip
-    return cmd + (["--bf16"] if precision == "bf16" else [])
-
-
-def load(run_dir: Path) -> list[dict]:
-    """Every rank's record of one launch, by rank."""
-    records = [json.loads(p.read_text()) for p in sorted(run_dir.glob("memory_rank*.json"))]
-    if not records:
-        raise FileNotFoundError(f"no memory_rank*.json in {run_dir}: run recipes/measure_memory.py there first")
-    return sorted(records, key=lambda r: r["rank"])
-
-
-def planner_inputs(record: dict) -> tuple[pm.Layout, str, dict | None]:
-    """The planner's view of a measured launch: the model's layout, the strategy and the resolved ZeRO section."""
-    config = ShardGPTConfig.from_preset(record["preset"], vocab_size=record["vocab_size"])
-    strategy = pm.ALIASES.get(record["strategy"], record["strategy"])
-    zero = None
-    if strategy.startswith("zero"):
-        zero = pm.zero_config(strategy, config, record["world_size"], record["precision"], record["micro_batch"],
-                              record["ds_config"])  # fmt: skip
-    return pm.layout(config), strategy, zero
-
-
-def planned(record: dict) -> list[pm.Item]:
-    """The planner's model-state items for the rank, precision and DeepSpeed config that `record` measured."""
-    lay, strategy, zero = planner_inputs(record)
-    return pm.model_states(lay, strategy, record["world_size"], record["rank"], record["precision"], zero)
-
-
-def paper(record: dict) -> float:
-    """The ZeRO paper's bytes for this launch: DDP and FSDP keep fp32 weights, gradients and Adam whatever the
-    precision flag (autocast, or FSDP's bf16 compute copies), so they take the fp32 figures."""
-    strategy = record["strategy"]
-    precision = record["precision"] if strategy.startswith("zero") else "fp32"
-    return pm.zero_paper(record["psi"], record["world_size"], STAGE[strategy], precision)
-
-
-TERMS = {
-    "adam_step": "Adam step counters",
-    "ddp_buckets": "DDP bucket copies of the gradients",
-    "fp32_master": "fp32 master copy",
-    "zero2_whole_grads": "whole gradients touching the partition",
-    "persistent": "persistent parameters whole",
-    "padding": "padding",
-}
-
-
-def deviations(record: dict) -> dict[str, float]:
-    """Measured minus the paper's figure, term by term (keys of TERMS); the terms add up to the difference."""
-    detail = record["snapshots"][record["peak_snapshot"]]["detail"]
-    e = pm.BYTES[record["precision"]]
-    terms = {
-        "adam_step": detail.get("optimizer_states.adam.step", 0),
-        "ddp_buckets": detail.get("grads.ddp_buckets", 0),
-        "persistent": detail.get("params.persistent_whole", 0),
-    }
-    if record["precision"] == "fp32" and record["strategy"].startswith("zero"):
-        terms["fp32_master"] = record["bytes"]["master_params"]
-    if record["strategy"] == "zero2":
-        kept = detail.get("grads.averaged_gradients", 0) + detail.get("grads.grads_in_partition", 0)
-        terms["zero2_whole_grads"] = kept - e * record["psi"] / record["world_size"]
-    terms = {k: v for k, v in terms.items() if v}
-    rest = record["model_states"] - paper(record) - sum(terms.values())
-    if abs(rest) > 1e-6:
-        terms["padding"] = rest
-    return terms
-
-
-def rows(out: Path, launches=LAUNCHES) -> list[dict]:
-    """One row per launch: the rank with the most model-state bytes, with paper, planner and deviations."""
-    table = []
-    for config, precision in launches:
-        records = load(out / f"{precision}_{config}")
-        worst = max(records, key=lambda r: r["model_states"])
-        plan = sum(pm.bytes_by_category(planned(worst)).values())
-        table.append({"launch": config, "record": worst, "paper": paper(worst), "planner": plan,
-                      "deviations": deviations(worst)})  # fmt: skip
-    return table
-
-
-def format_table(table: list[dict]) -> str:
-    head = "launch | prec | at | params | master | grads | optim | total B/rank | B/param | paper | planner | " \
-           "measured - paper"  # fmt: skip
-    lines = [head, " | ".join("---" for _ in head.split(" | "))]
-    for row in table:
-        r = row["record"]
-        per = {k: r["bytes"][k] / r["psi"] for k in ("params", "master_params", "grads", "optimizer_states")}
-        plan = "=" if row["planner"] == r["model_states"] else f"{row['planner']:,}"
-        terms = "; ".join(f"{TERMS[k]} {v:+,.0f}" for k, v in row["deviations"].items()) or "none"
-        lines.append(
-            f"{row['launch']} | {r['precision']} | {r['peak_snapshot']} | {per['params']:.2f} | "
-            f"{per['master_params']:.2f} | {per['grads']:.2f} | {per['optimizer_states']:.2f} | "
-            f"{r['model_states']:,} | {r['model_states'] / r['psi']:.3f} | {row['paper'] / r['psi']:.3f} | {plan} | "
-            f"{terms}"
-        )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from recipes.distributed import run_rank
-from recipes.measure_memory import synthetic_run
+from training.ranks import run_rank
+from training.synthetic import synthetic_run
 
 WARMUP = 2  # the first steps create Adam's state and fill DeepSpeed's and FSDP's buffers
 

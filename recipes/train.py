@@ -20,43 +20,34 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, HfArgumentParser
-from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+from transformers import HfArgumentParser
 
 import model as shardgpt
-from data import ShardedLoader, iter_eval_batches, prepare_data
-from recipes import faults
-from recipes.checkpoint import (
+from data import ShardedLoader, prepare_data
+from training import faults
+from training.accelerator import make_accelerator
+from training.build import build_model
+from training.checkpoint import (
     CheckpointSpaceError,
     check_resume,
     load_checkpoint,
     resolve_resume_once,
     save_checkpoint,
 )
-from recipes.config import RunConfig
-from recipes.distributed import (
-    BAD_INPUT,
-    StateShares,
-    check_deepspeed_ops,
-    check_fsdp_wrap,
-    full_state_dict,
-    launched_world_size,
-    make_accelerator,
-    observe_strategy,
-    requested_strategy,
-    run_rank,
-    uncompiled,
-    verify_strategy,
-)
-from recipes.memory_fit import check_launch_fits
-from recipes.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
-from recipes.model_card import write_model_card
-from recipes.modeling import build_model
-from recipes.optim import make_optimizer, make_scheduler
-from recipes.preemption import Preempted, PreemptionWatch, stop_message
-from recipes.profiling import make_profiler
-from recipes.step import NonFiniteLossError, step_was_skipped, train_step
-from recipes.watchdog import make_watchdog
+from training.config import RunConfig
+from training.evaluate import evaluate, print_sample
+from training.export import full_state_dict
+from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
+from training.memory.fit import check_launch_fits
+from training.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
+from training.model_card import write_model_card
+from training.optim import make_optimizer, make_scheduler
+from training.preemption import Preempted, PreemptionWatch, stop_message
+from training.profiling import make_profiler
+from training.ranks import BAD_INPUT, run_rank
+from training.step import NonFiniteLossError, step_was_skipped, train_step
+from training.strategy import check_deepspeed_ops, check_fsdp_wrap, launched_world_size, requested_strategy
+from training.watchdog import make_watchdog
 
 logger = logging.getLogger("shardgpt")
 
@@ -102,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # ------------------------------------------------------------------ model
     # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
-    # tokenizer (recipes/modeling.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
+    # tokenizer (training/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
     # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it).
     net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path)
 
@@ -138,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     flops_per_step = flops_per_token(config, cfg.block_size) * tokens_per_step
     peak = peak_flops(accelerator.device, cfg.peak_flops)
     metrics = MetricsWriter(accelerator, cfg.output_dir)
-    # Token-weighted accumulation across micro batches and data-parallel ranks (see recipes/step.py).
+    # Token-weighted accumulation across micro batches and data-parallel ranks (see training/step.py).
     loss_scale = dp * cfg.gradient_accumulation_steps
     progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
     batches = iter(loader)
@@ -247,38 +238,6 @@ def main(argv: list[str] | None = None) -> None:
             print_sample(out, tokenizer, cfg.sample_max_new_tokens)
     accelerator.wait_for_everyone()  # collective: nobody exits (tearing down the group) before the export
     accelerator.end_training()
-
-
-@torch.no_grad()
-def evaluate(accelerator, net, blocks, cfg: RunConfig, dp: int, dp_rank: int) -> float | None:
-    """Token-mean validation loss over every validation block: each data-parallel rank sums CE over its share,
-    then the sums are added across ranks (a tensor-parallel group adds its one share tp times, to the CE sum and
-    the token count alike). Every rank runs the same number of forwards (ZeRO-3 and FSDP gather inside)."""
-    if blocks is None or (hasattr(blocks, "__len__") and len(blocks) == 0):
-        return None
-    net.eval()
-    total = torch.zeros((), device=accelerator.device)
-    count = torch.zeros((), device=accelerator.device)
-    batches = iter_eval_batches(blocks, cfg.per_device_eval_batch_size, dp, dp_rank)
-    for i, micro in enumerate(batches):
-        if cfg.max_eval_batches is not None and i >= cfg.max_eval_batches:
-            break
-        micro = {k: v.to(accelerator.device) for k, v in micro.items() if k != "num_items_in_batch"}
-        total += net(**micro, num_items_in_batch=1).loss  # with a divisor of 1: the sum of CE on this rank
-        count += (micro["shift_labels"] != -100).sum()
-    total, count = accelerator.reduce(torch.stack([total, count.float()]), reduction="sum")  # collective
-    return (total / count).item() if count > 0 else None
-
-
-def print_sample(folder: Path, tokenizer, max_new_tokens: int) -> None:
-    """Greedy continuation from the exported folder: proves the export loads, and shows what was learned.
-    Runs on rank 0 alone, so transformers must not build the model under ZeRO-3's collective init."""
-    unset_hf_deepspeed_config()
-    trained = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    prompt = "def "
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = trained.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    print(f"--- sample (greedy, {max_new_tokens} tokens) ---\n{tokenizer.decode(out[0])}\n---", flush=True)
 
 
 if __name__ == "__main__":

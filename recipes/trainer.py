@@ -7,228 +7,36 @@ the loop of the Trainer.
     accelerate launch --config_file accelerate_configs/zero2.yaml recipes/trainer.py
 
 Its per-step losses equal recipes/train.py's for the same flags (docs/trainer.md): the same initial weights
-(recipes/modeling.py), data order (data.EpochSampler), AdamW groups and schedule (recipes/optim.py), and the
+(training/build.py), data order (data.EpochSampler), AdamW groups and schedule (training/optim.py), and the
 same loss, the token mean over the global batch however it is split into micro batches and ranks.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import time
-from datetime import timedelta
 from pathlib import Path
 
-import torch
-from accelerate import PartialState
 from accelerate.utils import set_seed
 from torch.utils.data import Subset
-from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments, default_data_collator
+from transformers import HfArgumentParser, default_data_collator
 from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
-from data import BlockDataset, EpochSampler, prepare_data
-from recipes import faults
-from recipes.config import RunConfig
-from recipes.distributed import (
-    StateShares,
-    check_deepspeed_ops,
-    keep_zero3_param_dtype,
-    launched_world_size,
-    observe_strategy,
-    requested_strategy,
-    run_rank,
-    verify_strategy,
+from data import BlockDataset, prepare_data
+from training.build import build_model
+from training.config import RunConfig
+from training.evaluate import print_sample
+from training.hf_trainer import (
+    MetricsCallback,
+    PreemptionCallback,
+    ProfilerCallback,
+    ShardGPTTrainer,
+    training_arguments,
 )
-from recipes.metrics import MetricsWriter, flops_per_token, memory_gb, peak_flops
-from recipes.modeling import build_model
-from recipes.optim import make_optimizer, make_scheduler
-from recipes.preemption import Preempted, PreemptionWatch, stop_message
-from recipes.profiling import StepProfiler, make_profiler
-from recipes.train import print_sample
-
-IGNORE_INDEX = -100
-# RunConfig flags that TrainingArguments has under the same name and meaning.
-SAME_FLAGS = (
-    "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "max_steps",
-    "lr_scheduler_type", "seed", "bf16", "fp16", "torch_compile", "logging_steps", "save_total_limit",
-)  # fmt: skip
-
-
-class ShardGPTTrainer(Trainer):
-    """The Trainer with recipes/train.py's data order, optimizer, schedule and loss normalisation."""
-
-    def __init__(self, *args, run_config: RunConfig, fused_adamw: bool, **kwargs):
-        self.run_config, self.fused_adamw = run_config, fused_adamw
-        super().__init__(*args, **kwargs)
-
-    def _get_train_sampler(self, train_dataset=None):
-        # ShardedLoader's order; accelerate deals batch k to data-parallel rank k % ranks, as ShardedLoader does
-        # (DeepSpeed AutoTP: the ranks of a tensor-parallel group get the same batch).
-        n = len(self.train_dataset if train_dataset is None else train_dataset)
-        cfg = self.run_config
-        return EpochSampler(n, cfg.global_batch(self.args.world_size // self.get_tp_size()), cfg.seed)
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        # The Trainer counts targets only in batches that carry `labels`; ours carry `shift_labels`. The count
-        # over every micro batch and rank makes each micro batch's loss sum(CE) / targets in the global batch.
-        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        count = sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
-        if self.args.world_size > 1:
-            # collective; a tensor-parallel group's ranks hold the same batch: its count once
-            count = self.accelerator.gather(count).sum() // self.get_tp_size()
-        return batches, count
-
-    def create_optimizer(self, model=None):
-        if self.optimizer is None:  # under DeepSpeed, called only when the JSON has no optimizer section
-            net = self.model if model is None else model
-            self.optimizer = make_optimizer(self.run_config, net, None, self.fused_adamw)
-        return self.optimizer
-
-    def create_scheduler(self, num_training_steps, optimizer=None):
-        if self.lr_scheduler is None:  # under DeepSpeed, called only when the JSON has no scheduler section
-            optimizer = self.optimizer if optimizer is None else optimizer
-            self.lr_scheduler = make_scheduler(self.run_config, optimizer, None)
-        return self.lr_scheduler
-
-
-class MetricsCallback(TrainerCallback):
-    """Appends one JSON per log to output_dir/metrics.jsonl with recipes/train.py's keys (rank 0), refuses a run
-    whose prepared model is not sharded as the launch asked, and writes what is in force to strategy.json."""
-
-    def __init__(self, trainer: Trainer, strategy, tokens_per_step: int, flops_per_step: float, peak):
-        self.trainer, self.strategy = trainer, strategy
-        self.tokens_per_step, self.flops_per_step, self.peak = tokens_per_step, flops_per_step, peak
-        self.metrics = MetricsWriter(trainer.accelerator, trainer.args.output_dir)
-        self.train_time, self.steps, self.t0 = 0.0, 0, 0.0
-        self.seen, self.shares = {}, None
-        # Under torch_compile the first step compiles: timed apart as compile_time_s, as recipes/train.py does.
-        self.compiling, self.compile_time = trainer.args.torch_compile, None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        model, optimizer = self.trainer.model_wrapped, self.trainer.optimizer
-        self.seen = verify_strategy(self.trainer.accelerator, model, self.strategy)
-        self.seen |= observe_strategy(model, optimizer)
-        self.shares = StateShares(optimizer)  # measured at the first optimizer step, as recipes/train.py does
-        if state.is_world_process_zero and args.deepspeed:  # as the Trainer resolved it
-            (Path(args.output_dir) / "ds_config.json").write_text(json.dumps(args.hf_deepspeed_config.config, indent=2))
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        elapsed = time.perf_counter() - self.t0
-        if self.compiling:
-            self.compile_time, self.compiling = elapsed, False
-        else:
-            self.train_time, self.steps = self.train_time + elapsed, self.steps + 1
-        if self.shares is not None:  # the first optimizer step has run
-            self.seen |= self.shares.read(self.seen["parameters"])
-            self.shares = None
-            if state.is_world_process_zero:  # rank 0 only
-                (Path(args.output_dir) / "strategy.json").write_text(json.dumps(self.seen, indent=2))
-        control.should_log |= state.global_step >= state.max_steps  # recipes/train.py logs the last step
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if "loss" in logs:
-            dt = self.train_time / self.steps if self.steps else None  # None: only the compiling step
-            scheduler = kwargs.get("lr_scheduler")
-            record = {
-                "step": state.global_step,
-                "loss": logs["loss"],  # mean over the steps since the last log of the global batches' token means
-                # After the scheduler's step, as recipes/train.py logs it (the Trainer's learning_rate is before).
-                "lr": scheduler.get_last_lr()[0] if scheduler is not None else logs.get("learning_rate"),
-                "grad_norm": logs.get("grad_norm"),
-                "tokens_per_sec": self.tokens_per_step / dt if dt else None,
-                "step_time_s": dt,
-                "mfu": self.flops_per_step / dt / args.world_size / self.peak if self.peak and dt else None,
-                "epoch": logs.get("epoch"),
-                **memory_gb(args.device),
-            }
-            if self.compile_time is not None:  # once, in the first record after compilation
-                record["compile_time_s"], self.compile_time = self.compile_time, None
-            self.train_time, self.steps = 0.0, 0
-        elif "eval_loss" in logs:
-            loss = logs["eval_loss"]
-            record = {"step": state.global_step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))}
-        else:
-            return
-        self.metrics.write(record)  # rank 0 writes
-
-
-class PreemptionCallback(TrainerCallback):
-    """SIGTERM or SIGUSR1 (recipes/preemption.py): after the step in flight every rank, agreeing through a
-    collective, has the Trainer save a checkpoint and stop; `main` then ends the run with exit status 75."""
-
-    def __init__(self):
-        self.watch = PreemptionWatch()
-        self.signal = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        faults.maybe_signal(state.global_step, args.process_index, args.world_size)
-        self.signal = self.watch.agreed(args.device)  # collective: every rank stops after the same step
-        if self.signal is not None and state.global_step < state.max_steps:
-            control.should_save = control.should_training_stop = True  # the Trainer saves (collective), then stops
-
-
-class ProfilerCallback(TrainerCallback):
-    """--profile under the Trainer: recipes/profiling.py's recorder around the optimizer steps of --profile_steps."""
-
-    def __init__(self, profiler: StepProfiler):
-        self.profiler = profiler
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.profiler.begin(state.global_step + 1)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.profiler.end(state.global_step)
-        self.profiler.write()
-
-
-def cpu_ranks(strategy) -> dict:
-    """TrainingArguments for several CPU ranks (gloo), which the Trainer does not set up by itself: `use_cpu` gives
-    accelerate's MULTI_CPU DDP; under DeepSpeed it would start a process group with no backend and count a world
-    of 1, so accelerate's state is set up here, as recipes/train.py's Accelerator does, and the Trainer uses it."""
-    if torch.cuda.is_available() or strategy.world_size == 1:
-        return {}
-    if strategy.fsdp_env:
-        raise ValueError(
-            "FSDP through the Trainer needs GPUs (accelerate runs FSDP only on accelerator devices); on CPU ranks "
-            "use recipes/train.py, or a DeepSpeed config"
-        )
-    if strategy.deepspeed is None:
-        return {"use_cpu": True, "ddp_backend": "gloo"}
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    keep_zero3_param_dtype()  # the engine's ZeRO-3 partitions keep fp32 on CPU (see recipes/distributed.py)
-    PartialState(backend="gloo", timeout=timedelta(minutes=30))  # collective: initialises the process group
-    # use_cpu: TrainingArguments refuses --bf16 without a GPU unless it is set; with the configured state above it
-    # changes nothing else (DeepSpeed stays in force, as strategy.json shows).
-    return {"accelerator_config": {"use_configured_state": True}, "use_cpu": True}
-
-
-def training_arguments(cfg: RunConfig, strategy) -> TrainingArguments:
-    # The Trainer fills the JSON's "auto" values itself; it gets our resolved copy only for --nvme_path or an
-    # accelerate config's DeepSpeed section.
-    deepspeed = cfg.deepspeed if cfg.deepspeed and not cfg.nvme_path else strategy.deepspeed
-    return TrainingArguments(
-        **{name: getattr(cfg, name) for name in SAME_FLAGS},
-        warmup_steps=cfg.num_warmup_steps,  # --warmup_steps, or --warmup_ratio of --max_steps
-        activation_checkpointing=cfg.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False},
-        deepspeed=deepspeed,
-        logging_nan_inf_filter=False,  # a non-finite loss is logged as such
-        eval_strategy="steps",
-        eval_steps=cfg.eval_steps or cfg.max_steps,  # 0: only at the end, as recipes/train.py
-        prediction_loss_only=True,
-        label_names=["shift_labels"],
-        save_strategy="steps" if cfg.save_steps else "no",
-        save_steps=cfg.save_steps or None,
-        report_to=cfg.report_to.split(","),
-        remove_unused_columns=False,
-        ddp_find_unused_parameters=False,
-        **cpu_ranks(strategy),
-    )
+from training.metrics import flops_per_token, peak_flops
+from training.preemption import Preempted, stop_message
+from training.profiling import make_profiler
+from training.ranks import run_rank
+from training.strategy import check_deepspeed_ops, launched_world_size, requested_strategy
 
 
 def main(argv: list[str] | None = None) -> None:

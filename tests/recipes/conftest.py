@@ -16,7 +16,8 @@ def pytest_collection_finish(session):
     midway leaves a lock file on which every later load waits forever; the suite removes such a lock."""
     if session.config.option.collectonly or not any(i.get_closest_marker("multiproc") for i in session.items):
         return
-    from recipes.doctor import Report, build_ops
+    from training.doctor.machine import build_ops
+    from training.doctor.report import Report
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     reporter.write_line("DeepSpeed ops: compiling or loading (minutes the first time, cached after)")

@@ -1,4 +1,4 @@
-"""Drives `recipes/step.py::train_step`, the training script's own step, on crafted global batches whose
+"""Drives `training/step.py::train_step`, the training script's own step, on crafted global batches whose
 sequences count very different numbers of targets (-100 elsewhere, as padding would), under whatever strategy
 the launcher's config asks for. Writes the per-step losses and the final (gathered) weights."""
 
@@ -12,16 +12,13 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 import model as shardgpt
-from recipes.config import RunConfig
-from recipes.distributed import (
-    launched_world_size,
-    make_accelerator,
-    requested_strategy,
-    run_rank,
-    verify_strategy,
-)
-from recipes.optim import make_optimizer, make_scheduler
-from recipes.step import train_step
+from training.accelerator import make_accelerator
+from training.config import RunConfig
+from training.inspection import verify_strategy
+from training.optim import make_optimizer, make_scheduler
+from training.ranks import run_rank
+from training.step import train_step
+from training.strategy import launched_world_size, requested_strategy
 
 STEPS, SEQ = 6, 32
 

@@ -13,9 +13,12 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 import model as shardgpt
-from recipes.config import RunConfig
-from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, run_rank, verify_strategy
-from recipes.optim import make_optimizer, make_scheduler
+from training.accelerator import make_accelerator
+from training.config import RunConfig
+from training.inspection import verify_strategy
+from training.optim import make_optimizer, make_scheduler
+from training.ranks import run_rank
+from training.strategy import launched_world_size, requested_strategy
 
 VOCAB = 16384  # x hidden 64 = 1,048,576 embedding elements: half per rank, 2 MiB in fp32
 

@@ -10,12 +10,14 @@ import torch
 from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
-from recipes.checkpoint import check_resume, load_checkpoint, resolve_resume_once
-from recipes.config import RunConfig
-from recipes.distributed import launched_world_size, make_accelerator, requested_strategy, run_rank
-from recipes.modeling import build_model
-from recipes.optim import make_optimizer, make_scheduler
-from recipes.portable import gather_neutral
+from training.accelerator import make_accelerator
+from training.build import build_model
+from training.checkpoint import check_resume, load_checkpoint, resolve_resume_once
+from training.config import RunConfig
+from training.optim import make_optimizer, make_scheduler
+from training.portable import gather_neutral
+from training.ranks import run_rank
+from training.strategy import launched_world_size, requested_strategy
 
 
 class Vocabulary:

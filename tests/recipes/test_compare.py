@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.compare import last_error, load_seconds, median_after_first
+from training.compare.launches import last_error
+from training.compare.logs import load_seconds, median_after_first
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5

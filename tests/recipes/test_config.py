@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import RunConfig, check_deepspeed_keys, resolve_deepspeed
-from recipes.optim import lr_lambda, param_groups
+from training.config import RunConfig, check_deepspeed_keys, resolve_deepspeed
+from training.optim import lr_lambda, param_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -152,7 +152,7 @@ def test_weight_decay_only_on_matrices():
 def test_autotp_batch_counts_data_parallel_ranks(monkeypatch):
     """ds_configs/autotp.json on 4 ranks: tensor-parallel pairs (0, 1) and (2, 3) each read one share of the
     global batch of micro 4 x accumulation 2 x 2 data-parallel ranks; DeepSpeed's own check counts all 4 ranks."""
-    from recipes.distributed import requested_strategy
+    from training.strategy import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     autotp = str(ROOT / "ds_configs" / "autotp.json")

@@ -14,9 +14,9 @@ import torch
 from launching import ROOT, launch, launcher_command
 from safetensors.torch import load_file
 
-from recipes.checkpoint import MARKER, STATE, check_resume
-from recipes.config import RunConfig
-from recipes.portable import NEUTRAL, read_checkpoint
+from training.checkpoint import MARKER, STATE, check_resume
+from training.config import RunConfig
+from training.portable import NEUTRAL, read_checkpoint
 
 TRAIN = [
     "--preset=debug", "--max_steps=6", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",

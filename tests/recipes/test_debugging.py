@@ -18,10 +18,10 @@ import pytest
 from launching import ROOT, launch, launcher_command
 from trackers import assert_same_as_metrics, wandb_history
 
-from recipes.checkpoint import damage, latest_checkpoint
-from recipes.config import RunConfig
-from recipes.profiling import parse_steps
-from recipes.watchdog import HUNG, hang_report
+from training.checkpoint import damage, latest_checkpoint
+from training.config import RunConfig
+from training.profiling import parse_steps
+from training.watchdog import HUNG, hang_report
 
 STEPS = 6
 TRAIN = [
@@ -166,7 +166,7 @@ def test_a_stalled_rank_is_named_and_the_run_ends(stalled, profiled):
     assert stalled.stderr.count(f"error: step 5 made no progress for {STEP_TIMEOUT} s (--step_timeout)") == 1
     report = (out / "hang" / "report.txt").read_text()
     assert re.search(r"rank 0: step 5 phase agree_on_stop, waiting in collective all_reduce \(.*preemption\.py", report)
-    assert "rank 1: step 5 phase agree_on_stop, at recipes/faults.py:" in report and "in maybe_stall" in report
+    assert "rank 1: step 5 phase agree_on_stop, at training/faults.py:" in report and "in maybe_stall" in report
     for rank in (0, 1):
         assert "most recent call first" in (out / "hang" / f"rank{rank}.txt").read_text()
     assert latest_checkpoint(out) == out / "checkpoint-4" and damage(out / "checkpoint-4") is None
@@ -201,7 +201,7 @@ def test_profiler_and_watchdog_under_sharding(config, corpus, tmp_path):
     assert run.stdout.count("profile of steps 3-4 (rank 0") == 1
     report = (out / "hang" / "report.txt").read_text()
     assert "rank 0: step 5 phase agree_on_stop, waiting in collective" in report
-    assert "rank 1: step 5 phase agree_on_stop, at recipes/faults.py:" in report
+    assert "rank 1: step 5 phase agree_on_stop, at training/faults.py:" in report
     assert latest_checkpoint(out) == out / "checkpoint-4" and damage(out / "checkpoint-4") is None
     if config == "zero3":
         logs = run.stdout + run.stderr

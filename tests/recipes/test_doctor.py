@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 
 from recipes import doctor
+from training import ops
+from training.doctor import launch as launches
+from training.doctor import machine
+from training.doctor.report import Report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +41,7 @@ def test_good_launch_passes_and_reports_the_machine(tmp_path, capfd):
     assert code == 0, out
     found = checks(out)
     assert not [c for c in found.values() if c["status"] == "FAIL"]
-    if not doctor.gpus():  # this machine: no GPU, said so, and gloo works
+    if not machine.gpus():  # this machine: no GPU, said so, and gloo works
         assert found["GPUs"]["status"] == "WARN" and "no GPU" in found["GPUs"]["detail"]
         assert found["pinned memory"]["status"] == "n/a"
         assert "gloo all-reduce ok" in found["process group"]["detail"]
@@ -99,29 +103,29 @@ def test_bad_accelerate_config_and_flags_fail(tmp_path, capfd):
 
 
 def test_write_speed_on_tmp_path(tmp_path):
-    speed = doctor.measure_write_speed(tmp_path, megabytes=4)
+    speed = machine.measure_write_speed(tmp_path, megabytes=4)
     assert speed > 0
     assert list(tmp_path.iterdir()) == []
-    report = doctor.Report()
-    doctor.check_nvme(report, str(tmp_path), "--nvme_path", megabytes=4, need_bytes=None)
+    report = Report()
+    machine.check_nvme(report, str(tmp_path), "--nvme_path", megabytes=4, need_bytes=None)
     (check,) = report.checks
     assert check.status in ("OK", "WARN") and "MiB/s (4 MiB, fsync)" in check.detail
-    doctor.check_nvme(report, str(tmp_path / "missing"), "--nvme_path", megabytes=4, need_bytes=None)
+    machine.check_nvme(report, str(tmp_path / "missing"), "--nvme_path", megabytes=4, need_bytes=None)
     assert report.checks[-1].status == "FAIL" and "does not exist" in report.checks[-1].detail
-    doctor.check_nvme(report, str(tmp_path), "--nvme_path", megabytes=4, need_bytes=2**60)
+    machine.check_nvme(report, str(tmp_path), "--nvme_path", megabytes=4, need_bytes=2**60)
     assert report.checks[-1].status == "FAIL" and "need about" in report.checks[-1].detail
 
 
 @pytest.mark.parametrize("name", ["zero1", "fsdp", "fsdp_shard_grad_op", "zero3_offload_cpu", "fsdp_hybrid_multinode"])
 def test_strategy_names_match_the_training_script(name):
-    """The name doctor prints is the one recipes/distributed.py reports in strategy.json."""
-    launch = doctor.read_launch_config(ROOT / "accelerate_configs" / f"{name}.yaml")
+    """The name doctor prints is the one training/strategy.py reports in strategy.json."""
+    launch = launches.read_launch_config(ROOT / "accelerate_configs" / f"{name}.yaml")
     ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
     ds = json.loads((ROOT / ds_file).read_text()) if ds_file else None
     expected = {"zero1": "zero1", "fsdp": "fsdp", "fsdp_shard_grad_op": "fsdp-shard-grad-op",
                 "zero3_offload_cpu": "zero3-offload-cpu", "fsdp_hybrid_multinode": "fsdp-hybrid"}  # fmt: skip
     world = launch["num_processes"]  # as written: 16 for the multi-node YAML, 2 for the others
-    assert doctor.strategy_name(launch, ds, world) == expected[name]
+    assert launches.strategy_name(launch, ds, world) == expected[name]
 
 
 def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, monkeypatch):
@@ -131,32 +135,32 @@ def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, 
     build_dir.mkdir()
     lock = build_dir / "lock"
     lock.touch()
-    assert doctor.stale_lock(build_dir) is None  # just taken: a build may be starting
+    assert ops.stale_lock(build_dir) is None  # just taken: a build may be starting
     old = time.time() - 120
     os.utime(lock, (old, old))
     with subprocess.Popen(["sleep", "30"], cwd=build_dir) as compiler:  # a build is running in the directory
         try:
-            assert doctor.stale_lock(build_dir) is None
+            assert ops.stale_lock(build_dir) is None
         finally:
             compiler.kill()
-    assert doctor.stale_lock(build_dir) == lock
+    assert ops.stale_lock(build_dir) == lock
 
-    report = doctor.Report()
-    doctor.build_ops(report, names=("cpu_adam",))
+    report = Report()
+    machine.build_ops(report, names=("cpu_adam",))
     (check,) = report.checks
     assert check.status == "FAIL" and f"rm {lock}" in check.detail and lock.exists()
 
-    report = doctor.Report()
+    report = Report()
     with monkeypatch.context() as m:
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
         m.setattr(ALL_OPS["cpu_adam"], "load", lambda verbose=False: None)  # no compiler run in the test
-        doctor.build_ops(report, names=("cpu_adam",), remove_stale_locks=True)
+        machine.build_ops(report, names=("cpu_adam",), remove_stale_locks=True)
     assert [c.status for c in report.checks] == ["WARN", "OK"] and not lock.exists()
 
 
 def test_memory_plan_refuses_what_the_training_script_refuses(tmp_path, capfd):
-    """The doctor's memory plan is the training script's check (recipes/memory_fit.py): same numbers, same fix."""
+    """The doctor's memory plan is the training script's check (training/memory/fit.py): same numbers, same fix."""
     code, out = run_doctor(
         capfd, "--config_file", "accelerate_configs/ddp.yaml", "--json", "--", "--preset", "llama-7b",
         "--config_overrides", "num_hidden_layers=200", "--output_dir", str(tmp_path / "out"),

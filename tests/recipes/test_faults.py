@@ -20,7 +20,7 @@ import torch
 from launching import BIN, ROOT, Run, free_port, launch, launcher_command
 from safetensors.torch import load_file
 
-from recipes.checkpoint import (
+from training.checkpoint import (
     BYTES_PER_PARAMETER,
     MARGIN,
     MARKER,
@@ -31,8 +31,8 @@ from recipes.checkpoint import (
     manifest,
     resolve_resume,
 )
-from recipes.distributed import PREEMPTED, Preempted, run_rank
-from recipes.preemption import SIGNALS, PreemptionWatch
+from training.preemption import SIGNALS, PreemptionWatch
+from training.ranks import PREEMPTED, Preempted, run_rank
 
 STEPS = 12
 TRAIN = [

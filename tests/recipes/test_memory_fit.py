@@ -1,4 +1,4 @@
-"""recipes/memory_fit.py: a launch the planner predicts not to fit is refused with the numbers and the cheapest
+"""training/memory/fit.py: a launch the planner predicts not to fit is refused with the numbers and the cheapest
 fix. Capacities are given explicitly, so the cases do not depend on what this machine has free."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from dataclasses import replace
 import pytest
 
 from model import ShardGPTConfig
-from recipes.config import RunConfig
-from recipes.distributed import Strategy
-from recipes.memory_fit import (
+from training.config import RunConfig
+from training.memory.fit import (
     Capacity,
     Launch,
     MemoryFitError,
@@ -20,7 +19,8 @@ from recipes.memory_fit import (
     planner_strategy,
     shortfalls,
 )
-from recipes.plan_memory import predict
+from training.memory.planner import predict
+from training.strategy import Strategy
 
 GiB = 2**30
 LLAMA_1B = ShardGPTConfig.from_preset("llama-1b")

@@ -1,4 +1,4 @@
-"""Which DeepSpeed ops a launch compiles, and the lock a killed build leaves behind (recipes/ops.py)."""
+"""Which DeepSpeed ops a launch compiles, and the lock a killed build leaves behind (training/ops.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 from launching import ROOT
 
-from recipes.ops import check_op_cache, launch_ops
+from training.ops import check_op_cache, launch_ops
 
 
 def ds_config(name: str) -> dict:

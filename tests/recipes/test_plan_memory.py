@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from recipes import plan_memory as pm
+from recipes import plan_memory
+from training.memory import planner as pm
 
 GB = 1e9
 
@@ -162,7 +163,7 @@ def test_rank_figures_differ_only_where_deepspeed_splits():
 
 
 def test_command_line_table(capsys):
-    pm.main(["--preset", "gpt2-350m", "--num_gpus", "8", "--strategy", "all", "--gpu_memory_gb", "16",
+    plan_memory.main(["--preset", "gpt2-350m", "--num_gpus", "8", "--strategy", "all", "--gpu_memory_gb", "16",
              "--seq_len", "1024", "--micro_batch", "4"])  # fmt: skip
     out = capsys.readouterr().out
     assert "gpt2-350m" in out and "fits 16 GiB" in out
@@ -173,7 +174,7 @@ def test_command_line_table(capsys):
 def test_command_line_overrides_and_json(capsys):
     import json
 
-    pm.main(["--preset", "llama-1b", "--hidden_size", "1024", "--num_attention_heads", "16", "--strategy",
+    plan_memory.main(["--preset", "llama-1b", "--hidden_size", "1024", "--num_attention_heads", "16", "--strategy",
              "zero2-offload-cpu", "--num_gpus", "4", "--json"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["strategy"] == "zero2-offload"
@@ -184,7 +185,7 @@ def test_command_line_overrides_and_json(capsys):
 
 def test_bad_input_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
-        pm.main(["--strategy", "zero4"])
+        plan_memory.main(["--strategy", "zero4"])
     assert e.value.code == 2
     assert "zero4" in capsys.readouterr().err
 

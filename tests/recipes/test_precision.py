@@ -32,9 +32,10 @@ import torch
 from launching import ROOT, launch, launcher_command
 from safetensors.torch import load_file
 
-from recipes.compare import Result, Spec, add_loss_differences, parse_args, per_precision, train_flags
-from recipes.config import RunConfig, load_json, resolve_deepspeed
-from recipes.distributed import fsdp_precision
+from recipes.compare import parse_args, train_flags
+from training.accelerator import fsdp_precision
+from training.compare.report import Result, Spec, add_loss_differences, per_precision
+from training.config import RunConfig, load_json, resolve_deepspeed
 
 STEPS = 4
 TRAIN = [
@@ -266,7 +267,7 @@ def test_compiled_ddp_is_read_through_not_rewritten(tmp_path):
     rank in this process; nothing is compiled until a forward, which this test does not run."""
     from torch.distributed import FileStore, destroy_process_group, init_process_group
 
-    from recipes.distributed import observe_strategy, uncompiled
+    from training.inspection import observe_strategy, uncompiled
 
     init_process_group("gloo", store=FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

@@ -11,7 +11,7 @@ import torch
 from launching import launch, launcher_command
 from safetensors.torch import load_file
 
-from recipes.checkpoint import MARKER, latest_checkpoint, resolve_resume
+from training.checkpoint import MARKER, latest_checkpoint, resolve_resume
 
 TRAIN = [
     "--preset=debug", "--max_steps=20", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",

@@ -1,4 +1,4 @@
-"""recipes/modeling.py under ZeRO-3: the model is built inside zero.Init on 2 CPU ranks (each holds half of it
+"""training/build.py under ZeRO-3: the model is built inside zero.Init on 2 CPU ranks (each holds half of it
 right after construction) with the same weights and the same RNG state afterwards as a plain build."""
 
 from __future__ import annotations

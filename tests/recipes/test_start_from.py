@@ -13,7 +13,7 @@ from launching import launch, launcher_command
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 from data import DataArguments, ShardedLoader, prepare_data
-from recipes.modeling import start_config
+from training.build import start_config
 
 SEED = 42
 MICRO, WORLD = 4, 2
@@ -112,7 +112,7 @@ def test_a_llama_config_translates_field_for_field():
 
 
 def test_the_checkpoints_tokenizer_unless_tokenizer_name_says_otherwise(tmp_path):
-    from recipes.config import RunConfig
+    from training.config import RunConfig
 
     LlamaConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path / "bare")
     cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), output_dir=str(tmp_path / "out"))

@@ -103,8 +103,8 @@ def test_micro_batches_are_weighted_by_tokens(tmp_path):
     from transformers import TrainingArguments
 
     from model import ShardGPTConfig, ShardGPTForCausalLM
-    from recipes.config import RunConfig
-    from recipes.trainer import ShardGPTTrainer
+    from training.config import RunConfig
+    from training.hf_trainer import ShardGPTTrainer
 
     torch.manual_seed(0)
     net = ShardGPTForCausalLM(ShardGPTConfig.from_preset("debug"))

@@ -258,7 +258,7 @@ def test_user_config_is_refused_in_one_line(name, corpus, tmp_path):
 def test_default_warmup_never_refuses_a_short_run():
     """--warmup_ratio 0.1 by default, rounded up as HF's get_warmup_steps: `make train`'s 200 steps keep their 20
     warm-up steps, a 5-step smoke run gets 1; an explicit --warmup_steps (0 included) wins over the ratio."""
-    from recipes.config import RunConfig
+    from training.config import RunConfig
 
     def warmup(**kw) -> int:
         cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", **kw)
@@ -285,7 +285,7 @@ def test_default_warmup_never_refuses_a_short_run():
     ids=["param of another scheduler", "unknown type", "fixed zero warmup"],
 )  # fmt: skip
 def test_deepspeed_scheduler_values_deepspeed_rejects_are_refused(scheduler, field, fix):
-    from recipes.config import RunConfig, resolve_deepspeed
+    from training.config import RunConfig, resolve_deepspeed
 
     cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", max_steps=10)
     with pytest.raises(ValueError) as refused:
@@ -296,8 +296,8 @@ def test_deepspeed_scheduler_values_deepspeed_rejects_are_refused(scheduler, fie
 def test_inline_deepspeed_yaml_resolves_like_a_json(monkeypatch):
     """What `accelerate launch` exports for an inline `deepspeed_config` becomes accelerate's own JSON for those
     fields, resolved by the same checks as a file: batch sizes and clipping from the flags, offload as written."""
-    from recipes.config import RunConfig
-    from recipes.distributed import requested_strategy
+    from training.config import RunConfig
+    from training.strategy import requested_strategy
 
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "WORLD_SIZE": "2",
            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
@@ -348,8 +348,8 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
     import torch
 
     import model as shardgpt
-    from recipes.config import RunConfig
-    from recipes.distributed import check_fsdp_wrap, requested_strategy
+    from training.config import RunConfig
+    from training.strategy import check_fsdp_wrap, requested_strategy
 
     env, field, fix = FSDP_REFUSED[name]
     env = dict(env)
@@ -367,8 +367,8 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
 
 def test_inline_deepspeed_accumulation_that_disagrees_with_the_flag_is_refused(monkeypatch):
     """`gradient_accumulation_steps: 4` inline in the YAML, the flag at its default 1: refused like a JSON's."""
-    from recipes.config import RunConfig
-    from recipes.distributed import requested_strategy
+    from training.config import RunConfig
+    from training.strategy import requested_strategy
 
     for key, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "WORLD_SIZE": "2",
                        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}.items():  # fmt: skip

@@ -12,11 +12,14 @@ from unittest import mock
 from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
-from recipes import distributed
-from recipes.config import RunConfig
-from recipes.distributed import Strategy, make_accelerator, requested_strategy, run_rank, verify_strategy
-from recipes.modeling import build_model
-from recipes.optim import make_optimizer
+from training import inspection
+from training.accelerator import make_accelerator
+from training.build import build_model
+from training.config import RunConfig
+from training.inspection import verify_strategy
+from training.optim import make_optimizer
+from training.ranks import run_rank
+from training.strategy import Strategy, requested_strategy
 
 
 class Vocabulary:
@@ -57,7 +60,7 @@ def main() -> None:
         seen["as launched, rows and columns swapped"] = check(accelerator, net, strategy)
         model.tp_plan = plan
     # Every parameter counted as whole on this rank: what a strategy that did not shard would show.
-    with mock.patch.object(distributed, "_local_numel", distributed._global_numel):
+    with mock.patch.object(inspection, "_local_numel", inspection._global_numel):
         seen["as launched, not sharded"] = check(accelerator, net, strategy)
     if accelerator.is_main_process:  # rank 0 only: the file write
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,12 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from recipes.config import RunConfig
-from recipes.distributed import make_accelerator, requested_strategy, run_rank
-from recipes.measure_memory import StandInTokenizer
-from recipes.modeling import build_model
+from training.accelerator import make_accelerator
+from training.build import build_model
+from training.config import RunConfig
+from training.ranks import run_rank
+from training.strategy import requested_strategy
+from training.synthetic import StandInTokenizer
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import signal
 
 import torch
 
-from .distributed import PREEMPTED, Preempted, all_ranks_max
+from training.ranks import PREEMPTED, Preempted, all_ranks_max
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 __all__ = ["PREEMPTED", "SIGNALS", "Preempted", "PreemptionWatch", "stop_message"]

@@ -55,9 +55,9 @@ class Capacity:
 
 
 def planner_strategy(name: str, world: int, shard_size: int | None) -> tuple[str, int] | None:
-    """The planner's name for a strategy of `recipes/distributed.py` and the ranks one model copy is sharded
+    """The planner's name for a strategy of `training/strategy.py` and the ranks one model copy is sharded
     over; None for what the planner does not model (FSDP1's flat parameters count as FSDP2's shards)."""
-    from recipes.plan_memory import ALIASES, STRATEGIES
+    from training.memory.planner import ALIASES, STRATEGIES
 
     if name == "single":
         return "ddp", 1
@@ -80,7 +80,7 @@ def capacity(nvme_path: str | None, local_rank: int = 0) -> Capacity:
 
 def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
     """(place, bytes one host needs there) for `launch`, as the planner predicts it."""
-    from recipes.plan_memory import predict
+    from training.memory.planner import predict
 
     pred = predict(config, launch.strategy, launch.world_size, launch.precision, launch.micro_batch,
                    launch.seq_len, launch.checkpointing, ds_config=launch.ds_config)  # fmt: skip
@@ -155,7 +155,7 @@ def ranks_per_host(world: int) -> int:
 
 def check_launch_fits(cfg, config, strategy) -> None:
     """`check_memory_fit` for the launch the training script was started with (`strategy` from
-    `recipes/distributed.requested_strategy`), on this host now."""
+    `training/strategy.requested_strategy`), on this host now."""
     mapped = planner_strategy(strategy.name, strategy.world_size, strategy.shard_size)
     if cfg.skip_memory_check or mapped is None:
         return

@@ -21,8 +21,8 @@ from typing import Any
 
 from data import DataArguments
 from model import PRESETS, ShardGPTConfig
-from recipes.profiling import parse_steps
-from recipes.watchdog import GPU_STEP_TIMEOUT, HUNG
+from training.profiling import parse_steps
+from training.watchdog import GPU_STEP_TIMEOUT, HUNG
 
 PRESET_NAMES = tuple(PRESETS)
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -141,7 +141,7 @@ class RunConfig(DataArguments):
         """The preset's config with --config_overrides applied (numbers and true/false only), or the config of
         --model_name_or_path."""
         if self.model_name_or_path:
-            from recipes.modeling import start_config
+            from training.build import start_config
 
             return start_config(self.model_name_or_path)
         overrides, preset = {}, ShardGPTConfig.from_preset(self.preset)
@@ -172,7 +172,7 @@ class RunConfig(DataArguments):
             )
         self.model_config()  # a bad --config_overrides or checkpoint fails here, naming the field
         if self.model_name_or_path and self.tokenizer_name is None:
-            from recipes.modeling import has_tokenizer
+            from training.build import has_tokenizer
 
             if has_tokenizer(self.model_name_or_path):  # the checkpoint's own tokenizer
                 self.tokenizer_name = self.model_name_or_path

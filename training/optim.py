@@ -12,7 +12,7 @@ import math
 import torch
 from accelerate.utils import DummyOptim, DummyScheduler
 
-from .config import RunConfig
+from training.config import RunConfig
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool) -> list[dict]:

@@ -137,7 +137,7 @@ def _read_plain(path: Path, state: dict) -> dict:
     are numbered in the order of the optimizer's parameter groups (rebuilt here on a meta model)."""
     from safetensors.torch import load_file
 
-    from .optim import param_groups
+    from training.optim import param_groups
 
     model = meta_model(state)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -180,7 +180,7 @@ def _load_torch(net, optimizer, neutral: dict) -> None:
         set_optimizer_state_dict,
     )
 
-    from .distributed import optimizer_chain, uncompiled
+    from training.inspection import optimizer_chain, uncompiled
 
     full = StateDictOptions(full_state_dict=True)
     module, torch_optimizer = uncompiled(net), optimizer_chain(optimizer)[-1]
@@ -209,7 +209,7 @@ def _load_zero(engine, optimizer, neutral: dict) -> None:
     from deepspeed import zero
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from .distributed import optimizer_chain
+    from training.inspection import optimizer_chain
 
     inner = optimizer_chain(optimizer)[-1]  # the torch (or DeepSpeed CPU) Adam over this rank's fp32 partitions
     init_zero_adam_state(engine.optimizer, inner)
@@ -241,7 +241,7 @@ def scheduler_state(path: Path) -> dict:
 def gather_neutral(net, optimizer) -> dict:
     """The neutral form of the prepared model and optimizer, on every rank (a collective: ZeRO and FSDP gather their
     shards), with the libraries' getters."""
-    from .distributed import optimizer_chain, uncompiled
+    from training.inspection import optimizer_chain, uncompiled
 
     inner = optimizer_chain(optimizer)[-1]
     step = int(next(s for s in inner.state.values() if s)["step"])

@@ -29,9 +29,10 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from torch.distributed.checkpoint.api import CheckpointException
 
+from training.portable import STATE
+from training.ranks import all_ranks_max
+
 from . import faults, portable
-from .distributed import all_ranks_max
-from .portable import STATE
 
 MARKER = "checkpoint_complete"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
@@ -297,7 +298,7 @@ def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict, st
 
     `prepared` is (model, optimizer, scheduler) as `accelerator.prepare` returned them. A checkpoint written under
     this strategy family and number of ranks loads natively; any other through the neutral form
-    (recipes/portable.py). A checkpoint of a differently shaped model is refused before anything is loaded."""
+    (training/portable.py). A checkpoint of a differently shaped model is refused before anything is loaded."""
     state = json.loads((path / STATE).read_text())
     saved = state.get("model_config", {})
     shape_keys = (

@@ -1,0 +1,36 @@
+"""The training library behind the scripts in `recipes/`; nothing here is a script.
+
+The modules a training run uses, in the order `recipes/train.py` reads them:
+
+    config.py        RunConfig: every flag, validated before anything heavy; batch arithmetic, DeepSpeed "auto"
+    strategy.py      what the launch asks for (launcher environment, DeepSpeed JSON), checked before the group
+    accelerator.py   the Accelerator, and the switches that run every GPU strategy on CPU ranks
+    build.py         the model of a run: a preset or a checkpoint, built sharded under ZeRO-3, same weights per seed
+    optim.py         AdamW's parameter groups and the learning-rate schedule
+    inspection.py    the strategy in force, read from the prepared objects; each rank's share of the states
+    step.py          one optimizer step: micro batches, the token-weighted loss, clipping
+    checkpoint.py    save and resume: the completion marker, checksums, disk-space checks
+    portable.py      the strategy-neutral form of a checkpoint, and resuming under another strategy or world size
+    preemption.py    SIGTERM / SIGUSR1: stop after a checkpoint every rank agrees on
+    metrics.py       metrics.jsonl and the trackers; FLOPs per token and MFU
+    profiling.py     --profile: torch.profiler traces of chosen steps, rank 0's summary table
+    watchdog.py      --step_timeout: a hung step dumps every rank's stack and names the stuck ranks
+    evaluate.py      the validation loss; a greedy sample from the export
+    export.py        the full weights, gathered from whatever shards the strategy made
+    model_card.py    the exported folder's README.md, in the Hub's model-card format
+    ranks.py         exit statuses, one-line errors, agreement across ranks
+    hf_trainer.py    the same model, data and loss under `transformers.Trainer` (recipes/trainer.py)
+    ops.py           DeepSpeed's compiled ops: which a launch needs, their build cache
+    faults.py        faults the tests inject (kills, signals, a stall, a full disk)
+    synthetic.py     train.py's setup on random tokens, for the tools that measure it
+    paths.py         the repository root
+
+The parts of the other tools:
+
+    compare/         recipes/compare.py: launching runs, reading what they left, the report and plots
+    doctor/          recipes/doctor.py: the report, checks of the machine, checks of one launch
+    memory/          the planner's model (recipes/plan_memory.py), whether a launch fits this machine, the
+                     ledger of what a rank really holds (recipes/measure_memory.py), and measured against planned
+
+Imports run one way: recipes/ -> training/ -> data/, model/.
+"""

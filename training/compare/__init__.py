@@ -1,0 +1,1 @@
+"""The parts of `recipes/compare.py`: launching, reading logs, reporting."""

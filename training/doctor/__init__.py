@@ -1,0 +1,1 @@
+"""The checks of `recipes/doctor.py`: the report, the machine, one launch."""

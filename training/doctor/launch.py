@@ -1,0 +1,254 @@
+"""Checks of one launch: its accelerate YAML and DeepSpeed JSON resolved for its world size, the
+training flags validated as the training script would, and the planner's memory for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+from training.doctor.machine import check_nvme
+from training.doctor.report import FAIL, NA, OK, WARN, Report, size
+from training.paths import ROOT
+
+DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "FSDP", "DEEPSPEED", "XLA")
+
+
+# ---------------------------------------------------------------------------------------------- the launch
+
+
+def read_launch_config(path: str | os.PathLike) -> dict:
+    """An accelerate YAML as a dict (empty for an empty file)."""
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def find_file(path: str) -> Path:
+    """A path as given, else relative to the repository (configs name `ds_configs/...` from the root)."""
+    p = Path(path)
+    return p if p.exists() or p.is_absolute() else (ROOT / p if (ROOT / p).exists() else p)
+
+
+def check_launch_config(report: Report, path: str, num_processes: int | None, found: list[dict]) -> dict | None:
+    """The accelerate YAML: readable, a known distributed type, not dropping DeepSpeed/FSDP, ranks vs GPUs."""
+    p = find_file(path)
+    if not p.is_file():
+        report.add(
+            "accelerate config", FAIL, f"--config_file {path!r}: no such file; pick one of accelerate_configs/*.yaml"
+        )
+        return None
+    try:
+        launch = read_launch_config(p)
+    except Exception as e:
+        report.add("accelerate config", FAIL, f"--config_file {path!r} is not valid YAML: {e}")
+        return None
+    kind = str(launch.get("distributed_type", "NO"))
+    machines = int(launch.get("num_machines", 1))
+    world = num_processes or int(launch.get("num_processes", 1))
+    problems = []
+    if kind not in DISTRIBUTED_TYPES:
+        problems.append(f"distributed_type {kind!r} is unknown; choose one of {', '.join(DISTRIBUTED_TYPES)}")
+    if launch.get("use_cpu") and kind in ("DEEPSPEED", "FSDP"):
+        problems.append(
+            "use_cpu: true makes accelerate drop DeepSpeed/FSDP: set use_cpu: false (the script uses gloo on CPU)"
+        )
+    if kind == "DEEPSPEED" and not (launch.get("deepspeed_config") or {}):
+        problems.append("distributed_type DEEPSPEED without a deepspeed_config section")
+    per_node = world // max(machines, 1)
+    if world % max(machines, 1):
+        problems.append(f"num_processes {world} is not a multiple of num_machines {machines}")
+    if found and per_node > len(found):
+        problems.append(
+            f"{per_node} processes per node but {len(found)} GPU(s) here: pass --num_processes {len(found)}"
+        )
+    detail = f"{p.name}: {kind}, {world} process(es) on {machines} machine(s)"
+    status = FAIL if problems else OK
+    if not problems and not found and per_node > (os.cpu_count() or 1):
+        status, detail = WARN, detail + f"; {per_node} CPU ranks share {os.cpu_count()} cores"
+    report.add("accelerate config", status, "; ".join([detail, *problems]))
+    launch["_world"] = world
+    launch["_path"] = p
+    return launch
+
+
+def parse_train_flags(report: Report, flags: list[str]):
+    """The training script's own parser; problems become a FAIL naming the flag."""
+    from transformers import HfArgumentParser
+
+    from training.config import RunConfig
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            cfg, rest = HfArgumentParser(RunConfig, prog="recipes/train.py").parse_args_into_dataclasses(
+                args=flags, return_remaining_strings=True
+            )
+    except SystemExit:
+        message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "cannot parse the flags"
+        report.add("training flags", FAIL, message)
+        return None
+    if rest:
+        report.add("training flags", FAIL, f"unknown flags {rest}: `python recipes/train.py --help` lists them")
+        return None
+    return cfg
+
+
+def strategy_name(launch: dict | None, ds: dict | None, world: int) -> str:
+    """The name `training/strategy.py` gives the strategy (zero3-offload-cpu, fsdp-shard-grad-op, ...)."""
+    from training.config import offload_devices, zero_stage
+
+    if ds is not None:
+        devices = offload_devices(ds)
+        offload = next((d for d in (devices["offload_param"], devices["offload_optimizer"]) if d != "none"), None)
+        return f"zero{zero_stage(ds)}" + (f"-offload-{offload}" if offload else "")
+    if launch and launch.get("distributed_type") == "FSDP":
+        fsdp = launch.get("fsdp_config") or {}
+        shard = (launch.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size", world)
+        name = "fsdp-hybrid" if shard < world else "fsdp"
+        if fsdp.get("fsdp_sharding_strategy") == "SHARD_GRAD_OP" or fsdp.get("fsdp_reshard_after_forward") is False:
+            name += "-shard-grad-op"
+        return name + ("-offload" if fsdp.get("fsdp_offload_params") else "")
+    return "ddp" if world > 1 else "single"
+
+
+def check_training(report: Report, args, launch: dict | None, found: list[dict], bf16_ok: bool) -> None:
+    """RunConfig.validate and resolve_deepspeed exactly as the training script runs them at start-up."""
+    from training.config import RunConfig, load_json, resolve_deepspeed
+
+    flags = list(args.train_flags)
+    if args.deepspeed:
+        flags += ["--deepspeed", str(find_file(args.deepspeed))]
+    if args.nvme_path and not any(f.startswith("--nvme_path") for f in flags) and Path(args.nvme_path).is_dir():
+        flags += ["--nvme_path", args.nvme_path]
+    cfg: RunConfig | None = parse_train_flags(report, flags)
+    if cfg is None:
+        return
+    world = launch["_world"] if launch else args.num_processes or max(len(found), 1)
+    try:
+        cfg.validate(world)
+    except Exception as e:
+        report.add("training flags", FAIL, str(e))
+        return
+    from model.__main__ import count_parameters
+
+    config = cfg.model_config()
+    params = count_parameters(config)
+    precision = cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32"
+    report.add(
+        "training flags",
+        OK,
+        f"preset {cfg.preset} ({params / 1e6:,.1f}M parameters before the tokenizer's vocabulary), {precision}, "
+        f"global batch {cfg.global_batch(world)} = micro {cfg.per_device_train_batch_size} x accumulation "
+        f"{cfg.gradient_accumulation_steps} x world {world}",
+    )
+    if cfg.bf16 and not bf16_ok:
+        report.add("precision", FAIL, "--bf16 is set but bf16 does not work here (see the bf16 check): drop --bf16")
+    if cfg.fp16 and not found:
+        report.add("precision", WARN, "--fp16 on CPU ranks: fp16 matmuls are slow and untested here; use --bf16")
+
+    launch = launch or {}
+    ds_section = launch.get("deepspeed_config") or {}
+    ds_file = cfg.deepspeed or ds_section.get("deepspeed_config_file")
+    if launch.get("distributed_type") == "FSDP" and ds_file:
+        report.add("strategy", FAIL, "both FSDP (the accelerate config) and DeepSpeed (--deepspeed) are requested")
+        return
+    yaml_precision = str(launch.get("mixed_precision", "no"))
+    if yaml_precision not in ("no", cfg.mixed_precision):
+        report.add(
+            "strategy", FAIL,
+            f"the accelerate config sets mixed_precision: {yaml_precision} but the flags give {cfg.mixed_precision}: "
+            f"pass --{yaml_precision}, or set mixed_precision: 'no' in the YAML",
+        )  # fmt: skip
+    ds = None
+    if ds_section and not ds_file:
+        report.add("DeepSpeed config", WARN, "inline deepspeed_config fields: accelerate builds the JSON at launch")
+    elif ds_file:
+        try:
+            ds = resolve_deepspeed(load_json(find_file(ds_file)), cfg, world, config.hidden_size, repr(str(ds_file)))
+        except Exception as e:
+            report.add("DeepSpeed config", FAIL, str(e))
+            return  # what follows (strategy, NVMe need, memory plan) depends on the resolved JSON
+        report.deepspeed = ds
+        report.resolved.update(describe_deepspeed(ds, str(ds_file), world))
+        report.add("DeepSpeed config", OK, f"{Path(ds_file).name} resolves: no unknown keys, no leftover auto")
+    if launch.get("distributed_type") == "FSDP":
+        fsdp = launch.get("fsdp_config") or {}
+        report.resolved.update({
+            "FSDP version": fsdp.get("fsdp_version", 1),
+            "reshard after forward": fsdp.get("fsdp_reshard_after_forward", True),
+            "offload params": fsdp.get("fsdp_offload_params", False),
+            "state dict": fsdp.get("fsdp_state_dict_type"),
+            "global batch": f"{cfg.global_batch(world)} (= micro x accumulation x world {world})",
+            "precision": precision,
+        })  # fmt: skip
+    name = strategy_name(launch, ds, world)
+    report.resolved = {"strategy": f"{name} on {world} rank(s)", **report.resolved}
+
+    # NVMe offload: this node's ranks swap their shards of the fp32 weights, master copies and Adam states.
+    per_node = world // int(launch.get("num_machines", 1) or 1)
+    need = 16 * params * per_node // world
+    zero = (ds or {}).get("zero_optimization") or {}
+    nvme_paths = {(zero.get(k) or {}).get("nvme_path") for k in ("offload_optimizer", "offload_param")
+                  if (zero.get(k) or {}).get("device") == "nvme"}  # fmt: skip
+    for path in sorted(p for p in nvme_paths - {args.nvme_path} if p):
+        check_nvme(report, path, "the config's nvme_path", args.write_mb, need)
+    if args.nvme_path and nvme_paths:
+        args.nvme_need = need
+    plan(report, config, name, world, per_node, cfg, ds)
+
+
+def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
+    """The resolved DeepSpeed values that decide memory and speed."""
+    from training.config import offload_devices, zero_stage
+
+    devices = offload_devices(ds)
+    return {
+        "DeepSpeed config": source,
+        "ZeRO stage": zero_stage(ds),
+        "offload optimizer": devices["offload_optimizer"],
+        "offload params": devices["offload_param"],
+        "micro batch per rank": ds["train_micro_batch_size_per_gpu"],
+        "gradient accumulation": ds["gradient_accumulation_steps"],
+        "global batch": f"{ds['train_batch_size']} (= micro x accumulation x world {world})",
+        "precision": "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32",
+        "gradient clipping": ds.get("gradient_clipping"),
+        "optimizer": (ds.get("optimizer") or {}).get("type", "torch AdamW from the script"),
+        "reduce bucket": (ds.get("zero_optimization") or {}).get("reduce_bucket_size"),
+    }
+
+
+def plan(report: Report, config, name: str, world: int, per_node: int, cfg, ds) -> None:
+    """The check the training script makes before it starts (`training/memory/fit.py`): the memory planner's
+    prediction for this launch against this host's free GPU memory, RAM and NVMe disk, with the cheapest fix."""
+    from training.memory.fit import Launch, MemoryFitError, capacity, check_memory_fit, needs, planner_strategy
+
+    mapped = planner_strategy(name, world, None)
+    if mapped is None:
+        report.add("memory plan", NA, f"the planner does not model {name}")
+        return
+    zero = (ds or {}).get("zero_optimization") or {}
+    nvme = next((zero[k].get("nvme_path") for k in ("offload_param", "offload_optimizer")
+                 if (zero.get(k) or {}).get("device") == "nvme"), None)  # fmt: skip
+    launch = Launch(
+        mapped[0], mapped[1], min(per_node, mapped[1]), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
+        cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, ds,
+    )  # fmt: skip
+    try:
+        have = capacity(nvme if nvme and Path(nvme).is_dir() else None)
+        need = needs(config, launch, have.gpu_free is not None)
+        check_memory_fit(config, launch, have)
+    except MemoryFitError as e:
+        report.add("memory plan", FAIL, str(e))
+        return
+    except Exception as e:
+        report.add("memory plan", WARN, f"plan_memory.predict failed: {type(e).__name__}: {e}")
+        return
+    free = {"GPU memory": have.gpu_free, "host RAM": have.host_free, "NVMe disk": have.disk_free}
+    parts = [f"{size(n)} of {size(free[where])} {where} free" for where, n in need if free[where] is not None]
+    status = WARN if any(n > 0.9 * free[where] for where, n in need if free[where] is not None) else OK
+    host = f"predicted for the {launch.ranks_per_host} rank(s) of this host: "
+    report.add("memory plan", status, host + "; ".join(parts))

@@ -1,0 +1,46 @@
+"""Evaluation: the token-mean validation loss over every validation block, and a greedy sample
+from an exported folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from data import iter_eval_batches
+from training.config import RunConfig
+
+
+@torch.no_grad()
+def evaluate(accelerator, net, blocks, cfg: RunConfig, dp: int, dp_rank: int) -> float | None:
+    """Token-mean validation loss over every validation block: each data-parallel rank sums CE over its share,
+    then the sums are added across ranks (a tensor-parallel group adds its one share tp times, to the CE sum and
+    the token count alike). Every rank runs the same number of forwards (ZeRO-3 and FSDP gather inside)."""
+    if blocks is None or (hasattr(blocks, "__len__") and len(blocks) == 0):
+        return None
+    net.eval()
+    total = torch.zeros((), device=accelerator.device)
+    count = torch.zeros((), device=accelerator.device)
+    batches = iter_eval_batches(blocks, cfg.per_device_eval_batch_size, dp, dp_rank)
+    for i, micro in enumerate(batches):
+        if cfg.max_eval_batches is not None and i >= cfg.max_eval_batches:
+            break
+        micro = {k: v.to(accelerator.device) for k, v in micro.items() if k != "num_items_in_batch"}
+        total += net(**micro, num_items_in_batch=1).loss  # with a divisor of 1: the sum of CE on this rank
+        count += (micro["shift_labels"] != -100).sum()
+    total, count = accelerator.reduce(torch.stack([total, count.float()]), reduction="sum")  # collective
+    return (total / count).item() if count > 0 else None
+
+
+def print_sample(folder: Path, tokenizer, max_new_tokens: int) -> None:
+    """Greedy continuation from the exported folder: proves the export loads, and shows what was learned.
+    Runs on rank 0 alone, so transformers must not build the model under ZeRO-3's collective init."""
+    unset_hf_deepspeed_config()
+    trained = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    prompt = "def "
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = trained.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    print(f"--- sample (greedy, {max_new_tokens} tokens) ---\n{tokenizer.decode(out[0])}\n---", flush=True)

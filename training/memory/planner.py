@@ -1,0 +1,460 @@
+"""The planner's model: the memory one rank needs to train shardgpt under each strategy, before any GPU is rented.
+
+Per rank: parameters, gradients, optimizer states (fp32 master copies and Adam's moments), activations, logits
+and temporary buffers; for offload, host RAM and NVMe. `predict()` returns them as a dict; `recipes/plan_memory.py`
+prints them.
+
+Model states (parameters, gradients, optimizer states) are counted exactly as DDP, FSDP2 and DeepSpeed 0.19
+allocate them for this model, tensor by tensor: DeepSpeed's flat buffers and their alignment, the ZeRO-1/2
+gradient partition that holds every gradient touching a rank's partition whole, ZeRO-3's persistent small
+parameters, FSDP2's padded shards, DDP's gradient buckets, Adam's step counters. `training/memory/ledger.py`
+counts the same on 2 CPU ranks, and `tests/recipes/test_memory.py` checks that both agree to the byte.
+Activations, logits and temporaries follow the formulas in docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from model import ShardGPTConfig, ShardGPTForCausalLM
+from training.config import RunConfig, load_json, resolve_deepspeed
+from training.optim import param_groups
+from training.paths import ROOT
+
+STRATEGIES = (
+    "ddp", "fsdp", "fsdp-shard-grad-op", "fsdp-offload", "zero1", "zero2", "zero2-offload", "zero3",
+    "zero3-offload-cpu", "zero3-offload-nvme",
+)  # fmt: skip
+ALIASES = {"zero2-offload-cpu": "zero2-offload"}  # the name training/strategy.py gives the launch
+DS_CONFIGS = {
+    "zero1": "zero1.json", "zero2": "zero2.json", "zero2-offload": "zero2_offload.json", "zero3": "zero3.json",
+    "zero3-offload-cpu": "zero3_offload_cpu.json", "zero3-offload-nvme": "zero3_offload_nvme.json",
+}  # fmt: skip
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+@dataclass
+class Layout:
+    """The parameters as the training script builds them: sizes in `named_parameters()` order, the optimizer's
+    groups (decay / no decay, indices into `numels`), FSDP's units and the modules ZeRO-3 gathers."""
+
+    config: ShardGPTConfig
+    names: list[str]
+    numels: list[int]
+    rows: list[int]  # dim 0, which FSDP2 shards
+    groups: list[list[int]]
+    root: list[int]  # the FSDP root unit: parameters outside every decoder layer
+    layer_numel: int  # one decoder layer (every layer has the same shape)
+    largest_module: int  # the most parameters one module owns (ZeRO-3 gathers module by module)
+
+    @property
+    def psi(self) -> int:
+        return sum(self.numels)
+
+
+def layout(config: ShardGPTConfig, decay_embeddings: bool = False) -> Layout:
+    with torch.device("meta"):  # shapes only: no memory, fast for any size
+        net = ShardGPTForCausalLM(config)
+    named = list(net.named_parameters())  # tied lm_head / embedding listed once, as DeepSpeed and DDP see them
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    groups = [[index[id(p)] for p in g["params"]] for g in param_groups(net, 0.1, decay_embeddings)]
+    root = [i for i, (name, _) in enumerate(named) if ".layers." not in f".{name}"]
+    layer = sum(p.numel() for p in net.model.layers[0].parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules())
+    return Layout(
+        config, [n for n, _ in named], [p.numel() for _, p in named], [p.shape[0] for _, p in named],
+        [g for g in groups if g], root, layer, largest,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed config
+
+
+def zero_config(strategy: str, config: ShardGPTConfig, world: int, precision: str, micro_batch: int,
+                ds_config: dict | None = None) -> dict:  # fmt: skip
+    """The `zero_optimization` section in force: `ds_config` (the repo's JSON for `strategy` when None) with
+    its "auto" values filled exactly as the training script fills them (`recipes/config.resolve_deepspeed`)."""
+    if ds_config is None:
+        ds_config = load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy])
+    zero = copy.deepcopy(ds_config.get("zero_optimization") or {})
+    # Offload sections are read as they are: resolving them would check that nvme_path exists here.
+    offload = {k: zero.pop(k) for k in ("offload_optimizer", "offload_param") if k in zero}
+    if "auto" in zero.values():
+        cfg = RunConfig(per_device_train_batch_size=micro_batch, bf16=precision == "bf16", fp16=precision == "fp16")
+        zero = resolve_deepspeed({"zero_optimization": zero}, cfg, world, config.hidden_size, "(planner)")
+        zero = zero["zero_optimization"]
+    zero.update(offload)
+    stage = int(zero.get("stage", 0))
+    zero.setdefault("overlap_comm", stage == 3)  # DeepSpeed's defaults (runtime/zero/config.py)
+    zero.setdefault("contiguous_gradients", True)
+    zero.setdefault("reduce_bucket_size", 500_000_000)
+    zero.setdefault("allgather_bucket_size", 500_000_000)
+    zero.setdefault("sub_group_size", 1_000_000_000)
+    zero.setdefault("stage3_prefetch_bucket_size", 50_000_000)
+    zero.setdefault("stage3_param_persistence_threshold", 100_000)
+    zero.setdefault("stage3_model_persistence_threshold", sys.maxsize)
+    return zero
+
+
+def offload_device(zero: dict, key: str) -> str:
+    return (zero.get(key) or {}).get("device", "none")
+
+
+# ---------------------------------------------------------------------------------------------- model states
+
+
+@dataclass
+class Item:
+    category: str  # params, master_params, grads, optimizer_states, buffers
+    label: str  # the same labels as recipes/measure_memory.py
+    nbytes: int
+    where: str = "gpu"  # gpu, host or nvme
+
+
+def adam(items: list[Item], numel: int, tensors: int, where: str) -> None:
+    """torch AdamW: fp32 exp_avg and exp_avg_sq per element, and a 4-byte fp32 step counter per tensor."""
+    items.append(Item("optimizer_states", "adam.exp_avg", 4 * numel, where))
+    items.append(Item("optimizer_states", "adam.exp_avg_sq", 4 * numel, where))
+    items.append(Item("optimizer_states", "adam.step", 4 * tensors, where))
+
+
+def ddp_states(lay: Layout) -> list[Item]:
+    """Whole fp32 weights (accelerate's mixed precision autocasts, the weights stay fp32), whole fp32
+    gradients, and the reducer's own flat gradient buckets: accelerate leaves `gradient_as_bucket_view` at
+    torch's default False, so buckets are copies, not views, of the gradients."""
+    psi = lay.psi
+    items = [Item("params", "weights", 4 * psi), Item("grads", "param.grad", 4 * psi)]
+    items.append(Item("grads", "ddp_buckets", 4 * psi))
+    adam(items, psi, len(lay.numels), "gpu")
+    return items
+
+
+def fsdp_states(lay: Layout, world: int, rank: int, offload: bool) -> list[Item]:
+    """FSDP2: each parameter's dim 0 in chunks of ceil(rows / world); a rank keeps its chunk padded to full
+    size for parameters and for the reduce-scatter's gradient output (cast to fp32), while Adam's moments
+    are shaped like the unpadded local shard."""
+    where = "host" if offload else "gpu"
+    padded = local = 0
+    for numel, rows in zip(lay.numels, lay.rows, strict=True):
+        chunk = math.ceil(rows / world)
+        per_row = numel // rows
+        padded += chunk * per_row
+        local += max(0, min(chunk, rows - rank * chunk)) * per_row
+    items = [Item("params", "local_shards", 4 * padded, where), Item("grads", "local_shards", 4 * padded, where)]
+    adam(items, local, len(lay.numels), where)
+    return items
+
+
+def zero12_partitions(lay: Layout, world: int, rank: int) -> list[tuple[int, int, int]]:
+    """Per optimizer group: (aligned flat size, partition size, elements of the gradients kept whole in this
+    rank's partition). The flat buffer is padded to a multiple of 2 x world; a parameter whose elements
+    overlap the partition [rank x P, (rank + 1) x P) has its whole gradient copied into the partition buffer."""
+    out = []
+    for group in lay.groups:
+        numel = sum(lay.numels[i] for i in group)
+        align = 2 * world
+        aligned = math.ceil(numel / align) * align
+        part = aligned // world
+        lo, hi, at, kept = rank * part, (rank + 1) * part, 0, 0
+        for i in group:
+            n = lay.numels[i]
+            if lo <= at < hi or at < lo < at + n:
+                kept += n
+            at += n
+        pad = max(0, hi - max(lo, numel)) if rank == world - 1 else 0  # zeros after the last gradient
+        out.append((aligned, part, kept + pad))
+    return out
+
+
+def zero12_states(lay: Layout, world: int, rank: int, e: int, stage: int, offload: bool) -> list[Item]:
+    """DeepSpeedZeroOptimizer: the model's weights become views of one flat buffer per group (model dtype),
+    and this rank keeps an fp32 copy of its partition for the optimizer, also in fp32 training.
+    Gradients: ZeRO-1 keeps every whole gradient until the end of the backward (the peak), ZeRO-2 only
+    the gradients touching its partition. With CPU offload the partition copies live in host RAM."""
+    parts = zero12_partitions(lay, world, rank)
+    flat = sum(a for a, _, _ in parts)
+    part = sum(p for _, p, _ in parts)
+    items = [Item("params", "bit16_flat", e * flat)]
+    if offload:
+        items += [
+            Item("params", "bit16_offload_buffer", e * part, "host"),
+            Item("master_params", "fp32_partitions", 4 * part, "host"),
+            Item("grads", "fp32_partition.grad", 4 * part, "host"),
+        ]
+        adam(items, part, len(parts), "host")
+        return items
+    items.append(Item("master_params", "fp32_partitions", 4 * part))
+    if stage == 1:
+        items.append(Item("grads", "param.grad", e * lay.psi))
+    else:
+        items.append(Item("grads", "grads_in_partition", e * sum(k for _, _, k in parts)))
+    adam(items, part, len(parts), "gpu")
+    return items
+
+
+def zero3_groups(lay: Layout, world: int, sub_group_size: int) -> list[int]:
+    """Partition elements of each ZeRO-3 sub-group: a group is split once its partitions reach sub_group_size."""
+    out = []
+    for group in lay.groups:
+        acc = 0
+        for j, i in enumerate(group):
+            acc += math.ceil(lay.numels[i] / world)
+            if acc >= sub_group_size or j == len(group) - 1:
+                out.append(acc)
+                acc = 0
+    return out
+
+
+def persistent(lay: Layout, zero: dict) -> list[int]:
+    """Parameters ZeRO-3 keeps whole on every rank: at most stage3_param_persistence_threshold elements."""
+    keep, total = [], 0
+    for i, n in enumerate(lay.numels):
+        if n + total > zero["stage3_model_persistence_threshold"]:
+            continue
+        if n <= zero["stage3_param_persistence_threshold"]:
+            keep.append(i)
+            total += n
+    return keep
+
+
+def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
+    """DeepSpeedZeroOptimizer_Stage3: each parameter's ceil(numel / world) elements in one flat buffer, the
+    small persistent parameters also whole, an fp32 master copy of the partition (kept even in fp32: the
+    check that would reuse fp32 partitions compares a torch.device with a device name and never matches),
+    one flat gradient partition buffer in the model dtype, and Adam's moments per sub-group."""
+    param_where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[offload_device(zero, "offload_param")]
+    opt_where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[offload_device(zero, "offload_optimizer")]
+    part = sum(math.ceil(n / world) for n in lay.numels)
+    subs = zero3_groups(lay, world, zero["sub_group_size"])
+    # Persistent parameters are gathered into buffers padded to a multiple of world, as every ZeRO-3 gather.
+    # On one rank the partition is the whole parameter and DeepSpeed keeps no second copy.
+    whole = sum(world * math.ceil(lay.numels[i] / world) for i in persistent(lay, zero)) if world > 1 else 0
+    items = [
+        Item("params", "partitions", e * part, param_where),
+        Item("params", "persistent_whole", e * whole),
+        Item("master_params", "fp32_partitions", 4 * part, opt_where),
+        Item("grads", "grad_partitions", e * part, "gpu" if opt_where == "gpu" else "host"),
+    ]
+    if opt_where != "gpu":  # offload keeps an fp32 gradient buffer per sub-group for the CPU Adam
+        items.append(Item("grads", "fp32_partition.grad", 4 * part, opt_where))
+    adam(items, part, len(subs), opt_where)
+    return items
+
+
+def model_states(lay: Layout, strategy: str, world: int, rank: int, precision: str, zero: dict | None) -> list[Item]:
+    """What rank `rank` holds for parameters, gradients and optimizer states at its model-state peak (the
+    moment recipes/measure_memory.py reports: the end of the backward for ZeRO-1, the optimizer step's start
+    otherwise)."""
+    strategy = ALIASES.get(strategy, strategy)
+    e = BYTES[precision]
+    if strategy == "ddp":
+        return ddp_states(lay)
+    if strategy.startswith("fsdp"):
+        return fsdp_states(lay, world, rank, offload=strategy == "fsdp-offload")
+    if strategy in ("zero1", "zero2", "zero2-offload"):
+        offload = offload_device(zero, "offload_optimizer") != "none"
+        return zero12_states(lay, world, rank, e, int(zero["stage"]), offload)
+    return zero3_states(lay, world, e, zero)
+
+
+def bytes_by_category(items: list[Item], where: str = "gpu") -> dict[str, int]:
+    out = dict.fromkeys(("params", "master_params", "grads", "optimizer_states"), 0)
+    for it in items:
+        if it.where == where and it.category in out:
+            out[it.category] += it.nbytes
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+
+def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool) -> int:
+    """Tensors autograd saves for the backward (not the loss's: see `saved_loss_bytes`), at the start of the
+    backward.
+
+    Per decoder layer and token, with h hidden, g = key/value heads x head_dim, f ffn, a heads, e bytes of
+    the compute dtype:
+      e (6h + 2g + 4f) + 8h + 4a + 8
+    = each RMSNorm: its fp32 input (4h), 1/rms (4), the normalised input and the output (2 e h);
+      attention: q after rotary and the output (2 e h), k after rotary and v with their own heads (2 e g:
+      SDPA reads grouped-query heads itself, `enable_gqa`), saved by SDPA (flash and memory-efficient
+      kernels keep no T x T matrix) and its fp32 log-sum-exp (4a); o_proj reads SDPA's output itself;
+      MLP: gate and up outputs, silu(gate) and the product (4 e f).
+    Once per forward: the token ids (8), the final norm (4h + 4 + e h: the chunked loss keeps no copy of its
+    output) per token; rotary cos and sin (2 e head_dim) per position, shared by the batch.
+    With activation checkpointing each layer keeps only its input (e h per token) and one layer at a time
+    is recomputed in the backward with all of its activations.
+    """
+    c = config
+    h, f, a = c.hidden_size, c.intermediate_size, c.num_attention_heads
+    g = c.num_key_value_heads * c.head_dim
+    tokens = micro_batch * seq_len
+    layer = e * (6 * h + 2 * g + 4 * f) + 8 * h + 4 * a + 8
+    once = 8 + 4 * h + 4 + e * h
+    kept = e * h if checkpointing else layer  # per layer: its input only, or everything it saves
+    recomputed = layer if checkpointing else 0  # the one layer being recomputed in the backward
+    return (c.num_hidden_layers * kept + recomputed + once) * tokens + 2 * e * c.head_dim * seq_len
+
+
+LOSS_CHUNK = 1024  # tokens per chunk of the model's chunked cross-entropy (`ShardGPTLMHead.chunk_size`)
+
+
+def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
+    """The chunked cross-entropy at its largest, in the forward's last chunk (the model's `ChunkedCrossEntropy`;
+    the (tokens, vocab) logits never exist): what it saves for the backward (`saved_loss_bytes`), plus one
+    chunk's fp32 logits (turned into their gradient in place) and that gradient in the compute dtype,
+    (4 + e) x chunk x vocab, and the chunk's (vocab, hidden) weight-gradient product before it is added."""
+    chunk = min(LOSS_CHUNK, micro_batch * seq_len)
+    v, h = config.vocab_size, config.hidden_size
+    return saved_loss_bytes(config, micro_batch, seq_len, e) + (4 + e) * chunk * v + e * v * h
+
+
+def saved_loss_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
+    """What the chunked loss saves from its forward for the backward: the gradient of the hidden states (e bytes
+    per token and hidden unit) and the fp32 gradient of the head's weight (4 x vocab x hidden)."""
+    return e * micro_batch * seq_len * config.hidden_size + 4 * config.vocab_size * config.hidden_size
+
+
+# ---------------------------------------------------------------------------------------------- temporaries
+
+
+def temporaries(lay: Layout, strategy: str, world: int, precision: str, zero: dict | None) -> list[Item]:
+    """Buffers that exist only for part of a step, at their largest; summed as if they coincided."""
+    strategy = ALIASES.get(strategy, strategy)
+    e = BYTES[precision]
+    items: list[Item] = []
+    largest_param = max(lay.numels)
+    if strategy == "ddp":
+        if precision != "fp32":
+            items.append(Item("buffers", "autocast_weight_copies", e * lay.psi))  # saved for the backward
+        return items
+    if strategy.startswith("fsdp"):
+        root = sum(lay.numels[i] for i in lay.root)
+        if strategy == "fsdp-shard-grad-op":  # every unit stays unsharded from its forward to its backward
+            items.append(Item("buffers", "unsharded_params", e * lay.psi))
+        else:  # the root unit stays gathered (FSDP2 never reshards the root), plus a layer and its prefetch
+            items.append(Item("buffers", "unsharded_params", e * (root + 2 * lay.layer_numel)))
+        # Unsharded gradients: the tied lm_head/embedding's from the first op of the backward to the last,
+        # one layer's at a time, and its reduce-scatter input (reduce dtype = compute dtype).
+        items.append(Item("buffers", "unsharded_grads", e * (root + 2 * lay.layer_numel)))
+        return items
+    bucket = int(zero["reduce_bucket_size"])
+    stage = int(zero["stage"])
+    if stage in (1, 2):
+        parts = zero12_partitions(lay, world, 0)
+        buffers = 2 if zero["overlap_comm"] else 1
+        items.append(Item("buffers", "reduce_buckets", buffers * bucket * e))
+        if offload_device(zero, "offload_optimizer") != "none":
+            items.append(Item("buffers", "offload_grad_staging", e * largest_param))
+            items.append(Item("buffers", "offload_grad_staging", e * largest_param, "host"))
+            return items
+        if stage == 1:  # the partition's copy is filled while the whole gradients still exist
+            kept = max(sum(k for _, _, k in zero12_partitions(lay, world, r)) for r in {0, world - 1})
+            items.append(Item("buffers", "grads_in_partition", e * kept))
+        else:  # a gradient larger than a bucket is reduced on its own
+            items.append(Item("buffers", "grads_in_flight", e * largest_param if largest_param > bucket else 0))
+        # The step flattens a group's gradient partition and converts it to fp32.
+        largest_part = max(p for _, p, _ in parts)
+        items.append(Item("buffers", "fp32_grad_partition", (4 + (e if e != 4 else 0)) * largest_part))
+        return items
+    # ZeRO-3: one reduce bucket, the module being computed gathered whole plus the prefetch bucket, its
+    # whole gradient before the reduce-scatter, and the step's fp32 copy of a sub-group's gradients.
+    items.append(Item("buffers", "reduce_buckets", bucket * e))
+    gathered = lay.largest_module + int(zero["stage3_prefetch_bucket_size"])
+    items.append(Item("buffers", "gathered_params", e * gathered))
+    items.append(Item("buffers", "grads_in_flight", e * lay.largest_module))
+    if offload_device(zero, "offload_optimizer") == "none":
+        largest_sub = max(zero3_groups(lay, world, zero["sub_group_size"]))
+        items.append(Item("buffers", "fp32_grad_partition", (4 + (e if e != 4 else 0)) * largest_sub))
+    if offload_device(zero, "offload_param") == "nvme":
+        swap = zero["offload_param"]
+        items.append(Item("buffers", "param_swap_buffers", e * swap["buffer_count"] * swap["buffer_size"], "host"))
+    if offload_device(zero, "offload_optimizer") == "nvme":
+        largest_sub = max(zero3_groups(lay, world, zero["sub_group_size"]))
+        count = zero["offload_optimizer"].get("buffer_count", 4)
+        items.append(Item("buffers", "optimizer_swap_buffers", 4 * count * largest_sub, "host"))
+    return items
+
+
+# ---------------------------------------------------------------------------------------------- prediction
+
+
+def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: str = "bf16", micro_batch: int = 1,
+            seq_len: int = 2048, activation_checkpointing: bool = False, ds_config: dict | None = None,
+            rank: int | None = None, decay_embeddings: bool = False) -> dict:  # fmt: skip
+    """Bytes one GPU needs, by category, for `strategy` on `world_size` GPUs.
+
+    Returns params, grads, optimizer_states (fp32 master copies + Adam), activations, logits, temporary and
+    total on the GPU; model_states (params + grads + optimizer_states on the GPU); host_ram and nvme per GPU
+    (offload); detail (every item, by label and place) and the inputs. `rank`: one rank's figures (ZeRO-1/2
+    and FSDP differ slightly between ranks); default the largest over ranks. `ds_config`: a DeepSpeed JSON
+    (dict) instead of the repo's ds_configs/ file for the strategy.
+    """
+    strategy = ALIASES.get(strategy, strategy)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is unknown; choose one of {', '.join(STRATEGIES)} or all")
+    if precision not in BYTES:
+        raise ValueError(f"precision {precision!r}: choose one of {', '.join(BYTES)}")
+    if world_size < 1 or micro_batch < 1 or seq_len < 1:
+        raise ValueError("world_size, micro_batch and seq_len must be at least 1")
+    lay = layout(config, decay_embeddings)
+    zero = None
+    if strategy.startswith("zero"):
+        zero = zero_config(strategy, config, world_size, precision, micro_batch, ds_config)
+    ranks = [rank] if rank is not None else _ranks_to_check(strategy, world_size)
+    states = max((model_states(lay, strategy, world_size, r, precision, zero) for r in ranks),
+                 key=lambda items: sum(it.nbytes for it in items if it.where == "gpu"))  # fmt: skip
+    temps = temporaries(lay, strategy, world_size, precision, zero)
+    e = BYTES[precision]
+    gpu = bytes_by_category(states)
+    out = {
+        "params": gpu["params"],
+        "grads": gpu["grads"],
+        "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
+        "activations": activation_bytes(config, micro_batch, seq_len, e, activation_checkpointing),
+        "logits": logits_bytes(config, micro_batch, seq_len, e),
+        "temporary": sum(it.nbytes for it in temps if it.where == "gpu"),
+    }
+    out["model_states"] = out["params"] + out["grads"] + out["optimizer_states"]
+    out["total"] = out["model_states"] + out["activations"] + out["logits"] + out["temporary"]
+    out["host_ram"] = sum(it.nbytes for it in states + temps if it.where == "host")
+    # Every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves or shards it; under
+    # ZeRO-3's zero.Init a rank holds its partition and the one module being built (training/build.py).
+    partitioned = strategy.startswith("zero3")
+    out["host_ram_at_start"] = 4 * (math.ceil(lay.psi / world_size) + lay.largest_module if partitioned else lay.psi)
+    out["nvme"] = sum(it.nbytes for it in states + temps if it.where == "nvme")
+    out["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
+    out["inputs"] = dict(strategy=strategy, world_size=world_size, precision=precision, micro_batch=micro_batch,
+                         seq_len=seq_len, activation_checkpointing=activation_checkpointing, psi=lay.psi)  # fmt: skip
+    return out
+
+
+def _ranks_to_check(strategy: str, world: int) -> list[int]:
+    if strategy in ("zero1", "zero2") or strategy.startswith("fsdp"):
+        return list(range(world)) if world <= 64 else [0, world - 1]  # the differences sit at the ends
+    return [0]
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO paper
+
+
+def zero_paper(psi: int, world: int, stage: int, precision: str) -> int:
+    """Model-state bytes per rank in the ZeRO paper (Rajbhandari et al. 2020, section 5), stage 0 = DDP.
+
+    Mixed precision Adam (K = 12: fp32 master weights, momentum, variance; 2-byte weights and gradients):
+      baseline 16 psi, ZeRO-1 4 psi + 12 psi/Nd, ZeRO-2 2 psi + 14 psi/Nd, ZeRO-3 16 psi/Nd.
+    fp32 (4-byte weights and gradients, Adam's 8 bytes, no master copy: the weights are fp32 already):
+      baseline 16 psi, ZeRO-1 8 psi + 8 psi/Nd, ZeRO-2 4 psi + 12 psi/Nd, ZeRO-3 16 psi/Nd.
+    """
+    w, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    shard = {0: (w + g + k, 0), 1: (w + g, k), 2: (w, g + k), 3: (0, w + g + k)}[stage]
+    return shard[0] * psi + shard[1] * psi / world
