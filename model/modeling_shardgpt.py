@@ -391,7 +391,10 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
         )
         hidden = outputs.last_hidden_state  # (B, T, C)
         loss = logits = None
-        if self.training and (labels is not None or shift_labels is not None):
+        # The chunked loss needs this model's own head: tensor parallelism may swap it for its own layer (DeepSpeed
+        # AutoTP's LinearLayer), and the logits path below then computes the same loss.
+        own_head = isinstance(self.lm_head, ShardGPTLMHead)
+        if self.training and own_head and (labels is not None or shift_labels is not None):
             # Training: the chunked loss; the (B, T, vocab) logits never exist.
             if shift_labels is None:
                 shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]  # position t predicts labels[t + 1]

@@ -33,6 +33,7 @@ def main() -> None:
     net = shardgpt.ShardGPTForCausalLM(config)
     before = {name: p.detach().clone() for name, p in net.named_parameters()}
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    net.eval()  # the loss of the logits path, as after `prepare` below (training computes it chunked)
     with torch.no_grad():
         reference = net(ids, labels=ids).loss.item()
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)

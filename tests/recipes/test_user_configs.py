@@ -230,7 +230,8 @@ REFUSED = {
         "scheduler.params.warmup_num_steps = 0", "pass --warmup_steps 1 or more"),
     "fp16-on-cpu": (None, lambda t: ["--fp16"], "(--fp16 or the accelerate config's mixed_precision: fp16) needs a "
                     "CUDA GPU", "pass --bf16 instead"),
-    "dataset-offline": (None, lambda t: ["--dataset_name=shardgpt-tests/not-cached", "--train_file="],
+    "dataset-offline": (None, lambda t: ["--dataset_name=shardgpt-tests/not-cached", "--train_file=",
+                                         "--validation_file="],
                         "--dataset_name 'shardgpt-tests/not-cached'", "pass --train_file"),
     "tokenizer-offline": (None, lambda t: ["--tokenizer_name=shardgpt-tests/not-cached"],
                           "--tokenizer_name 'shardgpt-tests/not-cached'", "HF_HUB_OFFLINE=1"),
