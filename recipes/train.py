@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg.validate(world)
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
-    check_resume(cfg, strategy.name, world)  # the global batch, and a checkpoint of another strategy converts
+    check_resume(cfg, strategy)  # the global batch, and a checkpoint of another strategy converts
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
         check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(config))

@@ -154,10 +154,11 @@ def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> 
     return path
 
 
-def check_resume(cfg, strategy_name: str, world: int) -> None:
+def check_resume(cfg, strategy) -> None:
     """Before the process group, on every rank: the checkpoint `--resume_from_checkpoint` points at (unverified
     yet: rank 0 verifies it later) must have this launch's global batch, and, written under another strategy or
-    number of ranks, be one that converts."""
+    number of ranks, be one that converts. The global batch counts data-parallel ranks (tensor-parallel ranks
+    share a batch)."""
     arg = cfg.resume_from_checkpoint
     if arg == "auto":  # the one `auto` will pick, but for the checksums
         intact = [p for _, p in checkpoints(cfg.output_dir) if is_complete(p) and damage(p, checksums=False) is None]
@@ -171,17 +172,23 @@ def check_resume(cfg, strategy_name: str, world: int) -> None:
     if state is None:
         return  # nothing to resume, or rank 0's verification refuses it after the process group
     run, saved = state["run_config"], state["strategy"]
-    was, now = state["loader"]["global_batch_size"], cfg.global_batch(world)
+    saved_dp = saved.get("tensor_parallel", {}).get("data_parallel_size", saved["world_size"])
+    was, now = state["loader"]["global_batch_size"], cfg.global_batch(strategy.data_parallel_size)
     if was != now:
         raise ValueError(
             f"checkpoint {str(path)!r} trained with a global batch of {was} (micro {run['per_device_train_batch_size']}"
-            f" x accumulation {run['gradient_accumulation_steps']} x world {saved['world_size']}); this launch gives "
-            f"{now} (micro {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps} x world "
-            f"{world}): pass --global_batch_size {was}"
+            f" x accumulation {run['gradient_accumulation_steps']} x {_ranks(saved_dp, saved['world_size'])}); this "
+            f"launch gives {now} (micro {cfg.per_device_train_batch_size} x accumulation "
+            f"{cfg.gradient_accumulation_steps} x {_ranks(strategy.data_parallel_size, strategy.world_size)}): "
+            f"pass --global_batch_size {was}"
         )
-    why = portable.refusal(saved, strategy_name, world)
+    why = portable.refusal(saved, strategy.name, strategy.world_size)
     if why is not None:
         raise ValueError(f"checkpoint {str(path)!r}: {why}")
+
+
+def _ranks(data_parallel: int, world: int) -> str:
+    return f"world {world}" if data_parallel == world else f"{data_parallel} data-parallel ranks of {world}"
 
 
 def resolve_resume_once(accelerator: Accelerator, arg: str | None, output_dir: str, checksums: bool) -> Path | None:

@@ -35,7 +35,7 @@ def main() -> None:
     cfg.validate(world)
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)
-    check_resume(cfg, strategy.name, world)
+    check_resume(cfg, strategy)
     accelerator = make_accelerator(cfg, strategy)  # collective: the process group
     set_seed(cfg.seed)
     net = build_model(config, Vocabulary())

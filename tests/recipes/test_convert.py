@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from training.checkpoint import MARKER, STATE, check_resume
 from training.config import RunConfig
 from training.portable import NEUTRAL, read_checkpoint
+from training.strategy import Strategy
 
 TRAIN = [
     "--preset=debug", "--max_steps=6", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",
@@ -180,14 +181,14 @@ def test_global_batch_size_derives_the_accumulation():
 def test_resume_checks_before_the_process_group(tmp_path):
     path = fake_checkpoint(tmp_path, "zero2", 2)
     cfg = RunConfig(per_device_train_batch_size=4, output_dir=str(tmp_path / "out"), resume_from_checkpoint="auto")
-    check_resume(cfg, "fsdp", 2)  # same global batch, a strategy that converts
+    check_resume(cfg, Strategy("fsdp", 2))  # same global batch, a strategy that converts
     with pytest.raises(ValueError, match="pass --global_batch_size 8"):
-        check_resume(cfg, "zero2", 4)
+        check_resume(cfg, Strategy("zero2", 4))
     with pytest.raises(ValueError, match="zero3-offload-nvme is not converted .* resume under the strategy and ranks"):
-        check_resume(cfg, "zero3-offload-nvme", 2)
+        check_resume(cfg, Strategy("zero3-offload-nvme", 2))
     fake_checkpoint(tmp_path / "fsdp1", "fsdp1", 2)
     cfg.resume_from_checkpoint = str(tmp_path / "fsdp1" / "out" / "checkpoint-3")
     with pytest.raises(ValueError, match="the checkpoint's fsdp1 is not converted"):
-        check_resume(cfg, "zero3", 2)
-    check_resume(cfg, "fsdp1", 2)  # the strategy and ranks that wrote it: loaded natively
+        check_resume(cfg, Strategy("zero3", 2))
+    check_resume(cfg, Strategy("fsdp1", 2))  # the strategy and ranks that wrote it: loaded natively
     assert path.is_dir()
