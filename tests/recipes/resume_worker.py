@@ -18,15 +18,7 @@ from training.optim import make_optimizer, make_scheduler
 from training.portable import gather_neutral
 from training.ranks import run_rank
 from training.strategy import launched_world_size, requested_strategy
-
-
-class Vocabulary:
-    """The corpus tokenizer's size (300, padded to a vocabulary of 384), without reading the corpus."""
-
-    eos_token_id = bos_token_id = 0
-
-    def __len__(self) -> int:
-        return 300
+from training.synthetic import StandInTokenizer
 
 
 def main() -> None:
@@ -38,7 +30,7 @@ def main() -> None:
     check_resume(cfg, strategy)
     accelerator = make_accelerator(cfg, strategy)  # collective: the process group
     set_seed(cfg.seed)
-    net = build_model(config, Vocabulary())
+    net = build_model(config, StandInTokenizer(300))  # the corpus tokenizer's size (384 padded), corpus unread
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
     prepared = accelerator.prepare(net, optimizer, scheduler)  # collective

@@ -20,13 +20,7 @@ from training.inspection import verify_strategy
 from training.optim import make_optimizer
 from training.ranks import run_rank
 from training.strategy import Strategy, requested_strategy
-
-
-class Vocabulary:
-    eos_token_id = bos_token_id = 0
-
-    def __len__(self) -> int:
-        return 128
+from training.synthetic import StandInTokenizer
 
 
 def main() -> None:
@@ -35,7 +29,7 @@ def main() -> None:
     strategy = requested_strategy(cfg, config.hidden_size)
     accelerator = make_accelerator(cfg, strategy)  # collective: the process group
     set_seed(cfg.seed)
-    net = build_model(config, Vocabulary())
+    net = build_model(config, StandInTokenizer(128))
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
     net, optimizer = accelerator.prepare(net, optimizer)  # collective
     world = strategy.world_size
