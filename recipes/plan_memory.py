@@ -3,6 +3,13 @@
     python recipes/plan_memory.py --preset llama-1b --num_gpus 8 --strategy zero2 --precision bf16
     python recipes/plan_memory.py --preset llama-7b --num_gpus 8 --strategy all --gpu_memory_gb 80
     python recipes/plan_memory.py --preset llama-1b --hidden_size 2560 --num_gpus 16 --strategy all --json
+    python recipes/plan_memory.py --largest --num_gpus 2 --strategy all --seq_len 128 --activation_checkpointing \
+        --vocab_size 8192 --nvme_path /local_nvme
+
+`--largest`: the largest preset (or shallower copy of the next preset, `--config_overrides num_hidden_layers=N`)
+that each strategy is predicted to train on this machine: its free GPU memory (or --gpu_memory_gb), available
+RAM (or --host_memory_gb) and free disk at --nvme_path (or --disk_gb), the check `recipes/train.py` runs
+before it starts. Pass --vocab_size of the tokenizer the run will use (the default corpus's: 8192).
 
 Per GPU: parameters, gradients, optimizer states (fp32 master copies and Adam's moments), activations,
 logits and temporary buffers; for offload, host RAM and NVMe per GPU. `predict()` returns the same as a dict.
@@ -24,7 +31,8 @@ from pathlib import Path
 
 from model import ShardGPTConfig
 from training.config import load_json
-from training.memory.planner import BYTES, STRATEGIES, GiB, predict
+from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
+from training.memory.planner import BYTES, STRATEGIES, GiB, layout, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +59,32 @@ def table(rows: list[dict], gpu_memory_gb: float | None) -> str:
     return "\n".join(lines)
 
 
+def largest(args, overrides: dict, strategies: list[str], ds: dict | None) -> str:
+    """One line per strategy: the largest size predicted to fit this machine (or the capacities given)."""
+    here = capacity(args.nvme_path)
+    have = Capacity(
+        int(args.gpu_memory_gb * GiB) if args.gpu_memory_gb else here.gpu_free,
+        int(args.host_memory_gb * GiB) if args.host_memory_gb else here.host_free,
+        int(args.disk_gb * GiB) if args.disk_gb else here.disk_free,
+    )  # fmt: skip
+    per_host = args.ranks_per_host or args.num_gpus
+    free = {"GPU memory": have.gpu_free, "host RAM": have.host_free, "NVMe disk": have.disk_free}
+    lines = [f"{args.num_gpus} ranks, {per_host} per host; free: " + ", ".join(
+        f"{where} {n / GiB:.1f} GiB" for where, n in free.items() if n is not None)]  # fmt: skip
+    for s in strategies:
+        launch = Launch(s, args.num_gpus, per_host, args.precision, args.micro_batch, args.seq_len,
+                        args.activation_checkpointing, ds if s.startswith("zero") else None)  # fmt: skip
+        found = largest_that_fits(launch, have, overrides)
+        if found is None:
+            lines.append(f"{s}: nothing fits, not even the smallest preset")
+            continue
+        name, config = found
+        need = ", ".join(f"{where} {n / GiB:.2f} GiB" for where, n in needs(config, launch, have.gpu_free is not None))
+        flags = name.replace(" num_hidden_layers=", " --config_overrides num_hidden_layers=")
+        lines.append(f"{s}: --preset {flags} ({layout(config).psi / 1e9:.3f}B parameters); per host: {need}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-1b", help="a model preset (python -m model lists them)")
@@ -66,6 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ds_config", default=None, help="a DeepSpeed JSON instead of ds_configs/ (ZeRO strategies)")
     p.add_argument("--gpu_memory_gb", type=float, default=None, help="GPU memory in GiB: say what fits")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    p.add_argument("--largest", action="store_true", help="name the largest size that fits, per strategy")
+    p.add_argument("--host_memory_gb", type=float, default=None, help="--largest: RAM in GiB (default: available)")
+    p.add_argument("--nvme_path", default=None, help="--largest: the NVMe offload folder whose free disk counts")
+    p.add_argument("--disk_gb", type=float, default=None, help="--largest: free disk in GiB at the NVMe folder")
+    p.add_argument("--ranks_per_host", type=int, default=None, help="--largest: ranks per host (default: all)")
     args = p.parse_args(argv)
 
     overrides = {k: getattr(args, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -74,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         config = ShardGPTConfig.from_preset(args.preset, **overrides)
         strategies = STRATEGIES if args.strategy == "all" else [args.strategy]
         ds = load_json(args.ds_config) if args.ds_config else None
+        if args.largest:
+            print(largest(args, overrides, strategies, ds))
+            return
         rows = [
             predict(config, s, args.num_gpus, args.precision, args.micro_batch, args.seq_len,
                     args.activation_checkpointing, ds if s.startswith("zero") else None)

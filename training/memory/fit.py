@@ -168,3 +168,43 @@ def check_launch_fits(cfg, config, strategy) -> None:
         cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, strategy.deepspeed,
     )  # fmt: skip
     check_memory_fit(config, launch, capacity(nvme, int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+
+def candidate_sizes(overrides: dict | None = None) -> list[tuple[str, object]]:
+    """(name, config) of every preset with `overrides` applied (a tokenizer's vocab_size, say), smallest first,
+    each preceded by the depths of it that are larger than the preset before (`--config_overrides
+    num_hidden_layers=N`): neighbouring presets are about 3x apart in parameters, too coarse to say what fits."""
+    from model import PRESETS, ShardGPTConfig
+    from training.memory.planner import layout
+
+    def sized(name: str, **depth) -> tuple[int, str, ShardGPTConfig]:
+        config = ShardGPTConfig.from_preset(name, **{**(overrides or {}), **depth})
+        return layout(config).psi, name, config
+
+    presets = sorted(sized(name) for name in PRESETS)
+    out, below = [], 0
+    for psi, name, config in presets:
+        one = sized(name, num_hidden_layers=1)[0]  # parameters grow by the same amount per layer
+        per_layer = (psi - one) // max(1, config.num_hidden_layers - 1)
+        for depth in range(1, config.num_hidden_layers):
+            if one + (depth - 1) * per_layer > below:
+                out.append((f"{name} num_hidden_layers={depth}", config.__class__.from_preset(
+                    name, **{**(overrides or {}), "num_hidden_layers": depth})))  # fmt: skip
+        out.append((name, config))
+        below = psi
+    return out
+
+
+def largest_that_fits(launch: Launch, have: Capacity, overrides: dict | None = None) -> tuple[str, object] | None:
+    """The largest of `candidate_sizes` that `launch` is predicted to fit in `have` (None: not even the smallest).
+    Memory grows with the size, so a bisection finds it in a few predictions."""
+    sizes = candidate_sizes(overrides)
+    lo, hi = 0, len(sizes)  # sizes[:lo] fit, sizes[hi:] do not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if shortfalls(sizes[mid][1], launch, have):
+            hi = mid
+        else:
+            lo = mid + 1
+    return sizes[lo - 1] if lo else None
