@@ -73,7 +73,8 @@ def largest(args, overrides: dict, strategies: list[str], ds: dict | None) -> st
         f"{where} {n / GiB:.1f} GiB" for where, n in free.items() if n is not None)]  # fmt: skip
     for s in strategies:
         launch = Launch(s, args.num_gpus, per_host, args.precision, args.micro_batch, args.seq_len,
-                        args.activation_checkpointing, ds if s.startswith("zero") else None)  # fmt: skip
+                        args.activation_checkpointing, ds if s.startswith("zero") else None,
+                        args.bf16_gradient_reduction)  # fmt: skip
         found = largest_that_fits(launch, have, overrides)
         if found is None:
             lines.append(f"{s}: nothing fits, not even the smallest preset")
@@ -92,11 +93,16 @@ def main(argv: list[str] | None = None) -> None:
                  "intermediate_size", "vocab_size"):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
     p.add_argument("--num_gpus", type=int, default=8, help="data-parallel GPUs (world size)")
-    p.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all")
+    p.add_argument("--strategy", default="all", help=f"one or more of {', '.join(STRATEGIES)} (a,b), or all")
     p.add_argument("--precision", default="bf16", choices=sorted(BYTES))
     p.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per forward")
     p.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence (--block_size)")
     p.add_argument("--activation_checkpointing", action="store_true", help="--gradient_checkpointing")
+    p.add_argument(
+        "--bf16_gradient_reduction",
+        action="store_true",
+        help="as recipes/train.py's flag: ZeRO accumulates gradients in bf16 where the JSON says auto",
+    )
     p.add_argument("--ds_config", default=None, help="a DeepSpeed JSON instead of ds_configs/ (ZeRO strategies)")
     p.add_argument("--gpu_memory_gb", type=float, default=None, help="GPU memory in GiB: say what fits")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
@@ -111,14 +117,15 @@ def main(argv: list[str] | None = None) -> None:
                  "num_key_value_heads", "intermediate_size", "vocab_size") if getattr(args, k) is not None}  # fmt: skip
     try:
         config = ShardGPTConfig.from_preset(args.preset, **overrides)
-        strategies = STRATEGIES if args.strategy == "all" else [args.strategy]
+        strategies = STRATEGIES if args.strategy == "all" else args.strategy.split(",")
         ds = load_json(args.ds_config) if args.ds_config else None
         if args.largest:
             print(largest(args, overrides, strategies, ds))
             return
         rows = [
             predict(config, s, args.num_gpus, args.precision, args.micro_batch, args.seq_len,
-                    args.activation_checkpointing, ds if s.startswith("zero") else None)
+                    args.activation_checkpointing, ds if s.startswith("zero") else None,
+                    bf16_gradient_reduction=args.bf16_gradient_reduction)
             for s in strategies
         ]  # fmt: skip
     except (ValueError, FileNotFoundError) as e:

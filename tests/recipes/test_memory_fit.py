@@ -10,16 +10,19 @@ import pytest
 from model import ShardGPTConfig
 from training.config import RunConfig
 from training.memory.fit import (
+    PROCESS_BYTES,
     Capacity,
     Launch,
     MemoryFitError,
+    candidate_sizes,
     check_launch_fits,
     check_memory_fit,
+    largest_that_fits,
     needs,
     planner_strategy,
     shortfalls,
 )
-from training.memory.planner import predict
+from training.memory.planner import layout, predict
 from training.strategy import Strategy
 
 GiB = 2**30
@@ -33,13 +36,14 @@ def on_gpu(launch: Launch) -> dict[str, int]:
 def test_host_ram_need_is_ranks_per_host_times_what_a_rank_keeps_in_host_memory():
     launch = Launch("zero3", 2, 2, "fp32", 1, 128, False)
     pred = predict(LLAMA_1B, "zero3", 2, "fp32", 1, 128)
-    # CPU ranks: the whole prediction lives in host memory, for both ranks of the host.
-    assert dict(needs(LLAMA_1B, launch, on_gpu=False)) == {"host RAM": 2 * (pred["total"] + pred["host_ram"])}
+    # CPU ranks: the process and the whole prediction live in host memory, for both ranks of the host.
+    per_rank = PROCESS_BYTES + pred["total"] + pred["host_ram"]
+    assert dict(needs(LLAMA_1B, launch, on_gpu=False)) == {"host RAM": 2 * per_rank}
     offload = replace(launch, strategy="zero3-offload-nvme", world_size=8, ranks_per_host=8)
     pred = predict(LLAMA_1B, "zero3-offload-nvme", 8, "fp32", 1, 128)
     assert on_gpu(offload) == {
         "GPU memory": pred["total"],
-        "host RAM": 8 * max(pred["host_ram"], pred["host_ram_at_start"]),
+        "host RAM": 8 * (PROCESS_BYTES + max(pred["host_ram"], pred["host_ram_at_start"])),
         "NVMe disk": 8 * pred["nvme"],
     }
 
@@ -95,3 +99,18 @@ def test_skip_memory_check_starts_anyway():
     with pytest.raises(MemoryFitError):
         check_launch_fits(RunConfig(preset="llama-7b"), huge, strategy)
     check_launch_fits(RunConfig(preset="llama-7b", skip_memory_check=True), huge, strategy)
+
+
+def test_largest_that_fits_is_the_last_size_whose_needs_fit():
+    """Sizes grow (presets, and shallower copies of the next preset between them); the answer fits and the next
+    size up does not."""
+    sizes = candidate_sizes({"vocab_size": 8192})
+    psis = [layout(config).psi for _, config in sizes]
+    assert psis == sorted(psis) and len(set(psis)) == len(psis)
+    assert ("llama-1b num_hidden_layers=5", 5) in [(n, c.num_hidden_layers) for n, c in sizes]
+    launch = Launch("zero3", 2, 2, "bf16", 1, 128, True)
+    have = Capacity(None, 12 * GiB)
+    name, config = largest_that_fits(launch, have, {"vocab_size": 8192})
+    following = sizes[[n for n, _ in sizes].index(name) + 1][1]
+    assert not shortfalls(config, launch, have) and shortfalls(following, launch, have)
+    assert largest_that_fits(launch, Capacity(None, 1), {"vocab_size": 8192}) is None

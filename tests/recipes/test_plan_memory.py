@@ -136,7 +136,10 @@ def test_predict_matches_deepspeeds_estimators():
     assert ours == pytest.approx(ds_z2, rel=0.10)
     _, ds_z3, _ = estimate_zero3_model_states_mem_needs(psi, lay.largest_module, 8, 1, cpu_offload=False,
                                                         cpu_offload_params=False)  # fmt: skip
-    z3 = pm.predict(config, "zero3", 8, "bf16", 1, 2048)
+    # DeepSpeed's estimate counts the gradient partitions in the model's dtype (its default grad_accum_dtype).
+    ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3.json")
+    ds["data_types"]["grad_accum_dtype"] = "bf16"
+    z3 = pm.predict(config, "zero3", 8, "bf16", 1, 2048, ds_config=ds)
     assert z3["model_states"] + z3["temporary"] == pytest.approx(ds_z3, rel=0.20)
     # Offloaded: the GPU keeps the bf16 weights (ZeRO-2) or only what is gathered (ZeRO-3).
     _, ds_z2_off = estimate_zero2_model_states_mem_needs(psi, 8, 1, cpu_offload=True)
@@ -197,3 +200,30 @@ def test_zero3_builds_partitioned_at_start():
     built = pm.predict(config, "zero3", 8)["host_ram_at_start"]
     assert built == 4 * (math.ceil(lay.psi / 8) + lay.largest_module)
     assert pm.predict(config, "fsdp", 8)["host_ram_at_start"] == 4 * lay.psi
+
+
+def test_zero3_gradient_partitions_follow_grad_accum_dtype_and_nvme_keeps_max_in_cpu_in_host():
+    """ZeRO-3 keeps its gradient partitions in data_types.grad_accum_dtype: fp32 as the training script sets it,
+    bf16 under --bf16_gradient_reduction. With parameters on NVMe, offload_param.max_in_cpu elements of the
+    partition stay in host memory."""
+    config = ShardGPTConfig.from_preset("gpt2-124m")
+    part = sum(math.ceil(n / 2) for n in pm.layout(config).numels)
+    assert pm.predict(config, "zero3", 2, "bf16")["detail"]["gpu:grads.grad_partitions"] == 4 * part
+    ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3.json")
+    ds["data_types"]["grad_accum_dtype"] = "auto"
+    for low, size in ((False, 4), (True, 2)):
+        detail = pm.predict(config, "zero3", 2, "bf16", ds_config=ds, bf16_gradient_reduction=low)["detail"]
+        assert detail["gpu:grads.grad_partitions"] == size * part
+    ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3_offload_nvme.json")
+    ds["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**7
+    detail = pm.predict(config, "zero3-offload-nvme", 2, "bf16", ds_config=ds)["detail"]
+    assert detail["host:params.partitions_in_cpu"] == 2 * 10**7
+    assert detail["nvme:params.partitions"] == 2 * (part - 10**7)
+
+
+def test_command_line_largest(capsys):
+    plan_memory.main(["--largest", "--strategy", "zero3", "--num_gpus", "2", "--seq_len", "128", "--vocab_size",
+                      "8192", "--host_memory_gb", "12", "--activation_checkpointing"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "host RAM 12.0 GiB" in out
+    assert "zero3: --preset llama-1b --config_overrides num_hidden_layers=" in out

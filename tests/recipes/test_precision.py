@@ -213,12 +213,18 @@ def test_trainer_in_bf16_trains_as_train_py(corpus, tmp_path):
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json")))
 def test_every_deepspeed_json_reduces_and_accumulates_in_fp32(name, tmp_path):
     """Under --bf16 every JSON resolves to fp32 gradient communication and accumulation (DeepSpeed's default would
-    be bf16); --bf16_gradient_reduction with a JSON that fixes fp32 is refused, naming the key."""
+    be bf16); --bf16_gradient_reduction with a JSON that fixes fp32 is refused, naming the key, and sets bf16 in
+    the one JSON that leaves both "auto" for it (zero3_offload_nvme_small_host.json)."""
     ds = load_json(ROOT / "ds_configs" / f"{name}.json")
     flags = {"output_dir": str(tmp_path), "bf16": True, "nvme_path": str(tmp_path)}
     out = resolve_deepspeed(ds, RunConfig(**flags), 2, 64, name)
     assert out["bf16"]["enabled"] is True
     assert (out["communication_data_type"], out["data_types"]) == ("fp32", {"grad_accum_dtype": "fp32"})
+    if ds["communication_data_type"] == "auto":
+        assert name == "zero3_offload_nvme_small_host"
+        out = resolve_deepspeed(ds, RunConfig(**flags, bf16_gradient_reduction=True), 2, 64, name)
+        assert (out["communication_data_type"], out["data_types"]) == ("bf16", {"grad_accum_dtype": "bf16"})
+        return
     with pytest.raises(ValueError, match="communication_data_type = 'fp32'.*--bf16_gradient_reduction"):
         resolve_deepspeed(ds, RunConfig(**flags, bf16_gradient_reduction=True), 2, 64, name)
 

@@ -3,8 +3,9 @@ launch, against what this host has free, before any process group, model or data
 
 Three places can run out, each compared for the ranks of one host together:
 - GPU memory: one rank's prediction against the free memory of its GPU;
-- host RAM: the host's ranks x what each keeps in host memory (offloaded states; on CPU ranks, everything;
-  and the fp32 model each rank builds before `prepare`), against the RAM available;
+- host RAM: the host's ranks x what each keeps in host memory (the process itself, `PROCESS_BYTES`; offloaded
+  states; on CPU ranks, everything; and the fp32 model each rank builds before `prepare`), against the RAM
+  available;
 - disk: the host's ranks x their NVMe-offloaded bytes, against the free space at `nvme_path`.
 
 A launch that does not fit is refused with the numbers and the cheapest change that the planner predicts would
@@ -22,6 +23,10 @@ import psutil
 import torch
 
 GiB = 2**30
+# What a training process holds before any model state: Python, torch, DeepSpeed and accelerate with their ops,
+# the tokenizer and the memory-mapped data; each rank's peak resident set of the debug preset (0.6M parameters)
+# under ZeRO-3 on 2 CPU ranks, measured: 0.54 and 0.63 GiB (docs/benchmarks.md).
+PROCESS_BYTES = int(0.6 * GiB)
 
 
 class MemoryFitError(ValueError):
@@ -42,6 +47,7 @@ class Launch:
     seq_len: int
     checkpointing: bool
     ds_config: dict | None = None
+    bf16_gradient_reduction: bool = False  # what "auto" gradient dtypes of ds_config resolve to
 
 
 @dataclass
@@ -83,11 +89,12 @@ def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
     from training.memory.planner import predict
 
     pred = predict(config, launch.strategy, launch.world_size, launch.precision, launch.micro_batch,
-                   launch.seq_len, launch.checkpointing, ds_config=launch.ds_config)  # fmt: skip
+                   launch.seq_len, launch.checkpointing, ds_config=launch.ds_config,
+                   bf16_gradient_reduction=launch.bf16_gradient_reduction)  # fmt: skip
     # On CPU ranks the "GPU" figures live in host RAM too. The full fp32 model a rank builds before `prepare`
     # shards it is the peak when it exceeds what the rank keeps afterwards.
     resident = pred["host_ram"] + (0 if on_gpu else pred["total"])
-    out = [("host RAM", launch.ranks_per_host * max(resident, pred["host_ram_at_start"]))]
+    out = [("host RAM", launch.ranks_per_host * (PROCESS_BYTES + max(resident, pred["host_ram_at_start"])))]
     if on_gpu:
         out.insert(0, ("GPU memory", pred["total"]))
     if pred["nvme"]:
@@ -168,7 +175,6 @@ def check_launch_fits(cfg, config, strategy) -> None:
         cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, strategy.deepspeed,
     )  # fmt: skip
     check_memory_fit(config, launch, capacity(nvme, int(os.environ.get("LOCAL_RANK", "0"))))
-
 
 
 def candidate_sizes(overrides: dict | None = None) -> list[tuple[str, object]]:

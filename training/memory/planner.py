@@ -80,11 +80,17 @@ def layout(config: ShardGPTConfig, decay_embeddings: bool = False) -> Layout:
 
 
 def zero_config(strategy: str, config: ShardGPTConfig, world: int, precision: str, micro_batch: int,
-                ds_config: dict | None = None) -> dict:  # fmt: skip
+                ds_config: dict | None = None, bf16_gradient_reduction: bool = False) -> dict:  # fmt: skip
     """The `zero_optimization` section in force: `ds_config` (the repo's JSON for `strategy` when None) with
-    its "auto" values filled exactly as the training script fills them (`recipes/config.resolve_deepspeed`)."""
+    its "auto" values filled exactly as the training script fills them (`recipes/config.resolve_deepspeed`),
+    plus `grad_accum_bytes`: the bytes per element of `data_types.grad_accum_dtype`, in which ZeRO-3 keeps its
+    gradient partitions (the training script sets it to fp32, or bf16 under --bf16_gradient_reduction)."""
     if ds_config is None:
         ds_config = load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy])
+    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype", "auto")
+    if accum == "auto":
+        accum = "bf16" if bf16_gradient_reduction and precision == "bf16" else "fp32"
+    accum_bytes = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[accum]
     zero = copy.deepcopy(ds_config.get("zero_optimization") or {})
     # Offload sections are read as they are: resolving them would check that nvme_path exists here.
     offload = {k: zero.pop(k) for k in ("offload_optimizer", "offload_param") if k in zero}
@@ -102,6 +108,7 @@ def zero_config(strategy: str, config: ShardGPTConfig, world: int, precision: st
     zero.setdefault("stage3_prefetch_bucket_size", 50_000_000)
     zero.setdefault("stage3_param_persistence_threshold", 100_000)
     zero.setdefault("stage3_model_persistence_threshold", sys.maxsize)
+    zero["grad_accum_bytes"] = accum_bytes
     return zero
 
 
@@ -230,7 +237,8 @@ def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
     """DeepSpeedZeroOptimizer_Stage3: each parameter's ceil(numel / world) elements in one flat buffer, the
     small persistent parameters also whole, an fp32 master copy of the partition (kept even in fp32: the
     check that would reuse fp32 partitions compares a torch.device with a device name and never matches),
-    one flat gradient partition buffer in the model dtype, and Adam's moments per sub-group."""
+    one flat gradient partition buffer in `data_types.grad_accum_dtype` (fp32 unless --bf16_gradient_reduction),
+    and Adam's moments per sub-group."""
     param_where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[offload_device(zero, "offload_param")]
     opt_where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[offload_device(zero, "offload_optimizer")]
     part = sum(math.ceil(n / world) for n in lay.numels)
@@ -238,11 +246,15 @@ def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
     # Persistent parameters are gathered into buffers padded to a multiple of world, as every ZeRO-3 gather.
     # On one rank the partition is the whole parameter and DeepSpeed keeps no second copy.
     whole = sum(world * math.ceil(lay.numels[i] / world) for i in persistent(lay, zero)) if world > 1 else 0
+    # With parameters on NVMe DeepSpeed still keeps the first offload_param.max_in_cpu elements (default 1e9)
+    # of the partition in host memory for good, and swaps only the rest.
+    in_cpu = min(part, int(zero["offload_param"].get("max_in_cpu", 10**9))) if param_where == "nvme" else 0
     items = [
-        Item("params", "partitions", e * part, param_where),
+        Item("params", "partitions_in_cpu", e * in_cpu, "host"),
+        Item("params", "partitions", e * (part - in_cpu), param_where),
         Item("params", "persistent_whole", e * whole),
         Item("master_params", "fp32_partitions", 4 * part, opt_where),
-        Item("grads", "grad_partitions", e * part, "gpu" if opt_where == "gpu" else "host"),
+        Item("grads", "grad_partitions", zero["grad_accum_bytes"] * part, "gpu" if opt_where == "gpu" else "host"),
     ]
     if opt_where != "gpu":  # offload keeps an fp32 gradient buffer per sub-group for the CPU Adam
         items.append(Item("grads", "fp32_partition.grad", 4 * part, opt_where))
@@ -390,7 +402,8 @@ def temporaries(lay: Layout, strategy: str, world: int, precision: str, zero: di
 
 def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: str = "bf16", micro_batch: int = 1,
             seq_len: int = 2048, activation_checkpointing: bool = False, ds_config: dict | None = None,
-            rank: int | None = None, decay_embeddings: bool = False) -> dict:  # fmt: skip
+            rank: int | None = None, decay_embeddings: bool = False,
+            bf16_gradient_reduction: bool = False) -> dict:  # fmt: skip
     """Bytes one GPU needs, by category, for `strategy` on `world_size` GPUs.
 
     Returns params, grads, optimizer_states (fp32 master copies + Adam), activations, logits, temporary and
@@ -409,7 +422,7 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
     lay = layout(config, decay_embeddings)
     zero = None
     if strategy.startswith("zero"):
-        zero = zero_config(strategy, config, world_size, precision, micro_batch, ds_config)
+        zero = zero_config(strategy, config, world_size, precision, micro_batch, ds_config, bf16_gradient_reduction)
     ranks = [rank] if rank is not None else _ranks_to_check(strategy, world_size)
     states = max((model_states(lay, strategy, world_size, r, precision, zero) for r in ranks),
                  key=lambda items: sum(it.nbytes for it in items if it.where == "gpu"))  # fmt: skip
