@@ -227,3 +227,14 @@ def test_command_line_largest(capsys):
     out = capsys.readouterr().out
     assert "host RAM 12.0 GiB" in out
     assert "zero3: --preset llama-1b --config_overrides num_hidden_layers=" in out
+
+
+def test_zero3_with_parameters_on_nvme_builds_into_the_swap_buffers():
+    """zero.Init swaps each partition out as it is built: at start a rank holds the parameter swap buffers, the
+    max_in_cpu share and the fp32 module being built, not its fp32 partition."""
+    config = ShardGPTConfig.from_preset("llama-3b", vocab_size=8192)
+    ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3_offload_nvme_small_host.json")
+    swap = ds["zero_optimization"]["offload_param"]
+    assert swap["max_in_cpu"] == 0
+    built = pm.predict(config, "zero3-offload-nvme", 2, "bf16", ds_config=ds)["host_ram_at_start"]
+    assert built == 4 * pm.layout(config).largest_module + 2 * swap["buffer_count"] * swap["buffer_size"]

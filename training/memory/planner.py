@@ -444,6 +444,11 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
     # ZeRO-3's zero.Init a rank holds its partition and the one module being built (training/build.py).
     partitioned = strategy.startswith("zero3")
     out["host_ram_at_start"] = 4 * (math.ceil(lay.psi / world_size) + lay.largest_module if partitioned else lay.psi)
+    if partitioned and offload_device(zero, "offload_param") == "nvme":
+        # zero.Init swaps each partition out to NVMe as soon as it is built: the host keeps the parameter swap
+        # buffers, the max_in_cpu share and the module being built.
+        kept = ("partitions_in_cpu", "param_swap_buffers")
+        out["host_ram_at_start"] = 4 * lay.largest_module + sum(it.nbytes for it in states + temps if it.label in kept)
     out["nvme"] = sum(it.nbytes for it in states + temps if it.where == "nvme")
     out["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
     out["inputs"] = dict(strategy=strategy, world_size=world_size, precision=precision, micro_batch=micro_batch,
