@@ -238,3 +238,19 @@ def test_zero3_with_parameters_on_nvme_builds_into_the_swap_buffers():
     assert swap["max_in_cpu"] == 0
     built = pm.predict(config, "zero3-offload-nvme", 2, "bf16", ds_config=ds)["host_ram_at_start"]
     assert built == 4 * pm.layout(config).largest_module + 2 * swap["buffer_count"] * swap["buffer_size"]
+
+
+def test_unfused_adam_holds_two_fp32_temporaries_of_the_largest_tensor_it_steps():
+    """CPU ranks step torch's unfused AdamW: two fp32 temporaries the size of the largest tensor it steps at once
+    (a parameter under DDP, a ZeRO-3 sub-group); none for DeepSpeed's in-place CPU Adam."""
+    config = ShardGPTConfig.from_preset("gpt2-124m")
+    lay = pm.layout(config)
+
+    def extra(strategy: str) -> int:
+        fused, unfused = (pm.predict(config, strategy, 2, "bf16", unfused_adam=u)["total"] for u in (False, True))
+        return unfused - fused
+
+    assert extra("ddp") == 8 * max(lay.numels)
+    zero = pm.zero_config("zero3", config, 2, "bf16", 1)
+    assert extra("zero3") == 8 * max(pm.zero3_groups(lay, 2, zero["sub_group_size"]))
+    assert extra("zero3-offload-cpu") == 0

@@ -384,9 +384,10 @@ def temporaries(lay: Layout, strategy: str, world: int, precision: str, zero: di
     gathered = lay.largest_module + int(zero["stage3_prefetch_bucket_size"])
     items.append(Item("buffers", "gathered_params", e * gathered))
     items.append(Item("buffers", "grads_in_flight", e * lay.largest_module))
-    if offload_device(zero, "offload_optimizer") == "none":
+    if offload_device(zero, "offload_optimizer") == "none":  # flattened in the accumulation dtype, then fp32
         largest_sub = max(zero3_groups(lay, world, zero["sub_group_size"]))
-        items.append(Item("buffers", "fp32_grad_partition", (4 + (e if e != 4 else 0)) * largest_sub))
+        g = zero["grad_accum_bytes"]
+        items.append(Item("buffers", "fp32_grad_partition", (g + (4 if g != 4 else 0)) * largest_sub))
     if offload_device(zero, "offload_param") == "nvme":
         swap = zero["offload_param"]
         items.append(Item("buffers", "param_swap_buffers", e * swap["buffer_count"] * swap["buffer_size"], "host"))
@@ -397,13 +398,36 @@ def temporaries(lay: Layout, strategy: str, world: int, precision: str, zero: di
     return items
 
 
+def adam_temporaries(lay: Layout, strategy: str, world: int, zero: dict | None, e: int) -> Item:
+    """torch's unfused AdamW (the training script fuses it only on GPUs) steps one tensor at a time and holds two
+    fp32 temporaries of its size (sqrt of exp_avg_sq, and that divided by the bias correction; measured on CPU):
+    the largest tensor it steps is a parameter (DDP), a local shard (FSDP), a group's flat fp32 partition
+    (ZeRO-1/2) or a sub-group's (ZeRO-3). DeepSpeed's CPU Adam (offload) updates in place."""
+    strategy = ALIASES.get(strategy, strategy)
+    if "offload" in strategy and strategy != "fsdp-offload":
+        return Item("buffers", "adam_temporaries", 0)
+    if strategy == "ddp":
+        largest = max(lay.numels)
+    elif strategy.startswith("fsdp"):
+        largest = max(math.ceil(rows / world) * (n // rows) for n, rows in zip(lay.numels, lay.rows, strict=True))
+    elif strategy in ("zero1", "zero2"):
+        # Before the step DeepSpeed frees the partition's gradients (counted as grads) and, in bf16/fp16, their
+        # flattened copy in the model dtype (part of fp32_grad_partition): Adam's temporaries take their place.
+        _, part, kept = max(zero12_partitions(lay, world, 0), key=lambda g: g[1])
+        freed = e * kept + (e * part if e != 4 else 0)
+        return Item("buffers", "adam_temporaries", max(0, 8 * part - freed))
+    else:
+        largest = max(zero3_groups(lay, world, zero["sub_group_size"]))
+    return Item("buffers", "adam_temporaries", 8 * largest, "host" if strategy == "fsdp-offload" else "gpu")
+
+
 # ---------------------------------------------------------------------------------------------- prediction
 
 
 def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: str = "bf16", micro_batch: int = 1,
             seq_len: int = 2048, activation_checkpointing: bool = False, ds_config: dict | None = None,
             rank: int | None = None, decay_embeddings: bool = False,
-            bf16_gradient_reduction: bool = False) -> dict:  # fmt: skip
+            bf16_gradient_reduction: bool = False, unfused_adam: bool = False) -> dict:  # fmt: skip
     """Bytes one GPU needs, by category, for `strategy` on `world_size` GPUs.
 
     Returns params, grads, optimizer_states (fp32 master copies + Adam), activations, logits, temporary and
@@ -427,6 +451,8 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
     states = max((model_states(lay, strategy, world_size, r, precision, zero) for r in ranks),
                  key=lambda items: sum(it.nbytes for it in items if it.where == "gpu"))  # fmt: skip
     temps = temporaries(lay, strategy, world_size, precision, zero)
+    if unfused_adam:  # CPU ranks
+        temps.append(adam_temporaries(lay, strategy, world_size, zero, BYTES[precision]))
     e = BYTES[precision]
     gpu = bytes_by_category(states)
     out = {
