@@ -105,7 +105,9 @@ def test_predict_every_strategy():
     assert preds["fsdp-offload"]["model_states"] == 0
     for s in ("fsdp-offload", "zero3-offload-cpu", "zero3-offload-nvme"):
         assert preds[s]["model_states"] == (0 if s.startswith("fsdp") else norms) and preds[s]["host_ram"] > 0
-    assert preds["zero2-offload"]["model_states"] == preds["zero2"]["params"]  # the bf16 weights stay
+    # The bf16 weights stay, with the flat gradient partition the offload path reduces into (fp32: Ψ/N x 4).
+    assert preds["zero2-offload"]["model_states"] == preds["zero2"]["params"] + preds["zero2-offload"]["grads"]
+    assert preds["zero2-offload"]["grads"] == pytest.approx(4 * psi / 8, rel=1e-6)
     assert preds["zero3-offload-nvme"]["nvme"] > 16 * psi / 8
     # The chunked loss: the saved gradients of the hidden states and of the head, one chunk's logits in fp32
     # and bf16, one chunk's weight-gradient product; far below the 12 bytes per token and vocabulary entry of
@@ -143,7 +145,7 @@ def test_predict_matches_deepspeeds_estimators():
     assert z3["model_states"] + z3["temporary"] == pytest.approx(ds_z3, rel=0.20)
     # Offloaded: the GPU keeps the bf16 weights (ZeRO-2) or only what is gathered (ZeRO-3).
     _, ds_z2_off = estimate_zero2_model_states_mem_needs(psi, 8, 1, cpu_offload=True)
-    assert pm.predict(config, "zero2-offload", 8, "bf16")["model_states"] == ds_z2_off
+    assert pm.predict(config, "zero2-offload", 8, "bf16")["params"] == ds_z2_off  # + the gradient partition
 
 
 def test_zero3_persistence_and_sub_groups_follow_the_json():
@@ -254,3 +256,13 @@ def test_unfused_adam_holds_two_fp32_temporaries_of_the_largest_tensor_it_steps(
     zero = pm.zero_config("zero3", config, 2, "bf16", 1)
     assert extra("zero3") == 8 * max(pm.zero3_groups(lay, 2, zero["sub_group_size"]))
     assert extra("zero3-offload-cpu") == 0
+
+
+def test_zero2_offload_keeps_a_gradient_partition_on_the_device_in_the_accumulation_dtype():
+    """Measured with recipes/measure_memory.py (llama-1b with 2 layers, 2 ranks, bf16): besides the host's fp32
+    gradient partition, DeepSpeed's offload path reduces into a flat partition in data_types.grad_accum_dtype on
+    the device (`averaged_gradients`), fp32 as the training script sets it."""
+    config = ShardGPTConfig.from_preset("llama-1b", vocab_size=8192, num_hidden_layers=2)
+    part = sum(p for _, p, _ in pm.zero12_partitions(pm.layout(config), 2, 0))
+    detail = pm.predict(config, "zero2-offload", 2, "bf16")["detail"]
+    assert detail["gpu:grads.averaged_gradients"] == 4 * part == detail["host:grads.fp32_partition.grad"]

@@ -182,11 +182,14 @@ def zero12_partitions(lay: Layout, world: int, rank: int) -> list[tuple[int, int
     return out
 
 
-def zero12_states(lay: Layout, world: int, rank: int, e: int, stage: int, offload: bool) -> list[Item]:
+def zero12_states(lay: Layout, world: int, rank: int, e: int, stage: int, offload: bool,
+                  accum: int = 2) -> list[Item]:  # fmt: skip
     """DeepSpeedZeroOptimizer: the model's weights become views of one flat buffer per group (model dtype),
     and this rank keeps an fp32 copy of its partition for the optimizer, also in fp32 training.
     Gradients: ZeRO-1 keeps every whole gradient until the end of the backward (the peak), ZeRO-2 only
-    the gradients touching its partition. With CPU offload the partition copies live in host RAM."""
+    the gradients touching its partition. With CPU offload the partition copies live in host RAM, and the
+    device keeps a flat gradient partition in the accumulation dtype (`accum` bytes, data_types.grad_accum_dtype)
+    that the reduction writes into."""
     parts = zero12_partitions(lay, world, rank)
     flat = sum(a for a, _, _ in parts)
     part = sum(p for _, p, _ in parts)
@@ -196,6 +199,7 @@ def zero12_states(lay: Layout, world: int, rank: int, e: int, stage: int, offloa
             Item("params", "bit16_offload_buffer", e * part, "host"),
             Item("master_params", "fp32_partitions", 4 * part, "host"),
             Item("grads", "fp32_partition.grad", 4 * part, "host"),
+            Item("grads", "averaged_gradients", accum * part),
         ]
         adam(items, part, len(parts), "host")
         return items
@@ -274,7 +278,7 @@ def model_states(lay: Layout, strategy: str, world: int, rank: int, precision: s
         return fsdp_states(lay, world, rank, offload=strategy == "fsdp-offload")
     if strategy in ("zero1", "zero2", "zero2-offload"):
         offload = offload_device(zero, "offload_optimizer") != "none"
-        return zero12_states(lay, world, rank, e, int(zero["stage"]), offload)
+        return zero12_states(lay, world, rank, e, int(zero["stage"]), offload, zero["grad_accum_bytes"])
     return zero3_states(lay, world, e, zero)
 
 
