@@ -89,8 +89,9 @@ def expected_deviations(record: dict) -> dict[str, float]:
 def test_model_states_match_planner_and_paper(config, precision, tmp_path):
     """In bf16, DeepSpeed runs with bf16 gradient reduction and accumulation (`--bf16_gradient_reduction`, the
     JSON's two dtype keys left "auto"): the memory model the planner and the ZeRO paper describe. The project's
-    default bf16 reduces and accumulates in fp32 (docs/precision.md), which the planner does not model yet: fp32
-    gradient partitions under ZeRO-2/3, and DeepSpeed's BF16_Optimizer under ZeRO-1."""
+    default bf16 reduces and accumulates in fp32 (docs/precision.md): the planner counts ZeRO-3's gradient
+    partitions in that dtype, but does not model ZeRO-2's fp32 gradients or DeepSpeed's BF16_Optimizer under
+    ZeRO-1 yet."""
     args = TINY + (["--bf16", "--bf16_gradient_reduction"] if precision == "bf16" else [])
     launched = bf16_reduction_config(config, tmp_path) if precision == "bf16" else config
     for record in measure(launched, args, tmp_path / "out"):
