@@ -29,8 +29,9 @@ The parts of the other tools:
 
     compare/         recipes/compare.py: launching runs, reading what they left, the report and plots
     doctor/          recipes/doctor.py: the report, checks of the machine, checks of one launch
-    memory/          the planner's model (recipes/plan_memory.py), whether a launch fits this machine, the
-                     ledger of what a rank really holds (recipes/measure_memory.py), and measured against planned
+    memory/          the planner's model (recipes/plan_memory.py), whether a launch fits this machine and the
+                     largest size that does, the ledger of what a rank really holds (recipes/measure_memory.py),
+                     and measured against planned
 
 Imports run one way: recipes/ -> training/ -> data/, model/.
 """

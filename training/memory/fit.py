@@ -8,6 +8,9 @@ Three places can run out, each compared for the ranks of one host together:
   available;
 - disk: the host's ranks x their NVMe-offloaded bytes, against the free space at `nvme_path`.
 
+`largest_that_fits` names the largest preset, or depth of one, that a launch is predicted to fit
+(`recipes/plan_memory.py --largest`).
+
 A launch that does not fit is refused with the numbers and the cheapest change that the planner predicts would
 fit (activation checkpointing, a smaller micro batch, a sharding strategy, offload, more hosts), unless
 `--skip_memory_check`. `recipes/doctor.py` shows the same comparison.
@@ -184,20 +187,17 @@ def candidate_sizes(overrides: dict | None = None) -> list[tuple[str, object]]:
     from model import PRESETS, ShardGPTConfig
     from training.memory.planner import layout
 
-    def sized(name: str, **depth) -> tuple[int, str, ShardGPTConfig]:
-        config = ShardGPTConfig.from_preset(name, **{**(overrides or {}), **depth})
-        return layout(config).psi, name, config
+    def build(name: str, **depth) -> ShardGPTConfig:
+        return ShardGPTConfig.from_preset(name, **{**(overrides or {}), **depth})
 
-    presets = sorted(sized(name) for name in PRESETS)
     out, below = [], 0
-    for psi, name, config in presets:
-        one = sized(name, num_hidden_layers=1)[0]  # parameters grow by the same amount per layer
-        per_layer = (psi - one) // max(1, config.num_hidden_layers - 1)
-        for depth in range(1, config.num_hidden_layers):
-            if one + (depth - 1) * per_layer > below:
-                out.append((f"{name} num_hidden_layers={depth}", config.__class__.from_preset(
-                    name, **{**(overrides or {}), "num_hidden_layers": depth})))  # fmt: skip
-        out.append((name, config))
+    for psi, name in sorted((layout(build(name)).psi, name) for name in PRESETS):
+        layers = build(name).num_hidden_layers
+        one = layout(build(name, num_hidden_layers=1)).psi  # every further layer adds the same parameters
+        per_layer = (psi - one) // max(1, layers - 1)
+        out += [(f"{name} num_hidden_layers={depth}", build(name, num_hidden_layers=depth))
+                for depth in range(1, layers) if one + (depth - 1) * per_layer > below]  # fmt: skip
+        out.append((name, build(name)))
         below = psi
     return out
 
