@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 from pathlib import Path
 
 import psutil
@@ -41,8 +42,12 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
 
 
 def memory_gb(device: torch.device) -> dict[str, float]:
-    """Peak GPU memory (allocated and reserved by torch) and this process's resident host memory, in GB."""
-    out = {"cpu_rss_gb": psutil.Process().memory_info().rss / 1e9}
+    """Peak GPU memory (allocated and reserved by torch) and this process's resident host memory, now and at its
+    peak so far (the kernel's high-water mark, `ru_maxrss`: KiB on Linux), in GB."""
+    out = {
+        "cpu_rss_gb": psutil.Process().memory_info().rss / 1e9,
+        "cpu_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    }
     if device.type == "cuda":
         out["gpu_max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         out["gpu_max_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
