@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg, world, config, strategy, accelerator = set_up(argv)  # collective: the process group
     before = peak_rss()
 
-    net = build_model(config, StandInTokenizer(config.vocab_size), cfg.gradient_checkpointing)
+    # FSDP2: built on the meta device, sharded and initialised shard by shard (collective: the device mesh)
+    net = build_model(config, StandInTokenizer(config.vocab_size), cfg.gradient_checkpointing, None, accelerator)
     built = peak_rss()
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)

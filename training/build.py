@@ -1,16 +1,25 @@
 """The model of a run: the preset's config fitted to the tokenizer, or a checkpoint to start from (an exported
 shardgpt folder or any Llama-architecture transformers folder). Shared by `recipes/train.py` and
-`recipes/trainer.py`, so that both start from the same weights for the same seed."""
+`recipes/trainer.py`, so that both start from the same weights for the same seed.
+
+A fresh model is built sharded where the launch shards it: under ZeRO-3 inside DeepSpeed's `zero.Init`, under FSDP2
+on the meta device, sharded there and given each rank's shards only (`materialize_sharded`). Either way the weights
+are those of a plain build with the same seed."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, init_empty_weights
+from accelerate.utils import DistributedType
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, LlamaConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.integrations.deepspeed import deepspeed_config, is_deepspeed_zero3_enabled
@@ -46,12 +55,17 @@ def has_tokenizer(model_name_or_path: str) -> bool:
 
 
 def build_model(
-    config: ShardGPTConfig, tokenizer, gradient_checkpointing: bool = False, model_name_or_path: str | None = None
+    config: ShardGPTConfig,
+    tokenizer,
+    gradient_checkpointing: bool = False,
+    model_name_or_path: str | None = None,
+    accelerator: Accelerator | None = None,
 ) -> ShardGPTForCausalLM:
     """A freshly initialised model (weights drawn from torch's global RNG: seed first), or the weights of
     `model_name_or_path` (whose config `config` is, from `start_config`). `config` is updated in place: eos/bos/pad
     come from the tokenizer, and a fresh model's vocabulary is padded to a multiple of 128 (tensor-core friendly
-    shapes; the extra rows are never targets)."""
+    shapes; the extra rows are never targets). Given the launch's `accelerator` under FSDP2, a fresh model comes
+    back already sharded (`materialize_sharded`; collective), for the optimizer to be made on its shards."""
     if model_name_or_path is None:
         config.vocab_size = 128 * math.ceil(len(tokenizer) / 128)
     elif len(tokenizer) > config.vocab_size:
@@ -61,7 +75,13 @@ def build_model(
         )
     config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
-    if model_name_or_path is None:
+    record = None
+    if model_name_or_path is None and accelerator is not None and fsdp2_builds_on_meta(accelerator):
+        with init_empty_weights(), InitRecord() as record:  # no weights yet: `materialize_sharded` writes them
+            net = ShardGPTForCausalLM(config)
+        net.tie_weights()  # init_empty_weights re-registers the tied head as a parameter of its own: tie it again
+        record.name_writes(net)
+    elif model_name_or_path is None:
         with partitioned_construction():
             net = ShardGPTForCausalLM(config)
     else:
@@ -71,6 +91,8 @@ def build_model(
     if gradient_checkpointing:
         net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     net.config.use_cache = False  # training never reads a KV cache
+    if record is not None:
+        net = materialize_sharded(accelerator, net, record)  # collective: the device mesh
     return net
 
 
@@ -113,3 +135,111 @@ def post_order(module: nn.Module) -> Iterator[nn.Module]:
     for child in module.children():
         yield from post_order(child)
     yield module
+
+
+# ---------------------------------------------------------------------------- FSDP2: built on meta, sharded, replayed
+
+
+def fsdp2_builds_on_meta(accelerator: Accelerator) -> bool:
+    """Whether the launch is FSDP2 with nothing to broadcast from rank 0 (accelerate's `cpu_ram_efficient_loading`
+    loads rank 0's whole model into the shards instead)."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return False
+    plugin = accelerator.state.fsdp_plugin
+    return plugin.fsdp_version == 2 and not plugin.cpu_ram_efficient_loading
+
+
+@dataclass
+class RecordedWrite:
+    """One in-place op of a plain build on one parameter: `name` (None: a tensor the build later drops, as
+    `lm_head.weight` before it is tied to the embedding, whose draws still move the RNG), its full shape and dtype."""
+
+    name: str | None
+    shape: torch.Size
+    dtype: torch.dtype
+    op: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+
+
+class InitRecord(TorchDispatchMode):
+    """While a model is built on the meta device (accelerate's `init_empty_weights`: parameters go to meta as they
+    are registered, and transformers' `post_init` still runs its weight init on them), the in-place ops that write
+    a parameter, in the order a plain build runs them: the constructors' `reset_parameters` and `_init_weights`.
+    The global RNG state at the start is kept: a plain build draws from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list[RecordedWrite] = []
+        self.targets: list[torch.Tensor] = []  # the meta tensor of each write, until `named`
+        self.rng_state = torch.get_rng_state()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if isinstance(target, nn.Parameter) and target.is_meta and torch.Tag.inplace in func.tags:
+            if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+                raise ValueError(f"building on the meta device: {func} writes a parameter from another tensor, "
+                                 "which cannot be replayed shard by shard")  # fmt: skip
+            self.writes.append(RecordedWrite(None, target.shape, target.dtype, func, args[1:], kwargs))
+            self.targets.append(target)
+        return func(*args, **kwargs)
+
+    def name_writes(self, net: nn.Module) -> None:
+        """Name each write's parameter as `net` holds it (tied parameters: the first name) and drop the tensors."""
+        names = {id(p): n for n, p in net.named_parameters()}
+        for write, target in zip(self.writes, self.targets, strict=True):
+            write.name = names.get(id(target))
+        self.targets = []
+        if unwritten := sorted(set(names.values()) - {w.name for w in self.writes}):
+            raise ValueError(f"building on the meta device: {unwritten} are never written in place by the "
+                             "constructors or `_init_weights`, so their values cannot be replayed")  # fmt: skip
+        if buffers := [n for n, _ in net.named_buffers()]:
+            raise ValueError(f"building on the meta device: buffers {buffers} would be left empty")
+
+
+def materialize_sharded(accelerator: Accelerator, net: nn.Module, record: InitRecord) -> nn.Module:
+    """`net`, built on the meta device while `record` was kept, sharded as `accelerator.prepare` shards it
+    (accelerate's `fsdp2_prepare_model`: `fully_shard` per decoder layer and the root, still on meta), given storage
+    for this rank's shards only (`to_empty`), then the plain build's writes replayed in its order, one tensor at a
+    time: a random draw on a full-size CPU temporary (the same RNG stream as a plain build, hence the same values on
+    every rank) of which each rank keeps its shard (`distribute_tensor` without communication: FSDP2's dim-0
+    chunks), an elementwise write on the shard itself. A rank holds its shards plus one full tensor; the RNG ends
+    where a plain build leaves it. `accelerator.prepare` then finds the model sharded and binds the optimizer to
+    its shards (its own sharding, on meta, would bind it by storage address, which meta tensors lack)."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    net = fsdp2_prepare_model(accelerator, net)  # collective: builds the device mesh
+    offloaded = isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
+    net.to_empty(device="cpu" if offloaded else accelerator.device)
+    params = dict(net.named_parameters())
+    torch.set_rng_state(record.rng_state)
+    with torch.no_grad():
+        for write in record.writes:
+            param = params.get(write.name)
+            if torch.Tag.nondeterministic_seeded in write.op.tags:  # a draw: the whole tensor, as a plain build
+                full = write.op(torch.empty(write.shape, dtype=write.dtype), *write.args, **write.kwargs)
+                if param is not None:
+                    param.copy_(shard_of(full.to(param.device), param))
+            elif param is not None and elementwise(write.op):
+                write.op(local(param), *write.args, **write.kwargs)
+            elif param is not None:
+                raise ValueError(f"building on the meta device: {write.op} on {write.name} is neither a random "
+                                 "draw nor elementwise, so it cannot be replayed shard by shard")  # fmt: skip
+    return net
+
+
+def elementwise(op: torch._ops.OpOverload) -> bool:
+    return torch.Tag.pointwise in op.tags or op.overloadpacket in (torch.ops.aten.fill_, torch.ops.aten.zero_)
+
+
+def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full` as `param` is laid out (a DTensor: its mesh and placements, no communication)."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
