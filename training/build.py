@@ -215,19 +215,23 @@ def materialize_sharded(accelerator: Accelerator, net: nn.Module, record: InitRe
     net.to_empty(device="cpu" if offloaded else accelerator.device)
     params = dict(net.named_parameters())
     torch.set_rng_state(record.rng_state)
-    with torch.no_grad():
-        for write in record.writes:
-            param = params.get(write.name)
-            if torch.Tag.nondeterministic_seeded in write.op.tags:  # a draw: the whole tensor, as a plain build
-                full = write.op(torch.empty(write.shape, dtype=write.dtype), *write.args, **write.kwargs)
-                if param is not None:
-                    param.copy_(shard_of(full.to(param.device), param))
-            elif param is not None and elementwise(write.op):
-                write.op(local(param), *write.args, **write.kwargs)
-            elif param is not None:
-                raise ValueError(f"building on the meta device: {write.op} on {write.name} is neither a random "
-                                 "draw nor elementwise, so it cannot be replayed shard by shard")  # fmt: skip
+    for write in record.writes:
+        replay(write, params.get(write.name))
     return net
+
+
+@torch.no_grad()
+def replay(write: RecordedWrite, param: torch.Tensor | None) -> None:
+    """One recorded write into `param`'s shard (None: a dropped tensor, whose draws are made all the same)."""
+    if torch.Tag.nondeterministic_seeded in write.op.tags:  # a draw: the whole tensor, as a plain build
+        full = write.op(torch.empty(write.shape, dtype=write.dtype), *write.args, **write.kwargs)
+        if param is not None:
+            param.copy_(shard_of(full.to(param.device), param))
+    elif param is not None and elementwise(write.op):
+        write.op(local(param), *write.args, **write.kwargs)
+    elif param is not None:
+        raise ValueError(f"building on the meta device: {write.op} on {write.name} is neither a random draw nor "
+                         "elementwise, so it cannot be replayed shard by shard")  # fmt: skip
 
 
 def elementwise(op: torch._ops.OpOverload) -> bool:

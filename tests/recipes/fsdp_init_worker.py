@@ -53,7 +53,7 @@ def main() -> None:
     plain.config.use_cache = False
     same_rng = torch.equal(after, torch.rand(4))
     plain = plain.state_dict()
-    same = sorted(plain) == sorted(built) and all(torch.equal(plain[k], built[k]) for k in plain)
+    same = sorted(plain) == sorted(built) and all(torch.equal(plain[k], built[k].cpu()) for k in plain)
     mine = torch.tensor([[on_meta == [True], held / whole, bound, same, same_rng]], dtype=torch.float64)
     every = accelerator.gather(mine).tolist()  # collective: one row per rank
     if accelerator.is_main_process:  # rank 0 only: the file

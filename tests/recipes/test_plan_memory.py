@@ -190,10 +190,12 @@ def test_bad_input_is_one_line(capsys):
     assert "zero4" in capsys.readouterr().err
 
 
-def test_zero3_builds_partitioned_at_start():
-    """Under zero.Init a rank holds its fp32 partition and the module being built; under FSDP, the whole model."""
+def test_zero3_and_fsdp_build_partitioned_at_start():
+    """Under zero.Init and FSDP2's meta-device build a rank holds its fp32 partition and the module being built;
+    under DDP, the whole model."""
     config = ShardGPTConfig.from_preset("llama-1b")
     lay = pm.layout(config)
-    built = pm.predict(config, "zero3", 8)["host_ram_at_start"]
-    assert built == 4 * (math.ceil(lay.psi / 8) + lay.largest_module)
-    assert pm.predict(config, "fsdp", 8)["host_ram_at_start"] == 4 * lay.psi
+    for strategy in ("zero3", "fsdp"):
+        built = pm.predict(config, strategy, 8)["host_ram_at_start"]
+        assert built == 4 * (math.ceil(lay.psi / 8) + lay.largest_module)
+    assert pm.predict(config, "ddp", 8)["host_ram_at_start"] == 4 * lay.psi

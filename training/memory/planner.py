@@ -427,9 +427,10 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
     out["model_states"] = out["params"] + out["grads"] + out["optimizer_states"]
     out["total"] = out["model_states"] + out["activations"] + out["logits"] + out["temporary"]
     out["host_ram"] = sum(it.nbytes for it in states + temps if it.where == "host")
-    # Every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves or shards it; under
-    # ZeRO-3's zero.Init a rank holds its partition and the one module being built (training/build.py).
-    partitioned = strategy.startswith("zero3")
+    # Under DDP and ZeRO-1/2 every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves
+    # it. Under ZeRO-3 (inside zero.Init) and FSDP2 (on the meta device, then sharded and initialised one tensor
+    # at a time) a rank holds its partition and the one module or tensor being built (training/build.py).
+    partitioned = strategy.startswith(("zero3", "fsdp"))
     out["host_ram_at_start"] = 4 * (math.ceil(lay.psi / world_size) + lay.largest_module if partitioned else lay.psi)
     out["nvme"] = sum(it.nbytes for it in states + temps if it.where == "nvme")
     out["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
