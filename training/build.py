@@ -141,12 +141,13 @@ def post_order(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def fsdp2_builds_on_meta(accelerator: Accelerator) -> bool:
-    """Whether the launch is FSDP2 with nothing to broadcast from rank 0 (accelerate's `cpu_ram_efficient_loading`
-    loads rank 0's whole model into the shards instead)."""
+    """Whether the launch is FSDP2 and `prepare` can take a model already sharded. Not with accelerate's
+    `cpu_ram_efficient_loading` (it loads rank 0's whole model into the shards) or `fsdp_activation_checkpointing`
+    (`prepare` wraps the decoder layers before sharding them, looking them up by their unsharded class)."""
     if accelerator.distributed_type != DistributedType.FSDP:
         return False
     plugin = accelerator.state.fsdp_plugin
-    return plugin.fsdp_version == 2 and not plugin.cpu_ram_efficient_loading
+    return plugin.fsdp_version == 2 and not (plugin.cpu_ram_efficient_loading or plugin.activation_checkpointing)
 
 
 @dataclass
