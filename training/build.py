@@ -8,17 +8,21 @@ are those of a plain build with the same seed."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import DistributedType
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, LlamaConfig, PreTrainedModel
 from transformers import initialization as init
@@ -64,8 +68,9 @@ def build_model(
     """A freshly initialised model (weights drawn from torch's global RNG: seed first), or the weights of
     `model_name_or_path` (whose config `config` is, from `start_config`). `config` is updated in place: eos/bos/pad
     come from the tokenizer, and a fresh model's vocabulary is padded to a multiple of 128 (tensor-core friendly
-    shapes; the extra rows are never targets). Given the launch's `accelerator` under FSDP2, a fresh model comes
-    back already sharded (`materialize_sharded`; collective), for the optimizer to be made on its shards."""
+    shapes; the extra rows are never targets). Given the launch's `accelerator` under FSDP2, a fresh model, or one
+    read from a local safetensors checkpoint, comes back already sharded (`materialize_sharded`; collective), for
+    the optimizer to be made on its shards."""
     if model_name_or_path is None:
         config.vocab_size = 128 * math.ceil(len(tokenizer) / 128)
     elif len(tokenizer) > config.vocab_size:
@@ -75,15 +80,18 @@ def build_model(
         )
     config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
-    record = None
-    if model_name_or_path is None and accelerator is not None and fsdp2_builds_on_meta(accelerator):
-        with init_empty_weights(), InitRecord() as record:  # no weights yet: `materialize_sharded` writes them
-            net = ShardGPTForCausalLM(config)
-        net.tie_weights()  # init_empty_weights re-registers the tied head as a parameter of its own: tie it again
+    on_meta = accelerator is not None and fsdp2_builds_on_meta(accelerator)
+    fill = None  # under FSDP2: what writes each rank's shards once the model is sharded on the meta device
+    if model_name_or_path is None and on_meta:
+        with InitRecord() as record:  # no weights yet: `record.replay` writes them
+            net = empty_model(config)
         record.name_writes(net)
+        fill = record.replay
     elif model_name_or_path is None:
         with partitioned_construction():
             net = ShardGPTForCausalLM(config)
+    elif on_meta and (files := checkpoint_covering(model_name_or_path, net := empty_model(config))):
+        fill = partial(load_shards, files)  # each rank reads its rows of every tensor
     else:
         # Under ZeRO-3 (accelerate's DeepSpeed plugin sets transformers' HfDeepSpeedConfig) transformers builds
         # the model inside deepspeed.zero.Init and loads the checkpoint into each rank's partitions.
@@ -91,8 +99,8 @@ def build_model(
     if gradient_checkpointing:
         net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     net.config.use_cache = False  # training never reads a KV cache
-    if record is not None:
-        net = materialize_sharded(accelerator, net, record)  # collective: the device mesh
+    if fill is not None:
+        net = materialize_sharded(accelerator, net, fill)  # collective: the device mesh
     return net
 
 
@@ -150,6 +158,15 @@ def fsdp2_builds_on_meta(accelerator: Accelerator) -> bool:
     return plugin.fsdp_version == 2 and not (plugin.cpu_ram_efficient_loading or plugin.activation_checkpointing)
 
 
+def empty_model(config: ShardGPTConfig) -> ShardGPTForCausalLM:
+    """The model without storage (accelerate's `init_empty_weights`: parameters go to meta as they are
+    registered, while transformers' `post_init` still runs its weight init on them)."""
+    with init_empty_weights():
+        net = ShardGPTForCausalLM(config)
+    net.tie_weights()  # init_empty_weights re-registers the tied head as a parameter of its own: tie it again
+    return net
+
+
 @dataclass
 class RecordedWrite:
     """One in-place op of a plain build on one parameter: `name` (None: a tensor the build later drops, as
@@ -198,31 +215,36 @@ class InitRecord(TorchDispatchMode):
         if buffers := [n for n, _ in net.named_buffers()]:
             raise ValueError(f"building on the meta device: buffers {buffers} would be left empty")
 
+    def replay(self, params: dict[str, torch.Tensor]) -> None:
+        """The plain build's writes into `params` (sharded), in its order, one tensor at a time: a random draw on
+        a full-size CPU temporary (the same RNG stream as a plain build, hence the same values on every rank) of
+        which each rank keeps its shard (`distribute_tensor` without communication: FSDP2's dim-0 chunks), an
+        elementwise write on the shard itself. A rank holds its shards plus one full tensor; the RNG ends where
+        a plain build leaves it."""
+        torch.set_rng_state(self.rng_state)
+        for write in self.writes:
+            replay_write(write, params.get(write.name))
 
-def materialize_sharded(accelerator: Accelerator, net: nn.Module, record: InitRecord) -> nn.Module:
-    """`net`, built on the meta device while `record` was kept, sharded as `accelerator.prepare` shards it
-    (accelerate's `fsdp2_prepare_model`: `fully_shard` per decoder layer and the root, still on meta), given storage
-    for this rank's shards only (`to_empty`), then the plain build's writes replayed in its order, one tensor at a
-    time: a random draw on a full-size CPU temporary (the same RNG stream as a plain build, hence the same values on
-    every rank) of which each rank keeps its shard (`distribute_tensor` without communication: FSDP2's dim-0
-    chunks), an elementwise write on the shard itself. A rank holds its shards plus one full tensor; the RNG ends
-    where a plain build leaves it. `accelerator.prepare` then finds the model sharded and binds the optimizer to
-    its shards (its own sharding, on meta, would bind it by storage address, which meta tensors lack)."""
+
+def materialize_sharded(accelerator: Accelerator, net: nn.Module, fill) -> nn.Module:
+    """`net`, built on the meta device, sharded as `accelerator.prepare` shards it (accelerate's
+    `fsdp2_prepare_model`: `fully_shard` per decoder layer and the root, still on meta), given storage for this
+    rank's shards only (`to_empty`), then written by `fill(parameters by name)`: `InitRecord.replay` (a fresh
+    model, the same weights as a plain build) or `load_shards` (a checkpoint). `accelerator.prepare` then finds the
+    model sharded and binds the optimizer to its shards (its own sharding, on meta, would bind it by storage
+    address, which meta tensors lack)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     net = fsdp2_prepare_model(accelerator, net)  # collective: builds the device mesh
     offloaded = isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
     net.to_empty(device="cpu" if offloaded else accelerator.device)
-    params = dict(net.named_parameters())
-    torch.set_rng_state(record.rng_state)
-    for write in record.writes:
-        replay(write, params.get(write.name))
+    fill(dict(net.named_parameters()))
     return net
 
 
 @torch.no_grad()
-def replay(write: RecordedWrite, param: torch.Tensor | None) -> None:
+def replay_write(write: RecordedWrite, param: torch.Tensor | None) -> None:
     """One recorded write into `param`'s shard (None: a dropped tensor, whose draws are made all the same)."""
     if torch.Tag.nondeterministic_seeded in write.op.tags:  # a draw: the whole tensor, as a plain build
         full = write.op(torch.empty(write.shape, dtype=write.dtype), *write.args, **write.kwargs)
@@ -248,3 +270,38 @@ def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
+
+
+def checkpoint_covering(model_name_or_path: str, net: nn.Module) -> list[Path]:
+    """The safetensors files of a local checkpoint folder when they hold every parameter of `net` under its own
+    name and shape (shardgpt's and Llama's names are the same); otherwise none, and transformers loads it."""
+    folder = Path(model_name_or_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            shapes |= {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict); headers only
+    wanted = {name: tuple(p.shape) for name, p in net.named_parameters()}
+    return files if files and all(shapes.get(name) == shape for name, shape in wanted.items()) else []
+
+
+@torch.no_grad()
+def load_shards(files: list[Path], params: dict[str, torch.Tensor]) -> None:
+    """Each parameter's shard read from the checkpoint's safetensors files: only this rank's rows are read (cast
+    to the parameter's dtype, as `from_pretrained(dtype=float32)` does); a tied head shares the embedding's."""
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys() & params.keys():
+                param = params[key]
+                if isinstance(param, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(
+                        param.shape, param.device_mesh, param.placements
+                    )
+                    rows = f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+                else:
+                    rows = f.get_tensor(key)
+                local(param).copy_(rows.to(param.dtype))

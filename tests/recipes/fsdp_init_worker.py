@@ -1,8 +1,9 @@
 """Launched by test_sharded_construction.py under accelerate's FSDP2 config: `build_model` with the launch's
 Accelerator builds on the meta device and returns the model sharded, then `prepare` binds AdamW to its shards.
 Rank 0 writes, per rank, whether the model held no storage when construction ended, the share of the weights it
-holds after `prepare`, and whether the gathered weights and the RNG afterwards equal a plain build's with the same
-seed, to fsdp_init.json."""
+holds after `prepare`, whether the gathered weights and the RNG afterwards equal a plain build's with the same
+seed, and whether those weights saved as a checkpoint folder read back the same under FSDP2 (--model_name_or_path),
+to fsdp_init.json."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from transformers import HfArgumentParser
 import training.build
 from model import ShardGPTForCausalLM
 from training.accelerator import make_accelerator
-from training.build import build_model
+from training.build import build_model, start_config
 from training.config import RunConfig
 from training.optim import make_optimizer, make_scheduler
 from training.ranks import run_rank
@@ -54,12 +55,22 @@ def main() -> None:
     same_rng = torch.equal(after, torch.rand(4))
     plain = plain.state_dict()
     same = sorted(plain) == sorted(built) and all(torch.equal(plain[k], built[k].cpu()) for k in plain)
-    mine = torch.tensor([[on_meta == [True], held / whole, bound, same, same_rng]], dtype=torch.float64)
+    # The same weights as a checkpoint folder, read back under FSDP2: each rank reads its rows of every tensor.
+    folder = Path(cfg.output_dir) / "plain"
+    if accelerator.is_main_process:  # rank 0 only: the file
+        ShardGPTForCausalLM(config).save_pretrained(folder, state_dict=dict(plain))  # it empties the dict
+    accelerator.wait_for_everyone()  # collective: the others read it once written
+    loaded = build_model(start_config(str(folder)), StandInTokenizer(config.vocab_size), False, str(folder),
+                         accelerator)  # fmt: skip  # collective: the device mesh
+    read = {k: v.full_tensor() for k, v in loaded.state_dict().items()}  # collective: every rank gathers
+    same_read = sorted(plain) == sorted(read) and all(torch.equal(plain[k], read[k].cpu()) for k in plain)
+    row = [on_meta == [True, True], held / whole, bound, same, same_rng, same_read]
+    mine = torch.tensor([row], dtype=torch.float64)
     every = accelerator.gather(mine).tolist()  # collective: one row per rank
     if accelerator.is_main_process:  # rank 0 only: the file
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        keys = ("built_on_meta", "held_fraction", "optimizer_on_shards", "same_weights", "same_rng_after")
+        keys = ("built_on_meta", "held_fraction", "optimizer_on_shards", "same_weights", "same_rng_after", "same_read")
         (out / "fsdp_init.json").write_text(json.dumps([dict(zip(keys, row, strict=True)) for row in every]))
     accelerator.wait_for_everyone()  # collective
 

@@ -35,5 +35,6 @@ def test_fsdp2_builds_on_meta_with_a_plain_builds_weights(tmp_path):
     for rank in ranks:
         assert rank["built_on_meta"] == 1 and rank["optimizer_on_shards"] == 1, rank
         assert rank["same_weights"] == 1 and rank["same_rng_after"] == 1, rank
+        assert rank["same_read"] == 1, rank  # the checkpoint read back shard by shard
         # FSDP2 chunks every parameter's first dimension in two; the debug model's are all even.
         assert rank["held_fraction"] == 0.5, rank
