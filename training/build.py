@@ -21,7 +21,7 @@ from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import DistributedType
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, LlamaConfig, PreTrainedModel
@@ -189,7 +189,7 @@ class InitRecord(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.writes: list[RecordedWrite] = []
-        self.targets: list[torch.Tensor] = []  # the meta tensor of each write, until `named`
+        self.targets: list[torch.Tensor] = []  # the meta tensor of each write, until `name_writes`
         self.rng_state = torch.get_rng_state()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -218,8 +218,8 @@ class InitRecord(TorchDispatchMode):
     def replay(self, params: dict[str, torch.Tensor]) -> None:
         """The plain build's writes into `params` (sharded), in its order, one tensor at a time: a random draw on
         a full-size CPU temporary (the same RNG stream as a plain build, hence the same values on every rank) of
-        which each rank keeps its shard (`distribute_tensor` without communication: FSDP2's dim-0 chunks), an
-        elementwise write on the shard itself. A rank holds its shards plus one full tensor; the RNG ends where
+        which each rank copies its own rows into its shard (`own_part`), an elementwise write on the shard
+        itself. A rank holds its shards plus one full tensor; the RNG ends where
         a plain build leaves it."""
         torch.set_rng_state(self.rng_state)
         for write in self.writes:
@@ -249,7 +249,7 @@ def replay_write(write: RecordedWrite, param: torch.Tensor | None) -> None:
     if torch.Tag.nondeterministic_seeded in write.op.tags:  # a draw: the whole tensor, as a plain build
         full = write.op(torch.empty(write.shape, dtype=write.dtype), *write.args, **write.kwargs)
         if param is not None:
-            param.copy_(shard_of(full.to(param.device), param))
+            local(param).copy_(full[own_part(param)])
     elif param is not None and elementwise(write.op):
         write.op(local(param), *write.args, **write.kwargs)
     elif param is not None:
@@ -261,11 +261,13 @@ def elementwise(op: torch._ops.OpOverload) -> bool:
     return torch.Tag.pointwise in op.tags or op.overloadpacket in (torch.ops.aten.fill_, torch.ops.aten.zero_)
 
 
-def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `full` as `param` is laid out (a DTensor: its mesh and placements, no communication)."""
-    if isinstance(param, DTensor):
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    return full
+def own_part(param: torch.Tensor) -> tuple[slice, ...]:
+    """Where this rank's shard of `param` lies in the whole tensor (a DTensor: from its mesh and placements, as
+    FSDP2 chunks dim 0; otherwise all of it)."""
+    if not isinstance(param, DTensor):
+        return (slice(None),)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def local(param: torch.Tensor) -> torch.Tensor:
@@ -297,11 +299,4 @@ def load_shards(files: list[Path], params: dict[str, torch.Tensor]) -> None:
         with safe_open(file, framework="pt") as f:
             for key in f.keys() & params.keys():
                 param = params[key]
-                if isinstance(param, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(
-                        param.shape, param.device_mesh, param.placements
-                    )
-                    rows = f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-                else:
-                    rows = f.get_tensor(key)
-                local(param).copy_(rows.to(param.dtype))
+                local(param).copy_(f.get_slice(key)[own_part(param)].to(param.dtype))
