@@ -15,8 +15,10 @@ and ZeRO-3 with `torchrun --deepspeed`. The report folder holds `report.md` (a t
 step time, memory per rank, checkpoint size, save and load time, final loss and the loss difference from
 DDP, plus the memory planner's prediction when `recipes/plan_memory.py` exists), `results.json`, PNG plots
 (memory, throughput, loss curves) and each run's logs under `runs/`. A strategy that fails is reported with
-its error; the others still run. Unrecognised flags are passed to every training launch (data flags,
-`--block_size`, `--learning_rate`, `--bf16`, ...).
+its error; the others still run. A tensor-parallel config (`autotp`: DeepSpeed AutoTP) runs with a micro
+batch autotp_size times larger, which its tensor-parallel ranks share: the same global batch as the others.
+Unrecognised flags are passed to every training launch (data flags, `--block_size`, `--learning_rate`,
+`--bf16`, ...).
 
 How each number is measured (the report repeats it):
 - tokens/s and step time: medians over the logged steps after the first (logging every step); the training
