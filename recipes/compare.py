@@ -15,8 +15,10 @@ and ZeRO-3 with `torchrun --deepspeed`. The report folder holds `report.md` (a t
 step time, memory per rank, checkpoint size, save and load time, final loss and the loss difference from
 DDP, plus the memory planner's prediction when `recipes/plan_memory.py` exists), `results.json`, PNG plots
 (memory, throughput, loss curves) and each run's logs under `runs/`. A strategy that fails is reported with
-its error; the others still run. Unrecognised flags are passed to every training launch (data flags,
-`--block_size`, `--learning_rate`, `--bf16`, ...).
+its error; the others still run. A tensor-parallel config (`autotp`: DeepSpeed AutoTP) runs with a micro
+batch autotp_size times larger, which its tensor-parallel ranks share: the same global batch as the others.
+Unrecognised flags are passed to every training launch (data flags, `--block_size`, `--learning_rate`,
+`--bf16`, ...).
 
 How each number is measured (the report repeats it):
 - tokens/s and step time: medians over the logged steps after the first (logging every step); the training
@@ -62,11 +64,10 @@ CONFIGS = ROOT / "accelerate_configs"
 # Row order of the report: the baselines first, then by how much is sharded.
 ORDER = [
     "single", "ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_offload", "zero1", "zero2", "zero2_offload", "zero3",
-    "zero3_offload_cpu", "zero3_offload_nvme",
+    "zero3_offload_cpu", "zero3_offload_nvme", "autotp",
 ]  # fmt: skip
-# Left out of "all": their tensor-parallel ranks share a batch, so with the same micro batch they would train on
-# 1/tp of the others' global batch (autotp), or they are refused (fsdp_tp: docs/strategies.md).
-TENSOR_PARALLEL = ("autotp", "fsdp_tp")
+# Left out of "all": refused with accelerate 1.15 and transformers 5.23 (docs/strategies.md).
+REFUSED = ("fsdp_tp",)
 TRAINER_STAGES = ("zero2", "zero3")  # run also through recipes/trainer.py when it exists
 # Flags this script sets on every launch; passing them through would break the comparison.
 OWNED = (
@@ -82,7 +83,7 @@ def single_node_configs() -> list[str]:
     names = [
         p.stem
         for p in CONFIGS.glob("*.yaml")
-        if read_launch_config(p).get("num_machines", 1) == 1 and p.stem not in TENSOR_PARALLEL
+        if read_launch_config(p).get("num_machines", 1) == 1 and p.stem not in REFUSED
     ]
     return sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
 
@@ -110,6 +111,7 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
                 )
             elif launch.get("num_processes", 1) == 1 or launch.get("distributed_type") == "NO":
                 spec.nproc = 1  # one process: its micro batch is scaled up to keep the global batch
+            spec.tp = tensor_parallel_size(launch)
         specs.append(spec)
     trainer_script = ROOT / "recipes" / "trainer.py"
     if trainer and trainer_script.is_file():
@@ -127,6 +129,21 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
     return specs
 
 
+def tensor_parallel_size(launch: dict) -> int:
+    """Ranks each layer is split over in an accelerate config: its DeepSpeed JSON's autotp_size, or its
+    parallelism_config's tp size."""
+    from training.config import autotp_size, load_json
+
+    ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if ds_file:
+        path = ds_file if Path(ds_file).is_absolute() else ROOT / ds_file
+        try:
+            return autotp_size(load_json(path))
+        except (OSError, ValueError):
+            return 1  # the launch itself fails and reports why
+    return int((launch.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+
+
 def launch_command(spec: Spec, port: int | None) -> list[str]:
     """The launcher's command line; without a port, as shown in the report (the launcher by its name)."""
     exe = (lambda name: str(BIN / name)) if port else (lambda name: name)
@@ -140,8 +157,9 @@ def launch_command(spec: Spec, port: int | None) -> list[str]:
 
 
 def train_flags(args, spec: Spec, extra: list[str]) -> list[str]:
-    """The same model, data and global batch for every spec (a single process takes the whole batch)."""
-    micro = args.per_device_train_batch_size * (args.nproc // spec.nproc)
+    """The same model, data and global batch for every spec: a single process takes the whole global batch, and
+    the tp ranks of a tensor-parallel group share one micro batch, tp times larger."""
+    micro = args.per_device_train_batch_size * (args.nproc // spec.nproc) * spec.tp
     flags = [
         f"--preset={args.preset}", f"--max_steps={args.steps}", f"--per_device_train_batch_size={micro}",
         f"--gradient_accumulation_steps={args.gradient_accumulation_steps}", "--logging_steps=1",

@@ -7,8 +7,9 @@ Launched like `recipes/train.py`, with its flags; the launcher's config picks th
 
 The start of `recipes/train.py` (strategy, Accelerator, `build_model`, AdamW with its groups, schedule,
 `prepare`) without data: the vocabulary is the preset's. No step is taken, so Adam's moments do not exist yet.
-Rank 0 prints one line per rank: the process's peak resident set (getrusage's ru_maxrss) after the model is
-built and after `prepare`, and the resident set after `prepare`, in GiB.
+Each rank prints its peak resident set (getrusage's ru_maxrss) as soon as the model is built; at the end rank 0
+prints one line per rank: the peak after the model is built and after `prepare`, and the resident set after
+`prepare`, in GiB.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg, world, config, strategy, accelerator = set_up(argv)  # collective: the process group
     before = peak_rss()
 
-    net = build_model(config, StandInTokenizer(config.vocab_size), cfg.gradient_checkpointing)
+    # FSDP2: built on the meta device, sharded and initialised shard by shard (collective: the device mesh)
+    net = build_model(config, StandInTokenizer(config.vocab_size), cfg.gradient_checkpointing, None, accelerator)
     built = peak_rss()
+    # Every rank, now: a launch whose `prepare` then runs out of memory still reports its build.
+    print(f"rank {accelerator.process_index}: model built {built / GiB:.2f} GiB (peak resident set)", flush=True)
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)  # collective

@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
     # tokenizer (training/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
     # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it).
-    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path)
+    # Under FSDP2 the model is built on the meta device and sharded, then its init replayed (or a local safetensors
+    # checkpoint read) into each rank's shards (collective: the device mesh), before the optimizer is made on them.
+    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path, accelerator)
 
     # ------------------------------------------------------------------ optimizer
     fused = accelerator.device.type == "cuda" and "offload" not in strategy.name

@@ -5,7 +5,7 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
     config.py        RunConfig: every flag, validated before anything heavy; batch arithmetic, DeepSpeed "auto"
     strategy.py      what the launch asks for (launcher environment, DeepSpeed JSON), checked before the group
     accelerator.py   the Accelerator, and the switches that run every GPU strategy on CPU ranks
-    build.py         the model of a run: a preset or a checkpoint, built sharded under ZeRO-3, same weights per seed
+    build.py         the model of a run: a preset or a checkpoint, built sharded (ZeRO-3, FSDP2), same weights per seed
     optim.py         AdamW's parameter groups and the learning-rate schedule
     inspection.py    the strategy in force, read from the prepared objects; each rank's share of the states
     step.py          one optimizer step: micro batches, the token-weighted loss, clipping

@@ -204,20 +204,34 @@ def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
 
 def check_parallelism_config_tp() -> None:
     """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`, with or without FSDP2) is
-    refused before the process group: accelerate 1.15 prepares such a model in `Accelerator._prepare_tp`, whose
-    FSDP2 branch (accelerate/accelerator.py:1618) runs `from transformers.integrations.tensor_parallel import
-    ReplicateParallel` for the parameters the plan leaves whole (the norms), and transformers 5.23 has no such class
-    (its replicated style is `ReplicatedWithGradAllReduce`): the ImportError would end every rank inside `prepare`,
-    on GPUs as on CPUs. Without FSDP (`tp_size` = the world) it is refused too: this script has no data-parallel
-    gradient reduction for it. DeepSpeed AutoTP splits the same plan and trains."""
+    refused before the process group. accelerate 1.15 applies it in `Accelerator._prepare_tp`, which skips a
+    model without DTensor parameters (accelerate/accelerator.py:1598-1603, a warning only: FSDP2 alone would then
+    shard it, and each tensor-parallel pair would hold the same shards), so the model must arrive already split
+    (DTensors on the mesh's `tp` dimension); then its FSDP2 branch (accelerate/accelerator.py:1618) runs
+    `from transformers.integrations.tensor_parallel import ReplicateParallel` for the parameters the plan leaves
+    whole (the norms), and transformers 5.23 has no such class (`accelerate_tp_importable`): the ImportError would
+    end every rank inside `prepare`, on GPUs as on CPUs. Without FSDP (`tp_size` = the world) it is refused too:
+    this script has no data-parallel gradient reduction for it. DeepSpeed AutoTP splits the same plan and trains;
+    torch's own FSDP2 x TP of this model's plan trains like one process (tests/model/test_tensor_parallel.py)."""
     tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) if parallelism_config() else 1
     if tp > 1:
+        blocker = (
+            "accelerate/accelerator.py:1618 imports transformers' removed ReplicateParallel"
+            if not accelerate_tp_importable()
+            else "this script builds no DTensor model for accelerate's tensor-parallel preparation"
+        )
         raise ValueError(
             f"the accelerate config's parallelism_config sets tp_size: {tp}, which accelerate 1.15 cannot prepare with "
-            "transformers 5.23 (accelerate/accelerator.py:1618 imports transformers' removed ReplicateParallel): "
-            "for tensor parallelism launch accelerate_configs/autotp.yaml or --deepspeed ds_configs/autotp.json "
-            "(DeepSpeed AutoTP), or remove parallelism_config_tp_size"
+            f"transformers 5.23 ({blocker}): for tensor parallelism launch accelerate_configs/autotp.yaml or "
+            "--deepspeed ds_configs/autotp.json (DeepSpeed AutoTP), or remove parallelism_config_tp_size"
         )
+
+
+def accelerate_tp_importable() -> bool:
+    """Whether the class accelerate's FSDP2 x TP preparation imports exists in the installed transformers."""
+    from transformers.integrations import tensor_parallel
+
+    return hasattr(tensor_parallel, "ReplicateParallel")
 
 
 def parallelism_config() -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from recipes import compare
 from training.compare.launches import last_error
 from training.compare.logs import load_seconds, median_after_first
 
@@ -46,12 +47,7 @@ def test_compare_reports_every_strategy_and_the_failures(corpus, tmp_path):
     (tmp_path / "typo_zero2.yaml").write_text(yaml.replace("ds_configs/zero2.json", str(tmp_path / "typo.json")))
     out = tmp_path / "report"
     strategies = ",".join([*GOOD, "nope", str(tmp_path / "typo_zero2.yaml")])
-    cmd = [
-        sys.executable, "recipes/compare.py", "--preset", "debug", "--strategies", strategies, "--steps", str(STEPS),
-        "--nproc", "2", "--no_trainer", "--output_dir", str(out), *corpus["flags"],
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    p = run_compare(strategies, out, corpus)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "3/5 strategies ran" in p.stdout
 
@@ -85,6 +81,45 @@ def test_compare_reports_every_strategy_and_the_failures(corpus, tmp_path):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
         assert f"]({png})" in (out / "report.md").read_text()
+
+
+def run_compare(strategies: str, out: Path, corpus: dict) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "recipes/compare.py", "--preset", "debug", "--strategies", strategies, "--steps", str(STEPS),
+        "--nproc", "2", "--no_trainer", "--output_dir", str(out), *corpus["flags"],
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+
+
+def test_tensor_parallel_rows_keep_the_global_batch():
+    """autotp is in "all"; its 2 tensor-parallel ranks share one micro batch, so it gets twice the others' (the
+    same global batch). fsdp_tp, refused with these library versions, is left out of "all"."""
+    assert "autotp" in compare.single_node_configs() and "fsdp_tp" not in compare.single_node_configs()
+    args, _ = compare.parse_args(["--strategies", "ddp,autotp,single"])
+    specs = {s.name: s for s in compare.make_specs(args.strategies, 2, trainer=False)}
+    micro = {n: next(f for f in compare.train_flags(args, s, []) if "per_device" in f) for n, s in specs.items()}
+    assert (specs["autotp"].tp, specs["autotp"].nproc) == (2, 2)
+    assert micro == {n: "--per_device_train_batch_size=8" if n != "ddp" else "--per_device_train_batch_size=4"
+                     for n in specs}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+def test_compare_reports_autotp_beside_ddp(corpus, tmp_path):
+    """The autotp row: DeepSpeed AutoTP in force, the same losses as DDP (same model, data, global batch), its
+    checkpoint saved and loaded, and the planner's prediction for it."""
+    out = tmp_path / "report"
+    p = run_compare("ddp,autotp", out, corpus)
+    assert p.returncode == 0 and "2/2 strategies ran" in p.stdout, p.stderr[-4000:]
+    row = table_rows((out / "report.md").read_text())["autotp"]
+    assert row["in force (params/rank)"].startswith("zero1-autotp"), row
+    assert number(row["max abs loss diff vs ddp"]) < 1e-4
+    assert number(row["checkpoint (MB)"]) > 0 and 0 <= number(row["load (s)"]) < 60
+    runs = {r["name"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert runs["autotp"]["local_parameter_fraction"] == pytest.approx(0.5, abs=0.02)
+    assert runs["autotp"]["prediction"]["model_states"] < runs["ddp"]["prediction"]["model_states"]
 
 
 def test_error_line_and_log_parsing():

@@ -119,6 +119,32 @@ def test_model_states_match_planner_and_paper(config, precision, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.matrix)])
+def test_autotp_states_match_planner(nproc, tmp_path):
+    """DeepSpeed AutoTP (accelerate_configs/autotp.yaml, tensor-parallel size 2): each rank holds half of every
+    split matrix and the whole norms, and ZeRO-1 partitions that slice over the nproc / 2 data-parallel ranks. In
+    fp32: the slice's weights and whole gradients (4 + 4 bytes each), the fp32 master copy and Adam's moments of its
+    partition (4 + 8 bytes), two step counters. The planner counts the same, category by category, to the byte."""
+    c = ShardGPTConfig.from_preset("tiny")
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size  # replicated on every tensor-parallel rank
+    for record in measure("autotp", TINY, tmp_path / "out", nproc=nproc):
+        dp = nproc // 2
+        local = (record["psi"] - norms) // 2 + norms
+        assert record["local_parameter_fraction"] == pytest.approx(local / record["psi"], abs=1e-4)
+        assert record["model_states"] == (4 + 4) * local + (4 + 8) * local // dp + 4 * 2, record["bytes"]
+        predicted = pm.bytes_by_category(planned(record))
+        assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]
+        lay, strategy, zero = planner_inputs(record)  # the reduce bucket, sized from the JSON for the slice
+        buckets = sum(
+            it.nbytes for it in pm.temporaries(lay, strategy, dp, "fp32", zero) if it.label == "reduce_buckets"
+        )
+        assert record["snapshots"]["backward_end"]["detail"]["buffers.reduce_buckets"] == buckets
+        for name, snap in record["snapshots"].items():
+            assert snap["unattributed"]["bytes"] < 64 * 1024, (name, snap["unattributed"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("config", ["zero2", "zero3", "fsdp"])
 def test_planner_exact_with_padding_on_3_ranks(config, tmp_path):
     """`debug` on 3 ranks: rows and groups do not divide by 3, so FSDP pads shards, ZeRO-2 pads its flat

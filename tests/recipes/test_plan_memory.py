@@ -195,13 +195,32 @@ def test_bad_input_is_one_line(capsys):
     assert "zero4" in capsys.readouterr().err
 
 
-def test_zero3_builds_partitioned_at_start():
-    """Under zero.Init a rank holds its fp32 partition and the module being built; under FSDP, the whole model."""
+def test_zero3_and_fsdp_build_partitioned_at_start():
+    """Under zero.Init and FSDP2's meta-device build a rank holds its fp32 partition and the module being built;
+    under DDP, the whole model."""
     config = ShardGPTConfig.from_preset("llama-1b")
     lay = pm.layout(config)
-    built = pm.predict(config, "zero3", 8)["host_ram_at_start"]
-    assert built == 4 * (math.ceil(lay.psi / 8) + lay.largest_module)
-    assert pm.predict(config, "fsdp", 8)["host_ram_at_start"] == 4 * lay.psi
+    for strategy in ("zero3", "fsdp"):
+        built = pm.predict(config, strategy, 8)["host_ram_at_start"]
+        assert built == 4 * (math.ceil(lay.psi / 8) + lay.largest_module)
+    assert pm.predict(config, "ddp", 8)["host_ram_at_start"] == 4 * lay.psi
+
+
+def test_autotp_splits_the_planned_matrices_and_shards_adam_over_data_parallel_ranks():
+    """zero1-autotp (ds_configs/autotp.json, tensor-parallel size 2) on 8 GPUs: a rank holds half of every matrix
+    of the plan (and of the tied embedding), the whole norms, and ZeRO-1's quarter of the fp32 master copy and of
+    Adam's moments over the 4 data-parallel ranks (measured to the byte on CPU ranks: tests/recipes/test_memory.py)."""
+    config = ShardGPTConfig.from_preset("llama-1b")
+    psi = pm.layout(config).psi
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
+    local = (psi - norms) // 2 + norms
+    assert pm.layout(config, tp=2).psi == local
+    pred = pm.predict(config, "zero1-autotp", 8, "bf16")
+    assert pred["inputs"]["tensor_parallel_size"] == 2 and pred["inputs"]["psi"] == psi
+    assert pred["model_states"] == 2 * local + 2 * local + (4 + 8) * local // 4 + 4 * 2
+    assert pred["model_states"] < pm.predict(config, "zero1", 8, "bf16")["model_states"]
+    with pytest.raises(ValueError, match="world_size 3 must be a multiple"):
+        pm.predict(config, "zero1-autotp", 3)
 
 
 def test_zero3_gradient_partitions_follow_grad_accum_dtype_and_nvme_keeps_max_in_cpu_in_host():

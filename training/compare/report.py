@@ -26,6 +26,7 @@ class Spec:
     nproc: int = 2
     error: str | None = None  # why it cannot be launched at all
     precision: str | None = None  # with --precisions: fp32, bf16 or fp16, also the end of `name`
+    tp: int = 1  # ranks each layer is split over; they share one micro batch, so it is tp times larger
 
     @property
     def launcher_label(self) -> str:
@@ -171,7 +172,8 @@ def write_report(results: list[Result], args, extra: list[str], out: Path, machi
         f"Machine: {machine['device_name']}, {machine['cpus']} CPU cores, torch {machine['torch']}, "
         f"deepspeed {machine['deepspeed']}, {machine['date']}. Preset `{args.preset}`, {args.steps} steps, "
         f"{args.nproc} ranks x micro batch {args.per_device_train_batch_size} x accumulation "
-        f"{args.gradient_accumulation_steps} (a one-process config takes the whole global batch). "
+        f"{args.gradient_accumulation_steps} (a one-process config takes the whole global batch, a tensor-parallel one "
+        "a micro batch tp times larger: its tp ranks share it). "
         f"1-minute load average as each run ended: {load_range(results)} (its own {args.nproc} ranks count "
         f"{args.nproc}; more means other work shared the machine and the throughput is noisier).",
         "",

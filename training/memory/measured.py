@@ -39,20 +39,25 @@ def load(run_dir: Path) -> list[dict]:
 
 
 def planner_inputs(record: dict) -> tuple[pm.Layout, str, dict | None]:
-    """The planner's view of a measured launch: the model's layout, the strategy and the resolved ZeRO section."""
+    """The planner's view of a measured launch: the layout of the model (of one tensor-parallel slice under
+    AutoTP), the strategy and the resolved ZeRO section."""
     config = ShardGPTConfig.from_preset(record["preset"], vocab_size=record["vocab_size"])
     strategy = pm.ALIASES.get(record["strategy"], record["strategy"])
+    tp = pm.tensor_parallel_size(strategy, record["ds_config"])
     zero = None
     if strategy.startswith("zero"):
-        zero = pm.zero_config(strategy, config, record["world_size"], record["precision"], record["micro_batch"],
-                              record["ds_config"])  # fmt: skip
-    return pm.layout(config), strategy, zero
+        zero = pm.zero_config(strategy, config, record["world_size"] // tp, record["precision"],
+                              record["micro_batch"], record["ds_config"])  # fmt: skip
+    return pm.layout(config, tp=tp), strategy, zero
 
 
 def planned(record: dict) -> list[pm.Item]:
-    """The planner's model-state items for the rank, precision and DeepSpeed config that `record` measured."""
+    """The planner's model-state items for the rank, precision and DeepSpeed config that `record` measured
+    (under AutoTP: the rank's slice, over the data-parallel ranks)."""
     lay, strategy, zero = planner_inputs(record)
-    return pm.model_states(lay, strategy, record["world_size"], record["rank"], record["precision"], zero)
+    tp = pm.tensor_parallel_size(strategy, record["ds_config"])
+    world, rank = record["world_size"] // tp, record["rank"] // tp
+    return pm.model_states(lay, strategy, world, rank, record["precision"], zero)
 
 
 def paper(record: dict) -> float:

@@ -10,11 +10,16 @@ gradient partition that holds every gradient touching a rank's partition whole, 
 parameters, FSDP2's padded shards, DDP's gradient buckets, Adam's step counters. `training/memory/ledger.py`
 counts the same on 2 CPU ranks, and `tests/recipes/test_memory.py` checks that both agree to the byte.
 Activations, logits and temporaries follow the formulas in docs/memory.md.
+
+Tensor parallelism (DeepSpeed AutoTP, `zero1-autotp`): every module of the model's tp plan holds 1/tp of its
+weight on each rank (q, k, v, gate, up and the vocabulary-parallel embedding and tied head by rows, o and down by
+columns), the norms stay whole; ZeRO-1 then partitions that local model over the world / tp data-parallel ranks.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import math
 import sys
 from dataclasses import dataclass
@@ -22,18 +27,19 @@ from dataclasses import dataclass
 import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from training.config import RunConfig, load_json, resolve_deepspeed
+from training.config import RunConfig, autotp_size, load_json, resolve_deepspeed
 from training.optim import param_groups
 from training.paths import ROOT
 
 STRATEGIES = (
     "ddp", "fsdp", "fsdp-shard-grad-op", "fsdp-offload", "zero1", "zero2", "zero2-offload", "zero3",
-    "zero3-offload-cpu", "zero3-offload-nvme",
+    "zero3-offload-cpu", "zero3-offload-nvme", "zero1-autotp",
 )  # fmt: skip
 ALIASES = {"zero2-offload-cpu": "zero2-offload"}  # the name training/strategy.py gives the launch
 DS_CONFIGS = {
     "zero1": "zero1.json", "zero2": "zero2.json", "zero2-offload": "zero2_offload.json", "zero3": "zero3.json",
     "zero3-offload-cpu": "zero3_offload_cpu.json", "zero3-offload-nvme": "zero3_offload_nvme.json",
+    "zero1-autotp": "autotp.json",
 }  # fmt: skip
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
@@ -61,19 +67,45 @@ class Layout:
         return sum(self.numels)
 
 
-def layout(config: ShardGPTConfig, decay_embeddings: bool = False) -> Layout:
+def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1) -> Layout:
+    """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight."""
     with torch.device("meta"):  # shapes only: no memory, fast for any size
         net = ShardGPTForCausalLM(config)
     named = list(net.named_parameters())  # tied lm_head / embedding listed once, as DeepSpeed and DDP see them
     index = {id(p): i for i, (_, p) in enumerate(named)}
     groups = [[index[id(p)] for p in g["params"]] for g in param_groups(net, 0.1, decay_embeddings)]
     root = [i for i, (name, _) in enumerate(named) if ".layers." not in f".{name}"]
-    layer = sum(p.numel() for p in net.model.layers[0].parameters())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules())
+    shapes = [tensor_parallel_shape(name, tuple(p.shape), net.tp_plan, tp) for name, p in named]
+    layer = sum(math.prod(s) for (name, _), s in zip(named, shapes, strict=True) if name.startswith("model.layers.0."))
+    by_module: dict[str, int] = {}
+    for (name, _), shape in zip(named, shapes, strict=True):
+        module = name.rpartition(".")[0]
+        by_module[module] = by_module.get(module, 0) + math.prod(shape)
     return Layout(
-        config, [n for n, _ in named], [p.numel() for _, p in named], [p.shape[0] for _, p in named],
-        [g for g in groups if g], root, layer, largest,
+        config, [n for n, _ in named], [math.prod(s) for s in shapes], [s[0] for s in shapes],
+        [g for g in groups if g], root, layer, max(by_module.values()),
     )  # fmt: skip
+
+
+def tensor_parallel_shape(name: str, shape: tuple[int, ...], plan: dict[str, str], tp: int) -> tuple[int, ...]:
+    """What one of `tp` ranks holds of parameter `name`: a module of the plan keeps 1/tp of its rows ("colwise",
+    the vocabulary-parallel embedding and head) or of its columns ("rowwise"); the rest (the norms) stays whole."""
+    module = name.rpartition(".")[0]
+    style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(module, pattern)), None)
+    if tp == 1 or style is None:
+        return shape
+    dim = 1 if style == "rowwise" else 0
+    if shape[dim] % tp:
+        raise ValueError(f"{name} has {shape[dim]} {'columns' if dim else 'rows'}, which {tp} ranks cannot split")
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+
+
+def tensor_parallel_size(strategy: str, ds_config: dict | None = None) -> int:
+    """Ranks each layer is split over: the DeepSpeed JSON's `tensor_parallel.autotp_size` (the repo's for the
+    strategy when `ds_config` is None); 1 for the data-parallel strategies."""
+    if not strategy.endswith("-autotp"):
+        return 1
+    return autotp_size(ds_config if ds_config is not None else load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy]))
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed config
@@ -270,7 +302,7 @@ def model_states(lay: Layout, strategy: str, world: int, rank: int, precision: s
     """What rank `rank` holds for parameters, gradients and optimizer states at its model-state peak (the
     moment recipes/measure_memory.py reports: the end of the backward for ZeRO-1, the optimizer step's start
     otherwise)."""
-    strategy = ALIASES.get(strategy, strategy)
+    strategy = ALIASES.get(strategy, strategy).removesuffix("-autotp")  # `lay`, `world`: the tp slice's, dp's
     e = BYTES[precision]
     if strategy == "ddp":
         return ddp_states(lay)
@@ -293,7 +325,8 @@ def bytes_by_category(items: list[Item], where: str = "gpu") -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------- activations
 
 
-def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool) -> int:
+def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool,
+                     tp: int = 1) -> int:  # fmt: skip
     """Tensors autograd saves for the backward (not the loss's: see `saved_loss_bytes`), at the start of the
     backward.
 
@@ -309,12 +342,15 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     output) per token; rotary cos and sin (2 e head_dim) per position, shared by the batch.
     With activation checkpointing each layer keeps only its input (e h per token) and one layer at a time
     is recomputed in the backward with all of its activations.
+    Under tensor parallelism (`tp` ranks) each rank attends with a/tp heads and computes f/tp of the MLP, so
+    q, the attention output, k, v, the log-sum-exp and the MLP's four tensors are 1/tp as large; the norms'
+    tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (the formula; not measured under TP).
     """
     c = config
     h, f, a = c.hidden_size, c.intermediate_size, c.num_attention_heads
     g = c.num_key_value_heads * c.head_dim
     tokens = micro_batch * seq_len
-    layer = e * (6 * h + 2 * g + 4 * f) + 8 * h + 4 * a + 8
+    layer = e * (4 * h + (2 * h + 2 * g + 4 * f) // tp) + 8 * h + 4 * a // tp + 8
     once = 8 + 4 * h + 4 + e * h
     kept = e * h if checkpointing else layer  # per layer: its input only, or everything it saves
     recomputed = layer if checkpointing else 0  # the one layer being recomputed in the backward
@@ -334,6 +370,14 @@ def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int)
     return saved_loss_bytes(config, micro_batch, seq_len, e) + (4 + e) * chunk * v + e * v * h
 
 
+def whole_logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
+    """The loss without chunks, which the model computes when tensor parallelism replaced its head (DeepSpeed
+    AutoTP's vocabulary-parallel layer): the (tokens, vocab) logits in the compute dtype, and transformers'
+    cross-entropy's fp32 log-probabilities and their gradient, at most (e + 8) x tokens x vocab (an upper bound:
+    not measured)."""
+    return (e + 8) * micro_batch * seq_len * config.vocab_size
+
+
 def saved_loss_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
     """What the chunked loss saves from its forward for the backward: the gradient of the hidden states (e bytes
     per token and hidden unit) and the fp32 gradient of the head's weight (4 x vocab x hidden)."""
@@ -345,7 +389,7 @@ def saved_loss_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
 
 def temporaries(lay: Layout, strategy: str, world: int, precision: str, zero: dict | None) -> list[Item]:
     """Buffers that exist only for part of a step, at their largest; summed as if they coincided."""
-    strategy = ALIASES.get(strategy, strategy)
+    strategy = ALIASES.get(strategy, strategy).removesuffix("-autotp")
     e = BYTES[precision]
     items: list[Item] = []
     largest_param = max(lay.numels)
@@ -447,47 +491,59 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(BYTES)}")
     if world_size < 1 or micro_batch < 1 or seq_len < 1:
         raise ValueError("world_size, micro_batch and seq_len must be at least 1")
-    lay = layout(config, decay_embeddings)
+    tp = tensor_parallel_size(strategy, ds_config)
+    if world_size % tp:
+        raise ValueError(f"{strategy} splits each layer over {tp} ranks: world_size {world_size} must be a multiple")
+    whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp)
+    dp = world_size // tp  # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks
     zero = None
     if strategy.startswith("zero"):
-        zero = zero_config(strategy, config, world_size, precision, micro_batch, ds_config, bf16_gradient_reduction)
-    ranks = [rank] if rank is not None else _ranks_to_check(strategy, world_size)
-    states = max((model_states(lay, strategy, world_size, r, precision, zero) for r in ranks),
+        zero = zero_config(strategy, config, dp, precision, micro_batch, ds_config, bf16_gradient_reduction)
+    ranks = [rank // tp] if rank is not None else _ranks_to_check(strategy, dp)
+    states = max((model_states(lay, strategy, dp, r, precision, zero) for r in ranks),
                  key=lambda items: sum(it.nbytes for it in items if it.where == "gpu"))  # fmt: skip
-    temps = temporaries(lay, strategy, world_size, precision, zero)
+    temps = temporaries(lay, strategy, dp, precision, zero)
     if unfused_adam:  # CPU ranks
-        temps.append(adam_temporaries(lay, strategy, world_size, zero, BYTES[precision]))
+        temps.append(adam_temporaries(lay, strategy, dp, zero, BYTES[precision]))
     e = BYTES[precision]
     gpu = bytes_by_category(states)
     out = {
         "params": gpu["params"],
         "grads": gpu["grads"],
         "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
-        "activations": activation_bytes(config, micro_batch, seq_len, e, activation_checkpointing),
-        "logits": logits_bytes(config, micro_batch, seq_len, e),
+        "activations": activation_bytes(config, micro_batch, seq_len, e, activation_checkpointing, tp),
+        "logits": logits_bytes(config, micro_batch, seq_len, e)
+        if tp == 1
+        else whole_logits_bytes(config, micro_batch, seq_len, e),
         "temporary": sum(it.nbytes for it in temps if it.where == "gpu"),
     }
     out["model_states"] = out["params"] + out["grads"] + out["optimizer_states"]
     out["total"] = out["model_states"] + out["activations"] + out["logits"] + out["temporary"]
     out["host_ram"] = sum(it.nbytes for it in states + temps if it.where == "host")
-    # Every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves or shards it; under
-    # ZeRO-3's zero.Init a rank holds its partition and the one module being built (training/build.py).
-    partitioned = strategy.startswith("zero3")
-    out["host_ram_at_start"] = 4 * (math.ceil(lay.psi / world_size) + lay.largest_module if partitioned else lay.psi)
-    if partitioned and offload_device(zero, "offload_param") == "nvme":
+    # Under DDP and ZeRO-1/2 every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves
+    # it. Under ZeRO-3 (inside zero.Init) and FSDP2 (on the meta device, then sharded and initialised one tensor
+    # at a time) a rank holds its partition and the one module or tensor being built (training/build.py).
+    partitioned = strategy.startswith(("zero3", "fsdp"))
+    out["host_ram_at_start"] = 4 * (
+        math.ceil(whole.psi / world_size) + whole.largest_module if partitioned else whole.psi
+    )
+    if strategy.startswith("zero3") and offload_device(zero, "offload_param") == "nvme":
         # zero.Init swaps each partition out to NVMe as soon as it is built: the host keeps the parameter swap
         # buffers, the max_in_cpu share and the module being built.
         kept = ("partitions_in_cpu", "param_swap_buffers")
-        out["host_ram_at_start"] = 4 * lay.largest_module + sum(it.nbytes for it in states + temps if it.label in kept)
+        out["host_ram_at_start"] = 4 * whole.largest_module + sum(
+            it.nbytes for it in states + temps if it.label in kept
+        )
     out["nvme"] = sum(it.nbytes for it in states + temps if it.where == "nvme")
     out["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
     out["inputs"] = dict(strategy=strategy, world_size=world_size, precision=precision, micro_batch=micro_batch,
-                         seq_len=seq_len, activation_checkpointing=activation_checkpointing, psi=lay.psi)  # fmt: skip
+                         seq_len=seq_len, activation_checkpointing=activation_checkpointing, psi=whole.psi,
+                         tensor_parallel_size=tp)  # fmt: skip
     return out
 
 
 def _ranks_to_check(strategy: str, world: int) -> list[int]:
-    if strategy in ("zero1", "zero2") or strategy.startswith("fsdp"):
+    if strategy.removesuffix("-autotp") in ("zero1", "zero2") or strategy.startswith("fsdp"):
         return list(range(world)) if world <= 64 else [0, world - 1]  # the differences sit at the ends
     return [0]
 
