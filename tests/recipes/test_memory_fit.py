@@ -19,6 +19,7 @@ from training.memory.fit import (
     check_memory_fit,
     largest_that_fits,
     needs,
+    planned_config,
     planner_strategy,
     shortfalls,
 )
@@ -100,6 +101,15 @@ def test_skip_memory_check_starts_anyway():
     with pytest.raises(MemoryFitError):
         check_launch_fits(RunConfig(preset="llama-7b"), huge, strategy)
     check_launch_fits(RunConfig(preset="llama-7b", skip_memory_check=True), huge, strategy)
+
+
+def test_the_fit_check_plans_the_vocabulary_the_run_will_have():
+    """A fresh model with the default BPE has at most --tokenizer_vocab_size tokens, padded to 128; a tokenizer
+    or checkpoint of its own is only known with the data, so the config's vocabulary stands."""
+    assert planned_config(RunConfig(tokenizer_vocab_size=8000), LLAMA_1B).vocab_size == 8064
+    assert LLAMA_1B.vocab_size == 50304  # not changed in place
+    assert planned_config(RunConfig(tokenizer_name="gpt2"), LLAMA_1B) is LLAMA_1B
+    assert planned_config(RunConfig(model_name_or_path="some/llama"), LLAMA_1B) is LLAMA_1B
 
 
 def test_largest_that_fits_is_the_last_size_whose_needs_fit():

@@ -18,6 +18,8 @@ fit (activation checkpointing, a smaller micro batch, a sharding strategy, offlo
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import shutil
 from dataclasses import dataclass, replace
@@ -177,7 +179,18 @@ def check_launch_fits(cfg, config, strategy) -> None:
         cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
         cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, strategy.deepspeed,
     )  # fmt: skip
-    check_memory_fit(config, launch, capacity(nvme, int(os.environ.get("LOCAL_RANK", "0"))))
+    check_memory_fit(planned_config(cfg, config), launch, capacity(nvme, int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+def planned_config(cfg, config):
+    """`config` with the vocabulary the run will have, where the flags already tell it: a fresh model with the
+    default BPE gets at most `--tokenizer_vocab_size` tokens, padded to a multiple of 128 (`training/build.py`);
+    a checkpoint keeps its own, and `--tokenizer_name` keeps the preset's (read only with the data)."""
+    if cfg.model_name_or_path is not None or cfg.tokenizer_name is not None:
+        return config
+    planned = copy.deepcopy(config)
+    planned.vocab_size = 128 * math.ceil(cfg.tokenizer_vocab_size / 128)
+    return planned
 
 
 def candidate_sizes(overrides: dict | None = None) -> list[tuple[str, object]]:
