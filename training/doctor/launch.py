@@ -224,8 +224,17 @@ def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
 def plan(report: Report, config, name: str, world: int, per_node: int, cfg, ds) -> None:
     """The check the training script makes before it starts (`training/memory/fit.py`): the memory planner's
     prediction for this launch against this host's free GPU memory, RAM and NVMe disk, with the cheapest fix."""
-    from training.memory.fit import Launch, MemoryFitError, capacity, check_memory_fit, needs, planner_strategy
+    from training.memory.fit import (
+        Launch,
+        MemoryFitError,
+        capacity,
+        check_memory_fit,
+        needs,
+        planned_config,
+        planner_strategy,
+    )
 
+    config = planned_config(cfg, config)  # the vocabulary the run will have, as the training script plans it
     mapped = planner_strategy(name, world, None)
     if mapped is None:
         report.add("memory plan", NA, f"the planner does not model {name}")
