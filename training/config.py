@@ -341,6 +341,12 @@ def zero_config_error(error, model) -> str:
     return f"{field} = {first.get('input')!r}: {first['msg']}; fix the value (DeepSpeed's ZeRO config reference)"
 
 
+def gradient_reduction_dtype(bf16: bool, bf16_gradient_reduction: bool) -> str:
+    """The dtype DeepSpeed reduces and accumulates gradients in where the JSON says "auto": fp32, or bf16 when
+    bf16 training opts in with --bf16_gradient_reduction."""
+    return "bf16" if bf16 and bf16_gradient_reduction else "fp32"
+
+
 def autotp_size(ds: dict) -> int:
     """Ranks each layer is split over by DeepSpeed AutoTP (`tensor_parallel.autotp_size`); 1 without it."""
     return max(int((ds.get("tensor_parallel") or {}).get("autotp_size", 1) or 1), 1)
@@ -419,9 +425,9 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
         raise ValueError(f"DeepSpeed config {source}: bf16 and fp16 are both enabled: enable one")
     # Gradients reduced and accumulated in fp32 (DeepSpeed's default is the model's dtype, bf16 under bf16):
     # the project's one definition of mixed precision (docs/precision.md); --bf16_gradient_reduction opts out.
-    low = cfg.bf16 and cfg.bf16_gradient_reduction
-    own(ds, "communication_data_type", "bf16" if low else "fp32", "--bf16_gradient_reduction")
-    own(ds.setdefault("data_types", {}), "grad_accum_dtype", "bf16" if low else "fp32", "--bf16_gradient_reduction",
+    reduce = gradient_reduction_dtype(cfg.bf16, cfg.bf16_gradient_reduction)
+    own(ds, "communication_data_type", reduce, "--bf16_gradient_reduction")
+    own(ds.setdefault("data_types", {}), "grad_accum_dtype", reduce, "--bf16_gradient_reduction",
         where="data_types.")  # fmt: skip
 
     if "optimizer" in ds:

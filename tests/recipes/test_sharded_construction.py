@@ -1,5 +1,6 @@
-"""training/build.py under ZeRO-3: the model is built inside zero.Init on 2 CPU ranks (each holds half of it
-right after construction) with the same weights and the same RNG state afterwards as a plain build."""
+"""training/build.py builds the model sharded on 2 CPU ranks (under ZeRO-3 inside zero.Init, under FSDP2 on the
+meta device; each rank holds half of it right after construction) with the same weights and the same RNG state
+afterwards as a plain build."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ import pytest
 from launching import ROOT, launch, launcher_command
 
 
+def worker_ranks(tmp_path, config: str, worker: str) -> list[dict]:
+    """Launch tests/recipes/<worker>_worker.py on 2 ranks with accelerate's `config`; each rank's record."""
+    cmd = launcher_command("accelerate", config)
+    cmd[-1] = str(ROOT / "tests" / "recipes" / f"{worker}_worker.py")
+    launch(cmd, ["--preset=debug"], tmp_path / "out")
+    ranks = json.loads((tmp_path / "out" / f"{worker}.json").read_text())
+    assert len(ranks) == 2
+    return ranks
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_zero3_builds_partitioned_with_a_plain_builds_weights(tmp_path):
-    cmd = launcher_command("accelerate", "zero3")
-    cmd[-1] = str(ROOT / "tests" / "recipes" / "zero_init_worker.py")
-    launch(cmd, ["--preset=debug"], tmp_path / "out")
-    ranks = json.loads((tmp_path / "out" / "zero_init.json").read_text())
-    assert len(ranks) == 2
+    ranks = worker_ranks(tmp_path, "zero3", "zero_init")
     for rank in ranks:
         assert rank["same_weights"] == 1 and rank["same_rng_after"] == 1, rank
         # Half of every parameter, up to DeepSpeed's padding of odd-sized partitions (the debug model's 64-wide
@@ -27,11 +34,7 @@ def test_zero3_builds_partitioned_with_a_plain_builds_weights(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_fsdp2_builds_on_meta_with_a_plain_builds_weights(tmp_path):
-    cmd = launcher_command("accelerate", "fsdp")
-    cmd[-1] = str(ROOT / "tests" / "recipes" / "fsdp_init_worker.py")
-    launch(cmd, ["--preset=debug"], tmp_path / "out")
-    ranks = json.loads((tmp_path / "out" / "fsdp_init.json").read_text())
-    assert len(ranks) == 2
+    ranks = worker_ranks(tmp_path, "fsdp", "fsdp_init")
     for rank in ranks:
         assert rank["built_on_meta"] == 1 and rank["optimizer_on_shards"] == 1, rank
         assert rank["same_weights"] == 1 and rank["same_rng_after"] == 1, rank

@@ -225,27 +225,21 @@ def plan(report: Report, config, name: str, world: int, per_node: int, cfg, ds) 
     """The check the training script makes before it starts (`training/memory/fit.py`): the memory planner's
     prediction for this launch against this host's free GPU memory, RAM and NVMe disk, with the cheapest fix."""
     from training.memory.fit import (
-        Launch,
         MemoryFitError,
         capacity,
         check_memory_fit,
         needs,
+        nvme_path,
         planned_config,
-        planner_strategy,
+        training_launch,
     )
 
-    config = planned_config(cfg, config)  # the vocabulary the run will have, as the training script plans it
-    mapped = planner_strategy(name, world, None)
-    if mapped is None:
+    launch = training_launch(cfg, name, world, None, per_node, ds)
+    if launch is None:
         report.add("memory plan", NA, f"the planner does not model {name}")
         return
-    zero = (ds or {}).get("zero_optimization") or {}
-    nvme = next((zero[k].get("nvme_path") for k in ("offload_param", "offload_optimizer")
-                 if (zero.get(k) or {}).get("device") == "nvme"), None)  # fmt: skip
-    launch = Launch(
-        mapped[0], mapped[1], min(per_node, mapped[1]), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
-        cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, ds,
-    )  # fmt: skip
+    config = planned_config(cfg, config)  # the vocabulary the run will have, as the training script plans it
+    nvme = nvme_path(ds)
     try:
         have = capacity(nvme if nvme and Path(nvme).is_dir() else None)
         need = needs(config, launch, have.gpu_free is not None)

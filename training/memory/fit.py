@@ -168,18 +168,33 @@ def ranks_per_host(world: int) -> int:
 def check_launch_fits(cfg, config, strategy) -> None:
     """`check_memory_fit` for the launch the training script was started with (`strategy` from
     `training/strategy.requested_strategy`), on this host now."""
-    mapped = planner_strategy(strategy.name, strategy.world_size, strategy.shard_size)
-    if cfg.skip_memory_check or mapped is None:
+    launch = training_launch(cfg, strategy.name, strategy.world_size, strategy.shard_size,
+                             ranks_per_host(strategy.world_size), strategy.deepspeed)  # fmt: skip
+    if cfg.skip_memory_check or launch is None:
         return
-    zero = (strategy.deepspeed or {}).get("zero_optimization") or {}
-    nvme = next((zero[k]["nvme_path"] for k in ("offload_param", "offload_optimizer")
-                 if (zero.get(k) or {}).get("device") == "nvme"), None)  # fmt: skip
-    launch = Launch(
-        mapped[0], mapped[1], min(ranks_per_host(strategy.world_size), mapped[1]),
-        cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
-        cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, strategy.deepspeed,
+    have = capacity(nvme_path(strategy.deepspeed), int(os.environ.get("LOCAL_RANK", "0")))
+    check_memory_fit(planned_config(cfg, config), launch, have)
+
+
+def training_launch(
+    cfg, name: str, world: int, shard_size: int | None, per_host: int, ds: dict | None
+) -> Launch | None:
+    """The planner's view of a `recipes/train.py` launch with flags `cfg`, strategy `name` on `world` ranks,
+    `per_host` of them on each host, and the resolved DeepSpeed JSON `ds`; None for a strategy it does not model."""
+    mapped = planner_strategy(name, world, shard_size)
+    if mapped is None:
+        return None
+    return Launch(
+        mapped[0], mapped[1], min(per_host, mapped[1]), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
+        cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, ds,
     )  # fmt: skip
-    check_memory_fit(planned_config(cfg, config), launch, capacity(nvme, int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+def nvme_path(ds: dict | None) -> str | None:
+    """The folder a DeepSpeed JSON offloads to NVMe (parameters or optimizer states), if any."""
+    zero = (ds or {}).get("zero_optimization") or {}
+    return next((zero[k].get("nvme_path") for k in ("offload_param", "offload_optimizer")
+                 if (zero.get(k) or {}).get("device") == "nvme"), None)  # fmt: skip
 
 
 def planned_config(cfg, config):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from training.config import RunConfig, autotp_size, load_json, resolve_deepspeed
+from training.config import RunConfig, autotp_size, gradient_reduction_dtype, load_json, resolve_deepspeed
 from training.optim import param_groups
 from training.paths import ROOT
 
@@ -121,7 +121,7 @@ def zero_config(strategy: str, config: ShardGPTConfig, world: int, precision: st
         ds_config = load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy])
     accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype", "auto")
     if accum == "auto":
-        accum = "bf16" if bf16_gradient_reduction and precision == "bf16" else "fp32"
+        accum = gradient_reduction_dtype(precision == "bf16", bf16_gradient_reduction)
     accum_bytes = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[accum]
     zero = copy.deepcopy(ds_config.get("zero_optimization") or {})
     # Offload sections are read as they are: resolving them would check that nvme_path exists here.
