@@ -222,19 +222,24 @@ def test_nvme_offload_returns_the_weights_it_was_given(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_nvme_offload_swaps_and_trains_the_same(corpus, tmp_path):
+@pytest.mark.parametrize(
+    "config", ["zero3_offload_nvme", pytest.param("zero3_offload_nvme_small_host", marks=pytest.mark.matrix)]
+)
+def test_nvme_offload_swaps_and_trains_the_same(config, corpus, tmp_path):
     """ZeRO-3 with parameters and Adam's states on the drive, for real. Two things keep them off it in the
     parity runs above: DeepSpeed swaps only partitions of 1 MiB or more (here MLP matrices of 64 x 8192 give each
     rank 1 MiB partitions), and it keeps up to `offload_param.max_in_cpu` parameter elements (1e9 in
     ds_configs/zero3_offload_nvme.json) in host memory for good, so this run sets it to 0 (with a swap buffer for
-    every swapped matrix, instead of five of 1e8 elements each). Six steps through the
-    `deepspeed` launcher equal the single process's, and the swap files are on the drive."""
-    needs_libaio("zero3_offload_nvme")
+    every swapped matrix, instead of five of 1e8 elements each). ds_configs/zero3_offload_nvme_small_host.json
+    (max_in_cpu 0 and eight swap buffers already, smaller optimizer sub-groups) runs as written. Six steps through
+    the `deepspeed` launcher equal the single process's, and the swap files are on the drive."""
+    needs_libaio(config)
     args = [*corpus["flags"], *TRAIN, "--max_steps=6", "--config_overrides=intermediate_size=8192"]
     reference = launch(launcher_command("python"), [*args, "--per_device_train_batch_size=8"], tmp_path / "ref")
-    ds = json.loads((ROOT / "ds_configs" / "zero3_offload_nvme.json").read_text())
-    # All six swapped matrices can be live at once (stage3_max_live_parameters): a swap buffer for each.
-    ds["zero_optimization"]["offload_param"].update(max_in_cpu=0, buffer_count=8, buffer_size=2**19)
+    ds = json.loads((ROOT / "ds_configs" / f"{config}.json").read_text())
+    if config == "zero3_offload_nvme":
+        # All six swapped matrices can be live at once (stage3_max_live_parameters): a swap buffer for each.
+        ds["zero_optimization"]["offload_param"].update(max_in_cpu=0, buffer_count=8, buffer_size=2**19)
     (tmp_path / "nvme.json").write_text(json.dumps(ds))
     nvme = tmp_path / "nvme"
     nvme.mkdir()
