@@ -1,28 +1,63 @@
 # Two commands do all the set-up on a fresh machine:
 #   make train   trains the `tiny` preset on the embedded default corpus
 #   make test    runs the whole test suite (2 CPU ranks, gloo, for every strategy)
-# Both create .venv on first use. TORCH picks the torch build: the default pin takes the CPU wheel
-# where one is on disk; on a GPU machine use e.g. `make setup TORCH="torch==2.13.0 --index-url ..."`.
+# Both create .venv on first use with exactly the packages of requirements.lock (the whole tree, pinned),
+# so any day's set-up gives what CI tested. `make lock` re-resolves the lock to the newest releases;
+# `make test-latest` runs the fast tests against the newest releases in a scratch venv before the lock moves.
+#
+# torch is the user's choice. The lock pins the CPU wheel CI runs on; TORCH installs another build first and
+# keeps the rest of the lock, e.g. on a GPU machine:
+#   make setup TORCH="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128"
 
-VENV  ?= .venv
-PY    := $(VENV)/bin/python
-TORCH ?= torch==2.13.0
-ARGS  ?=
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+LOCK   := requirements.lock
+TORCH  ?=
+# The torch the lock is resolved with: the CPU wheel CI installs (the oldest and newest supported are tested by
+# `make test-floor` and, with TORCH_LATEST=torch, `make test-latest`).
+LOCK_TORCH ?= torch==2.13.0
+TORCH_LATEST ?= $(LOCK_TORCH)
+ARGS   ?=
 
-.PHONY: setup train test test-matrix test-quick lint presets bench
+.PHONY: setup train test test-matrix test-quick test-latest lock lint presets bench
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: $(LOCK) pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
+ifeq ($(strip $(TORCH)),)
+	@# Exactly the lock: every pinned package with no resolution of its own (--no-deps), then pip-sync (pip-tools,
+	@# itself in the lock) removes whatever an older lock installed and this one does not list.
+	$(PY) -m pip install -q --no-deps -r $(LOCK)
+	$(VENV)/bin/pip-sync -q --pip-args "--no-deps" $(LOCK)
+else
+	@# The user's torch (and the libraries its build needs), then the rest of the lock as pinned.
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,tracking]"
+	grep -v '^torch==' $(LOCK) > $(VENV)/lock-without-torch.txt
+	$(PY) -m pip install -q --no-deps -r $(VENV)/lock-without-torch.txt
+endif
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	@# DeepSpeed's NVMe offload (async_io op) needs libaio's headers: installed here where we may, else set-up
 	@# stops saying how (the NVMe tests would fail without them).
 	@if ! test -e /usr/include/libaio.h && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 		apt-get install -y -q libaio-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libaio-dev >/dev/null; }; fi
 	@test -e /usr/include/libaio.h || { echo "error: libaio's headers (/usr/include/libaio.h) are missing; DeepSpeed's NVMe offload needs them: run 'sudo apt-get install libaio-dev' (or install libaio-devel), then 'make setup'" >&2; exit 1; }
 	touch $@
+
+# Re-resolve the lock to today's releases (pip-tools), torch held at LOCK_TORCH. Then `make setup test`.
+lock: setup
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)/bin/pip-compile -q --upgrade --extra dev --extra tracking \
+		--strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links -P "$(LOCK_TORCH)" -o $(LOCK) pyproject.toml
+
+# The fast tests against the newest release of every dependency (pyproject.toml's ranges, no lock) in a scratch
+# venv, torch held at TORCH_LATEST (TORCH_LATEST=torch: the newest torch too). Prints what it installed.
+test-latest:
+	rm -rf .venv-latest && python3 -m venv .venv-latest
+	.venv-latest/bin/python -m pip install -q $(TORCH_LATEST)
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,tracking]"
+	@.venv-latest/bin/python -c "import importlib.metadata as m; print('newest releases:', ', '.join(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'accelerate', 'deepspeed', 'datasets', 'tokenizers', 'huggingface_hub', 'safetensors')))"
+	.venv-latest/bin/python -m pytest -m "not slow" $(ARGS)
 
 train: setup
 	$(PY) recipes/train.py $(ARGS)

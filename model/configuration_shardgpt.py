@@ -53,7 +53,6 @@ class ShardGPTConfig(PretrainedConfig):
     """
 
     model_type = "shardgpt"
-    keys_to_ignore_at_inference = ["past_key_values"]
     # Llama's tensor- and pipeline-parallel plans (`from_pretrained(tp_plan="auto")`, vLLM's transformers backend):
     # the modules have Llama's names and shapes, so they shard the same way.
     base_model_tp_plan = {

@@ -29,6 +29,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_shardgpt import ShardGPTConfig
@@ -124,12 +125,13 @@ class ShardGPTAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
         self.o_proj.is_residual_projection = True  # read by `_init_weights`
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -140,8 +142,8 @@ class ShardGPTAttention(nn.Module):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)  # (B, KV, S, D)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, KV, S, D)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -176,17 +178,16 @@ class ShardGPTDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = ShardGPTRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ShardGPTRMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        attn, _ = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values, **kwargs
-        )
+        attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, **kwargs)
         h = hidden_states + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -197,7 +198,6 @@ class ShardGPTPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ShardGPTDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
     # Attention goes through transformers' attention interface, so all its kernels apply, as for Llama.
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -235,13 +235,14 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -254,13 +255,13 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
         # layer's keys and values. An explicit `use_cache=True` still builds one.
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         # Position ids from the caller may pack several documents into one row, which the mask then keeps apart.
         # Ones made here cannot, and looking for packing in them costs a device sync per training forward.
         packed_position_ids = position_ids
         if position_ids is None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past).unsqueeze(0)
 
         # None when the attention kernel's own causal masking is exact (training: no padding): the fast path.
@@ -268,7 +269,7 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             position_ids=packed_position_ids,
         )
         hidden_states = inputs_embeds
@@ -279,11 +280,11 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 position_ids=position_ids,
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -353,13 +354,14 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
         self.lm_head = ShardGPTLMHead(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         shift_labels: torch.LongTensor | None = None,
@@ -384,7 +386,7 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -420,7 +422,7 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

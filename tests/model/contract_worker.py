@@ -113,7 +113,7 @@ def check_return_dict_false():
     assert type(a) is tuple and len(a) == len(b), f"got {type(a).__name__} of {len(a)}, Llama a tuple of {len(b)}"
     close(a[0], b[0], "loss")
     close(a[1], b[1], "logits")
-    assert type(a[2]).__name__ == type(b[2]).__name__, "past_key_values"
+    assert type(a[2]).__name__ == type(b[2]).__name__, "cache"
     a, b = ours.model(x, return_dict=False), llama.model(x, return_dict=False)
     assert type(a) is tuple and len(a) == len(b), "base model with return_dict=False"
     close(a[0], b[0], "last_hidden_state")

@@ -83,7 +83,7 @@ def test_cached_decoding_equals_uncached():
     # And the logits of one cached step equal the full forward's last position.
     full = ours(cached).logits[:, -1]
     out = ours(cached[:, :-1], use_cache=True)
-    step = ours(cached[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
+    step = ours(cached[:, -1:], cache=out.cache, use_cache=True).logits[:, -1]
     torch.testing.assert_close(step, full)
 
 
