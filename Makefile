@@ -17,9 +17,17 @@ TORCH  ?=
 # `make test-floor` and, with TORCH_LATEST=torch, `make test-latest`).
 LOCK_TORCH ?= torch==2.13.0
 TORCH_LATEST ?= $(LOCK_TORCH)
+# The oldest torch supported (training/compat.py, pyproject.toml), and what `make test-floor` runs on it: the model
+# (compile included), the sharded builds and a launch of each strategy family, eager and compiled.
+FLOOR_TORCH ?= torch==2.11.0
+FLOOR_TESTS ?= tests/model tests/training tests/recipes/test_sharded_construction.py \
+	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-ddp-ddp]" \
+	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-fsdp-fsdp]" \
+	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-zero3-zero3]" \
+	tests/recipes/test_precision.py::test_torch_compile_trains_the_same
 ARGS   ?=
 
-.PHONY: setup train test test-matrix test-quick test-latest lock lint presets bench
+.PHONY: setup train test test-matrix test-quick test-latest test-floor test-gpu lock lint presets bench
 
 setup: $(VENV)/.installed
 
@@ -31,10 +39,11 @@ ifeq ($(strip $(TORCH)),)
 	$(PY) -m pip install -q --no-deps -r $(LOCK)
 	$(VENV)/bin/pip-sync -q --pip-args "--no-deps" $(LOCK)
 else
-	@# The user's torch (and the libraries its build needs), then the rest of the lock as pinned.
-	$(PY) -m pip install -q $(TORCH)
+	@# The rest of the lock as pinned, then the user's torch with what its build needs (pip changes a pinned
+	@# package only where that torch requires another release of it, e.g. torch 2.11's setuptools<82).
 	grep -v '^torch==' $(LOCK) > $(VENV)/lock-without-torch.txt
 	$(PY) -m pip install -q --no-deps -r $(VENV)/lock-without-torch.txt
+	$(PY) -m pip install -q $(TORCH)
 endif
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
@@ -58,6 +67,16 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,tracking]"
 	@.venv-latest/bin/python -c "import importlib.metadata as m; print('newest releases:', ', '.join(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'accelerate', 'deepspeed', 'datasets', 'tokenizers', 'huggingface_hub', 'safetensors')))"
 	.venv-latest/bin/python -m pytest -m "not slow" $(ARGS)
+
+# The lock's packages with the oldest supported torch (FLOOR_TORCH) in .venv-floor, and FLOOR_TESTS on it.
+test-floor:
+	$(MAKE) setup VENV=.venv-floor TORCH="$(FLOOR_TORCH)"
+	.venv-floor/bin/python -m pytest $(FLOOR_TESTS) $(ARGS)
+
+# On a CUDA machine: every config one GPU can run, compile, fp16 loss scaling, the profiler, a resume under another
+# strategy (tests marked gpu; they skip without a GPU). Run with the GPU's own torch: make setup TORCH=... first.
+test-gpu: setup
+	$(PY) -m pytest -m gpu $(ARGS)
 
 train: setup
 	$(PY) recipes/train.py $(ARGS)

@@ -187,7 +187,8 @@ class ShardGPTDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, **kwargs)
+        normed = self.input_layernorm(hidden_states)
+        attn, _ = self.self_attn(normed, position_embeddings, attention_mask, cache, **kwargs)
         h = hidden_states + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -211,6 +212,13 @@ class ShardGPTPreTrainedModel(PreTrainedModel):
         """GPT-2 init: N(0, initializer_range) for every matrix, the residual projections (`o_proj`,
         `down_proj`) scaled down by sqrt(2 * layers) so the residual stream's variance does not grow with
         depth; norms start at one. `init.*` skips tensors already loaded by `from_pretrained`.
+
+        The rule builders rely on: every initial value is drawn here, from the global RNG and the config alone, one
+        module at a time in `initialize_weights`' order (children before parents), writing only that module's own
+        parameters and reading no other values. The constructors' own draws (`nn.Linear.reset_parameters`) do not
+        count. So a model built without drawing (on the meta device, under `no_init_weights`, inside ZeRO-3's
+        `zero.Init`) gets the same weights by running this method module by module on whole temporaries of each
+        module's parameters, which is how a sharded model starts without any rank holding all of it.
 
         Only modules that own parameters are initialised here: transformers skips a custom-code module
         without direct parameters, so the residual scaling is read from a flag on the projection itself."""
@@ -287,51 +295,81 @@ class ShardGPTModel(ShardGPTPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """sum over tokens of cross_entropy(hidden @ weight.T, targets) without the (tokens, vocab) logits.
+# The chunked loss is a custom operator (`torch.library.custom_op`) with its own autograd formula: torch.compile sees
+# one opaque call with fresh outputs, never the chunk loop's in-place writes, so the gradients cannot depend on how a
+# torch version's compiler treats in-place writes inside a traced autograd function (torch 2.11 zeroed them). The
+# namespace is this module's own: the file is also imported from exported folders (trust_remote_code) beside it.
+_OP_NAMESPACE = "shardgpt_" + "".join(c if c.isalnum() else "_" for c in __name__)
 
-    The tokens are taken `chunk_size` at a time: a chunk's logits (chunk, vocab) are computed in fp32, give
-    the chunk's loss and at once its gradient (softmax - one-hot), which is turned into the gradients of the
-    chunk's hidden states and added to the weight's (fp32) gradient before the next chunk. The forward saves
-    only those two gradients, (tokens, hidden) and (vocab, hidden); the backward scales them by the loss's
-    incoming gradient. Targets equal to -100 are ignored. Runs under autocast (the matmuls take its dtype, as
-    `lm_head` would) and torch.compile, which traces the chunk loop. No double backward.
+
+@torch.library.custom_op(f"{_OP_NAMESPACE}::chunked_cross_entropy", mutates_args=())
+def _chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sum over tokens of cross_entropy(hidden @ weight.T, targets), and its gradients with respect to `hidden`
+    (N, C) and `weight` (V, C, fp32), without the (N, V) logits.
+
+    The tokens are taken `chunk_size` at a time: a chunk's logits (chunk, V) are computed with the matmul in
+    `compute_dtype` (the autocast dtype, as `lm_head` would run) and softmaxed in fp32; they give the chunk's loss
+    and at once its gradient (softmax - one-hot), which is turned into the gradients of the chunk's hidden states
+    and added to the weight's fp32 gradient before the next chunk. Targets equal to -100 are ignored.
     """
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
-        # hidden (N, C), weight (V, C), targets (N,)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    w = weight.to(compute_dtype)  # (V, C), one cast for all chunks
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit here
         for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+            h, t = hidden[start : start + chunk_size].to(compute_dtype), targets[start : start + chunk_size]
             counted = (t != -100).unsqueeze(1)  # (n, 1)
             t = t.clamp(min=0).unsqueeze(1)  # ignored rows point at class 0; masked below on the (n, C) side
-            logits = (h @ weight.T).float()  # (n, V), the only vocabulary-wide tensors, one chunk at a time
-            logp = torch.log_softmax(logits, dim=-1)
-            del logits
+            logp = torch.log_softmax((h @ w.T).float(), dim=-1)  # (n, V): the only vocabulary-wide tensors
             total -= (logp.gather(1, t) * counted).sum()
-            grad = logp.exp_().scatter_add_(1, t, -counted.float())  # softmax - one-hot = d(CE)/d logits
-            grad = grad.to(h.dtype)  # under autocast the matmuls below cast to its dtype, as lm_head's would
+            grad = logp.exp_().scatter_add_(1, t, -counted.float()).to(compute_dtype)  # d(CE)/d logits
             # Ignored rows are zeroed on the narrow side: their hidden states' gradient and their share of the
             # weight's gradient (h masked), not the (n, V) softmax.
-            grad_hidden[start : start + chunk_size] = (grad @ weight) * counted  # (n, C)
+            grad_hidden[start : start + chunk_size] = (grad @ w) * counted  # (n, C)
             grad_weight += grad.T @ (h * counted)  # (V, C)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        return total
+    return total, grad_hidden, grad_weight
 
-    @staticmethod
-    def backward(ctx, grad_total: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
-        return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight, None, None
+
+@_chunked_cross_entropy.register_fake
+def _(hidden, weight, targets, chunk_size, compute_dtype):
+    total = hidden.new_empty((), dtype=torch.float32)
+    return total, torch.empty_like(hidden), weight.new_empty(weight.shape, dtype=torch.float32)
+
+
+def _save_gradients(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1], output[2])  # the two gradients: (N, C) and (V, C); no logits
+    ctx.weight_dtype = inputs[1].dtype
+
+
+def _scale_gradients(ctx, grad_total, _grad_hidden, _grad_weight):
+    grad_hidden, grad_weight = ctx.saved_tensors
+    return (
+        grad_hidden * grad_total.to(grad_hidden.dtype),
+        (grad_weight * grad_total).to(ctx.weight_dtype),
+        None,
+        None,
+        None,
+    )
+
+
+_chunked_cross_entropy.register_autograd(_scale_gradients, setup_context=_save_gradients)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
+    """The summed cross-entropy of `hidden` (N, C) against `targets` (N,) through the head `weight` (V, C), fp32,
+    computed a chunk of tokens at a time (`_chunked_cross_entropy`). Under autocast the matmuls take its dtype,
+    as `lm_head` would. No double backward."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    return _chunked_cross_entropy(hidden, weight, targets, chunk_size, dtype)[0]
 
 
 class ShardGPTLMHead(nn.Linear):
     """`lm_head`: an `nn.Linear` (vocab, hidden) that, given targets, returns the summed cross-entropy
-    (`ChunkedCrossEntropy`) instead of the logits. The loss goes through the module's own call so that engines
+    (`chunked_cross_entropy`) instead of the logits. The loss goes through the module's own call so that engines
     that gather the weight around a module's forward (ZeRO-3, FSDP) see it used."""
 
     chunk_size = 1024  # tokens per chunk: (1024, vocab) fp32 logits at a time; larger chunks run matmuls better
@@ -340,7 +378,7 @@ class ShardGPTLMHead(nn.Linear):
         if targets is None:
             return super().forward(hidden_states)
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (B*T, C)
-        return ChunkedCrossEntropy.apply(hidden, self.weight, targets.reshape(-1), self.chunk_size)
+        return chunked_cross_entropy(hidden, self.weight, targets.reshape(-1), self.chunk_size)
 
 
 class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
@@ -377,7 +415,7 @@ class ShardGPTForCausalLM(ShardGPTPreTrainedModel, GenerationMixin):
         With `num_items_in_batch` the loss is the *sum* over tokens divided by that count, so several
         micro batches (or ranks) with different numbers of counted tokens add up to the mean over all of
         them: gradient accumulation then weights tokens, not micro batches. Without it, the mean here.
-        In training mode the loss is `ChunkedCrossEntropy` (fp32, a chunk of tokens at a time) and `logits` is
+        In training mode the loss is `chunked_cross_entropy` (fp32, a chunk of tokens at a time) and `logits` is
         None: the (B, T, vocab) logits and their gradient are never held. In eval mode, or without labels, the
         logits are computed and returned as in Llama, and the loss is transformers' `ForCausalLMLoss`
         (`self.loss_function`) on them: the same value.

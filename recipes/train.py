@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -34,18 +35,19 @@ from training.checkpoint import (
     resolve_resume_once,
     save_checkpoint,
 )
+from training.compat import check_versions
 from training.config import RunConfig
 from training.evaluate import evaluate, print_sample
 from training.export import full_state_dict
 from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
 from training.memory.fit import check_launch_fits
-from training.metrics import MetricsWriter, flops_per_token, format_record, memory_gb, peak_flops
+from training.metrics import MetricsWriter, StepLog, flops_per_token, format_record, peak_flops
 from training.model_card import write_model_card
 from training.optim import make_optimizer, make_scheduler
 from training.preemption import Preempted, PreemptionWatch, stop_message
 from training.profiling import make_profiler
 from training.ranks import BAD_INPUT, run_rank
-from training.step import NonFiniteLossError, step_was_skipped, train_step
+from training.step import NonFiniteLossError, ZeroGradientError, check_gradients_flow, train_step
 from training.strategy import check_deepspeed_ops, check_fsdp_wrap, launched_world_size, requested_strategy
 from training.watchdog import make_watchdog
 
@@ -55,6 +57,7 @@ logger = logging.getLogger("shardgpt")
 def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ setup
     # Everything that can be checked without a process group is checked here, before anything heavy.
+    check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
     cfg.validate(world)
@@ -109,11 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
     seen = verify_strategy(accelerator, net, strategy)  # refuses a run that would not shard as asked
     seen |= observe_strategy(net, optimizer)  # engine, optimizer, offload and resharding, as prepared
-    shares = StateShares(optimizer)  # gradient and optimizer-state shares, measured at the first step
+    shares = StateShares(optimizer)  # gradient and optimizer-state shares, read after the first step
     logger.info("strategy in force: %s", seen)
     if cfg.report_to != "none":
         hparams = {k: v for k, v in cfg.to_dict().items() if v is not None}
-        accelerator.init_trackers("shardgpt", config=hparams, init_kwargs={"wandb": {"dir": cfg.output_dir}})
+        # W&B writes under output_dir unless the user's WANDB_DIR says where (as the HF Trainer honours it).
+        wandb_dir = {} if os.environ.get("WANDB_DIR") else {"dir": cfg.output_dir}
+        accelerator.init_trackers("shardgpt", config=hparams, init_kwargs={"wandb": wandb_dir})
 
     # ------------------------------------------------------------------ resume
     step = 0
@@ -127,13 +132,13 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("resumed from %s at step %d", resume, step)
 
     # ------------------------------------------------------------------ loop
-    tokens_per_step = loader.global_batch_size * cfg.block_size
-    flops_per_step = flops_per_token(config, cfg.block_size) * tokens_per_step
-    peak = peak_flops(accelerator.device, cfg.peak_flops)
-    metrics = MetricsWriter(accelerator, cfg.output_dir)
     # Token-weighted accumulation across micro batches and data-parallel ranks (see training/step.py).
     loss_scale = dp * cfg.gradient_accumulation_steps
-    progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
+    tokens_per_step = loader.global_batch_size * cfg.block_size
+    peak = peak_flops(accelerator.device, cfg.peak_flops)
+    log = StepLog(tokens_per_step, flops_per_token(config, cfg.block_size) * tokens_per_step, world, peak,
+                  accelerator.device, cfg.fp16, compiling=cfg.torch_compile)  # fmt: skip
+    metrics = MetricsWriter(accelerator, cfg.output_dir)
     batches = iter(loader)
     preemption = PreemptionWatch()  # from here on SIGTERM and SIGUSR1 stop the run after a checkpoint
     profiler = make_profiler(cfg, accelerator.process_index, accelerator.device)  # does nothing without --profile
@@ -146,80 +151,52 @@ def main(argv: list[str] | None = None) -> None:
                  "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
         return save_checkpoint(accelerator, cfg.output_dir, step, state, cfg.save_total_limit)
 
-    train_time, loss_sum, steps_since_log, timed_steps = 0.0, 0.0, 0, 0
-    # Under --torch_compile the first step of this process compiles the forward and backward: its time is
-    # logged as compile_time_s (compilation and that one step) and left out of step_time_s and tokens/s.
-    compiling, compile_time, skipped = cfg.torch_compile, None, 0
-    while step < cfg.max_steps:
-        watchdog.arm(step + 1)
-        t0 = time.perf_counter()
-        with profiler.step(step + 1):  # --profile: records the steps of --profile_steps
-            loss, grad_norm = train_step(
-                accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step + 1,
-                strategy.tp_size,
-            )  # fmt: skip  # collectives inside: gradient reduction, the loss all-reduce, clipping
-        elapsed = time.perf_counter() - t0  # the loss's .item() has synchronised the device
-        watchdog.phase("profile_export", timed=False)  # rank 0's table can take a while
-        if profiler.write():  # after the last profiled step: every rank's trace, rank 0's table
-            accelerator.wait_for_everyone()  # collective: the others wait for rank 0 here, with no deadline running
-        if compiling:
-            compile_time, compiling = elapsed, False
-            logger.info("torch.compile: the first step took %.1f s (compilation included)", elapsed)
-        else:
-            train_time, timed_steps = train_time + elapsed, timed_steps + 1
-        skipped += step_was_skipped(optimizer)  # fp16 only: an overflow skipped the update (GPUs)
-        step += 1
-        loss_sum, steps_since_log = loss_sum + loss, steps_since_log + 1
-        progress.update(1)
-        if shares is not None:  # this process's first optimizer step has run
-            seen |= shares.read(seen["parameters"])
-            shares = None
-            if is_main:  # rank 0 only: every rank holds the same shares
-                (out / "strategy.json").write_text(json.dumps(seen, indent=2))
+    first_step = step + 1
+    # The bar is closed however the loop ends, so that an error's line starts a line of its own.
+    with tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step") as progress:
+        while step < cfg.max_steps:
+            step += 1
+            watchdog.arm(step)
+            t0 = time.perf_counter()
+            with profiler.step(step):  # --profile: records the steps of --profile_steps
+                result = train_step(
+                    accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step,
+                    strategy.tp_size,
+                )  # fmt: skip  # collectives inside: gradient reduction, the loss all-reduce, clipping
+            log.add(result, time.perf_counter() - t0)  # the loss's .item() has synchronised the device
+            progress.update(1)
+            watchdog.phase("profile_export", timed=False)  # rank 0's table can take a while
+            if profiler.write():  # after the last profiled step: every rank's trace, rank 0's table
+                accelerator.wait_for_everyone()  # collective: the others wait for rank 0, with no deadline running
+            if step == first_step:
+                check_gradients_flow(result, step, cfg.torch_compile)  # the same on every rank: norms are global
+                seen |= shares.read(seen["parameters"])  # gradient and optimizer-state shares, now that they exist
+                if is_main:  # rank 0 only: every rank holds the same shares
+                    (out / "strategy.json").write_text(json.dumps(seen, indent=2))
 
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            # Training only: evaluation, saving and compilation are not counted (None: no timed step since the log).
-            dt = train_time / timed_steps if timed_steps else None
-            record = {
-                "step": step,
-                "loss": loss_sum / steps_since_log,  # mean over the steps since the last log, as the HF Trainer
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm,
-                "tokens_per_sec": tokens_per_step / dt if dt else None,
-                "step_time_s": dt,
-                "mfu": flops_per_step / dt / world / peak if peak and dt else None,
-                "epoch": loader.epoch,
-                **memory_gb(accelerator.device),
-            }
-            if compile_time is not None:  # once, in the first record after compilation
-                record["compile_time_s"], compile_time = compile_time, None
-            if cfg.fp16:  # steps whose update loss scaling skipped so far (overflowing gradients)
-                record["overflow_skipped_steps"] = skipped
-            metrics.write(record)  # rank 0 writes the file; accelerate's trackers are rank-0 gated
-            if is_main:
-                progress.write(format_record(record))
-            train_time, loss_sum, steps_since_log, timed_steps = 0.0, 0.0, 0, 0
-
-        if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
-            watchdog.phase("evaluate")
-            val = evaluate(accelerator, net, packed.validation, cfg, dp, dp_rank)  # collective: all ranks, reduced sums
-            if val is not None:
-                perplexity = math.exp(min(val, 50))  # capped: exp overflows for a diverged model
-                metrics.write({"step": step, "eval_loss": val, "eval_perplexity": perplexity})
+            if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+                record = log.record(step, scheduler.get_last_lr()[0], result.grad_norm, loader.epoch)
+                metrics.write(record)  # rank 0 writes the file; accelerate's trackers are rank-0 gated
                 if is_main:
-                    progress.write(f"step {step:>6} | eval loss {val:.4f} | perplexity {perplexity:.2f}")
-            net.train()
+                    progress.write(format_record(record))
 
-        watchdog.phase("save")
-        saved = save() if cfg.save_steps and step % cfg.save_steps == 0 else None  # collective
-        watchdog.phase("agree_on_stop")
-        faults.maybe_kill("kill", step, is_main)
-        faults.maybe_signal(step, accelerator.process_index, world)
-        faults.maybe_stall(step, accelerator.process_index, world)
-        stop = preemption.agreed(accelerator.device)  # collective: every rank stops after the same step
-        if stop is not None and step < cfg.max_steps:
-            raise Preempted(stop_message(stop, step, saved or save()))  # save: collective
-    progress.close()
+            if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
+                watchdog.phase("evaluate")
+                val = evaluate(accelerator, net, packed.validation, cfg, dp, dp_rank)  # collective: reduced sums
+                if val is not None:
+                    perplexity = math.exp(min(val, 50))  # capped: exp overflows for a diverged model
+                    metrics.write({"step": step, "eval_loss": val, "eval_perplexity": perplexity})
+                    if is_main:
+                        progress.write(f"step {step:>6} | eval loss {val:.4f} | perplexity {perplexity:.2f}")
+                net.train()
+
+            watchdog.phase("save")
+            saved = save() if cfg.save_steps and step % cfg.save_steps == 0 else None  # collective
+            watchdog.phase("agree_on_stop")
+            faults.after_step(step, accelerator.process_index, world)  # the test suite's injected faults
+            stop = preemption.agreed(accelerator.device)  # collective: every rank stops after the same step
+            if stop is not None and step < cfg.max_steps:
+                raise Preempted(stop_message(stop, step, saved or save()))  # save: collective
     watchdog.stop()  # the export has no step deadline
 
     # ------------------------------------------------------------------ export
@@ -245,4 +222,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     # Bad input, a stopped run and a full disk end with one line and exit status 2; a preempted run with one line
     # and exit status 75 (see `run_rank`).
-    run_rank(main, (*BAD_INPUT, NonFiniteLossError, CheckpointSpaceError))
+    run_rank(main, (*BAD_INPUT, NonFiniteLossError, ZeroGradientError, CheckpointSpaceError))

@@ -23,6 +23,7 @@ from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from data import BlockDataset, prepare_data
 from training.build import build_model
+from training.compat import check_versions
 from training.config import RunConfig
 from training.evaluate import print_sample
 from training.hf_trainer import (
@@ -40,6 +41,7 @@ from training.strategy import check_deepspeed_ops, launched_world_size, requeste
 
 
 def main(argv: list[str] | None = None) -> None:
+    check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
     cfg.validate(world)

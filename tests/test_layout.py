@@ -93,3 +93,45 @@ def test_recipes_are_scripts_that_say_how_to_run_them(path):
 def test_nothing_in_the_library_is_a_script():
     scripts = [p.name for p in (ROOT / "training").rglob("*.py") if 'if __name__ == "__main__":' in p.read_text()]
     assert not scripts, scripts
+
+
+def private_torch_uses(path: Path) -> list[str]:
+    """`torch` names with a private part (`torch._dynamo`, `torch.cuda.memory._dump_snapshot`, `from torch.x._y
+    import z`) that a file imports or reads; dunders (`torch.__version__`) are public."""
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] == "torch" and any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and private(f"{node.module}.x"):
+            found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.Attribute):
+            chain, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and private(".".join([inner.id, *reversed(chain)])):
+                found.append(".".join([inner.id, *reversed(chain)]))
+    return found
+
+
+def test_private_torch_apis_live_in_one_module():
+    """STYLE.md 13: where a private torch API is unavoidable it lives in training/compat.py, which says why."""
+    allowed = ROOT / "training" / "compat.py"
+    found = {str(p.relative_to(ROOT)): uses for p in sources() if p != allowed and (uses := private_torch_uses(p))}
+    assert not found, found
+
+
+def test_the_start_up_version_floors_are_pyprojects():
+    """The floors `check_versions` refuses below are the lower bounds pyproject.toml declares."""
+    import tomllib
+
+    from training.compat import FLOORS
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {d.split(">=")[0]: d.split(">=")[1] for d in declared if ">=" in d}
+    assert {name: floors[name] for name in FLOORS} == FLOORS

@@ -17,6 +17,7 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from training.compat import keep_zero3_param_dtype
 from training.config import RunConfig
 from training.strategy import Strategy, parallelism_config
 
@@ -82,32 +83,6 @@ def fsdp_precision(cfg: RunConfig, fsdp_version: int = 2):
     if fsdp_version == 1:
         return MixedPrecision(param_dtype=low, reduce_dtype=reduce, buffer_dtype=low)
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce, output_dtype=torch.float32)
-
-
-def keep_zero3_param_dtype() -> None:
-    """Make ZeRO-3 keep the model's parameter dtype where the device has no fp16 (CPU).
-
-    When the engine partitions an existing model it passes the model's dtype to `zero.Init`, but
-    `InsertPostInitMethodToModuleSubClasses._set_dtype` (deepspeed 0.19.8) reads
-    `dtype or torch.float16 if fp16_supported else torch.bfloat16 ...`, which on a device without fp16
-    ignores the dtype and answers bf16. Under NVMe parameter offload the swapper then stores fp32
-    partitions in bf16 buffers: measured on the `tiny` preset, the embedding was rounded to bf16 when
-    `prepare` returned (max error 2.4e-4) and the step-1 loss moved by 7e-6 relative. On GPUs the
-    expression already returns the given dtype, so nothing is changed there."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
-
-    if get_accelerator().is_fp16_supported() or getattr(ZeroInit._set_dtype, "keeps_given_dtype", False):
-        return
-    upstream = ZeroInit._set_dtype
-
-    def _set_dtype(self, ds_config, dtype):
-        upstream(self, ds_config, dtype)
-        if dtype is not None:
-            self.dtype = dtype
-
-    _set_dtype.keeps_given_dtype = True
-    ZeroInit._set_dtype = _set_dtype
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:

@@ -33,6 +33,13 @@ def active(kind: str, step: int) -> bool:
     return (kind, step) in _faults()
 
 
+def after_step(step: int, rank: int, world_size: int) -> None:
+    """The faults a run meets between steps: a kill, a preemption signal, a stalled rank."""
+    maybe_kill("kill", step, rank == 0)
+    maybe_signal(step, rank, world_size)
+    maybe_stall(step, rank, world_size)
+
+
 def maybe_kill(kind: str, step: int, is_main_process: bool) -> None:
     if is_main_process and active(kind, step):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import psutil
 import torch
+
+logger = logging.getLogger("shardgpt")
 
 # Dense bf16 peak FLOP/s of one device (no sparsity), from the vendors' data sheets.
 PEAK_FLOPS = {
@@ -52,6 +55,57 @@ def memory_gb(device: torch.device) -> dict[str, float]:
         out["gpu_max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         out["gpu_max_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
     return out
+
+
+class StepLog:
+    """The running counts behind each log record: the steps since the last record, their losses and times, and
+    the updates fp16 loss scaling skipped so far. Under --torch_compile a process's first step compiles the forward
+    and backward: its time is reported once, as compile_time_s (compilation and that step), and left out of
+    step_time_s, tokens/s and MFU. Times are the host's wall clock around each step; the step's loss `.item()` has
+    synchronised the device by then."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, world: int, peak: float | None,
+                 device: torch.device, fp16: bool, compiling: bool):  # fmt: skip
+        self.tokens_per_step, self.flops_per_step, self.world, self.peak = tokens_per_step, flops_per_step, world, peak
+        self.device, self.fp16, self.compiling = device, fp16, compiling
+        self.compile_time: float | None = None
+        self.skipped = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum, self.steps, self.train_time, self.timed_steps = 0.0, 0, 0.0, 0
+
+    def add(self, result, elapsed: float) -> None:
+        """One finished step (a `StepResult`) that took `elapsed` seconds."""
+        if self.compiling:
+            self.compile_time, self.compiling = elapsed, False
+            logger.info("torch.compile: the first step took %.1f s (compilation included)", elapsed)
+        else:
+            self.train_time, self.timed_steps = self.train_time + elapsed, self.timed_steps + 1
+        self.loss_sum, self.steps = self.loss_sum + result.loss, self.steps + 1
+        self.skipped += result.skipped
+
+    def record(self, step: int, lr: float, grad_norm: float | None, epoch: int) -> dict:
+        """The record of the steps since the last one (then forgotten). Training only: evaluation, saving and
+        compilation are not timed (None: no timed step since the last record)."""
+        dt = self.train_time / self.timed_steps if self.timed_steps else None
+        record = {
+            "step": step,
+            "loss": self.loss_sum / self.steps,  # mean over the steps since the last log, as the HF Trainer
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_sec": self.tokens_per_step / dt if dt else None,
+            "step_time_s": dt,
+            "mfu": self.flops_per_step / dt / self.world / self.peak if self.peak and dt else None,
+            "epoch": epoch,
+            **memory_gb(self.device),
+        }
+        if self.compile_time is not None:  # once, in the first record after compilation
+            record["compile_time_s"], self.compile_time = self.compile_time, None
+        if self.fp16:  # steps whose update loss scaling skipped so far (overflowing gradients)
+            record["overflow_skipped_steps"] = self.skipped
+        self._reset()
+        return record
 
 
 class MetricsWriter:

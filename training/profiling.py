@@ -15,6 +15,8 @@ import torch
 from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
 
+from training.compat import dump_cuda_memory_snapshot, record_cuda_memory_history
+
 SUMMARY_ROWS = 15
 
 
@@ -45,7 +47,7 @@ class StepProfiler:
     def begin(self, step: int) -> None:
         if step == self.first:
             if self.device.type == "cuda":  # CUDA only: the caching allocator's history (no CPU counterpart)
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                record_cuda_memory_history()
             self.torch_profiler.start()
             self.recording = True
         if self.recording and self.first <= step <= self.last:  # a named range per step in the trace
@@ -69,8 +71,7 @@ class StepProfiler:
         self.unwritten = False
         tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")(self.torch_profiler)
         if self.device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(str(self.folder / "memory_snapshot.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_cuda_memory_snapshot(str(self.folder / "memory_snapshot.pickle"))
         if self.rank == 0:  # rank 0 only: one table for the run (every rank has its own trace)
             sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
             table = ops_only(self.torch_profiler.key_averages()).table(sort_by=sort, row_limit=SUMMARY_ROWS)

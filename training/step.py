@@ -7,6 +7,7 @@ Kept apart from the training script so that tests can drive exactly this code wi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -17,8 +18,19 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+class ZeroGradientError(RuntimeError):
+    """A step with a finite, non-zero loss whose every gradient is exactly zero: nothing would ever train."""
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global batch's token-mean loss
+    grad_norm: float | None  # the global gradient norm before clipping
+    skipped: bool = False  # fp16 loss scaling skipped the update (the gradients overflowed)
+
+
 def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale: float, max_grad_norm: float,
-               step: int, tp_size: int = 1) -> tuple[float, float | None]:  # fmt: skip
+               step: int, tp_size: int = 1) -> StepResult:  # fmt: skip
     """Forward and backward every micro batch of this rank, then step the optimizer and the schedule.
 
     Each micro batch's loss is sum(CE) / (targets in the whole global batch). DDP, FSDP and DeepSpeed average
@@ -27,11 +39,12 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
     global batch, however it is split into micro batches and ranks. `loss_scale` counts data-parallel ranks: the
     `tp_size` ranks of a tensor-parallel group compute the same loss on the same batch.
 
-    Returns the global batch's loss and the gradient norm (before clipping). Raises `NonFiniteLossError`
-    before the optimizer step if either is not finite.
+    Returns the global batch's loss, the gradient norm (before clipping) and whether fp16 loss scaling skipped the
+    update. Raises `NonFiniteLossError` before the optimizer step if the loss or the norm is not finite (unless
+    loss scaling is in force: then the scaler skips the update).
     """
     step_loss = torch.zeros((), device=accelerator.device)
-    grad_norm = None
+    grad_norm, skipped = None, False
     scaled = loss_scaling(accelerator, net)  # fp16: an overflow skips the step instead of stopping the run
     for i, micro in enumerate(micro_batches):
         micro = {k: v.to(accelerator.device, non_blocking=True) for k, v in micro.items()}
@@ -57,28 +70,49 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
                     raise NonFiniteLossError(
                         f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step"
                     )
+                scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
                 optimizer.step()
+                skipped = update_was_skipped(accelerator, optimizer, scale)
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if grad_norm is None and hasattr(net, "get_global_grad_norm"):  # DeepSpeed's, after its step
                     grad_norm = float(net.get_global_grad_norm())
-    return global_loss, grad_norm
+    return StepResult(global_loss, grad_norm, skipped)
 
 
 def loss_scaling(accelerator, net) -> bool:
     """Whether fp16 loss scaling is in force (GPUs only): accelerate's GradScaler (DDP, one process) or FSDP2's
     scaler, or DeepSpeed's dynamic loss scale. Under it a step whose gradients overflow is skipped by the scaler,
-    which then lowers the scale: counted by `step_was_skipped`, not a reason to stop."""
+    which then lowers the scale: reported by `update_was_skipped`, not a reason to stop."""
     return accelerator.scaler is not None or bool(getattr(net, "fp16_enabled", lambda: False)())
 
 
-def step_was_skipped(optimizer) -> bool:
-    """Whether loss scaling skipped the optimizer step just taken (accelerate's optimizer wrappers report it,
-    from the GradScaler or DeepSpeed's overflow flag; always False without fp16)."""
-    inner = getattr(optimizer, "optimizer", None)
-    if getattr(optimizer, "scaler", None) is None and not hasattr(inner, "overflow"):
-        return False  # no loss scaling: nothing can be skipped
-    return bool(optimizer.step_was_skipped)
+def update_was_skipped(accelerator, optimizer, scale_before: float | None) -> bool:
+    """Whether fp16 loss scaling skipped the update just taken. accelerate's GradScaler lowers its scale exactly when
+    it skips a step (inf or NaN gradients), which holds for fused optimizers too: with a fused AdamW (CUDA) the
+    scaler calls the optimizer's step, which skips inside, and accelerate's own `step_was_skipped` stays False.
+    DeepSpeed's optimizer reports its overflow flag. Always False without fp16."""
+    if scale_before is not None:
+        return accelerator.scaler.get_scale() < scale_before
+    return hasattr(getattr(optimizer, "optimizer", None), "overflow") and bool(optimizer.step_was_skipped)
+
+
+def check_gradients_flow(result: StepResult, step: int, compiled: bool) -> None:
+    """After a process's first optimizer step: a finite, non-zero loss with a gradient norm of exactly zero means
+    no weight can ever change. It is what torch 2.11's compiler did to this model's earlier loss (in-place writes
+    inside a traced autograd function, pytorch issue 180642); stop instead of training nothing for hours."""
+    if result.grad_norm != 0.0 or not math.isfinite(result.loss) or result.loss == 0.0 or result.skipped:
+        return
+    cause = (
+        f"--torch_compile with torch {torch.__version__} produced zero gradients: train without --torch_compile, "
+        "or with another torch"
+        if compiled
+        else "the loss does not reach the weights: check for frozen parameters or a detached loss"
+    )
+    raise ZeroGradientError(
+        f"the gradient norm is exactly 0 at step {step} while the loss is {result.loss:.4f}: nothing would train; "
+        f"{cause}"
+    )
 
 
 def clip_gradients(accelerator, net, max_norm: float) -> float | None:

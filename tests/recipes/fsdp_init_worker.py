@@ -1,7 +1,7 @@
 """Launched by test_sharded_construction.py under accelerate's FSDP2 config: `build_model` with the launch's
 Accelerator builds on the meta device and returns the model sharded, then `prepare` binds AdamW to its shards.
 Rank 0 writes, per rank, whether the model held no storage when construction ended, the share of the weights it
-holds after `prepare`, whether the gathered weights and the RNG afterwards equal a plain build's with the same
+holds after `prepare`, whether the gathered weights and the RNG afterwards equal a one-process build's with the same
 seed, and whether those weights saved as a checkpoint folder read back the same under FSDP2 (--model_name_or_path),
 to fsdp_init.json."""
 
@@ -32,13 +32,13 @@ def main() -> None:
     accelerator = make_accelerator(cfg, requested_strategy(cfg, config.hidden_size))  # collective
     set_seed(cfg.seed)
     on_meta = []  # whether every parameter was still on meta when construction ended, before the sharding
-    shard = training.build.materialize_sharded
+    shard = training.build.shard_on_meta
 
-    def spy(accelerator, net, record):
+    def spy(accelerator, net):
         on_meta.append(all(p.is_meta for p in net.parameters()))
-        return shard(accelerator, net, record)
+        return shard(accelerator, net)
 
-    training.build.materialize_sharded = spy
+    training.build.shard_on_meta = spy
     net = build_model(config, StandInTokenizer(config.vocab_size), accelerator=accelerator)  # collective
     after = torch.rand(4)  # the global RNG after construction: a plain build's on every rank
     optimizer = make_optimizer(cfg, net, None, fused=False)
@@ -50,10 +50,8 @@ def main() -> None:
     # collective: every rank gathers every tensor
     built = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in net.state_dict().items()}
     set_seed(cfg.seed)
-    plain = ShardGPTForCausalLM(config)  # `config` as build_model left it (vocabulary, special ids)
-    plain.config.use_cache = False
+    plain = build_model(config, StandInTokenizer(config.vocab_size)).state_dict()  # one process's build
     same_rng = torch.equal(after, torch.rand(4))
-    plain = plain.state_dict()
     same = sorted(plain) == sorted(built) and all(torch.equal(plain[k], built[k].cpu()) for k in plain)
     # The same weights as a checkpoint folder, read back under FSDP2: each rank reads its rows of every tensor.
     folder = Path(cfg.output_dir) / "plain"

@@ -61,9 +61,9 @@ def main() -> None:
         micro = rank_micro_batches(ids, labels, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
                                    world, accelerator.process_index)  # fmt: skip
         counts.append([int((m["shift_labels"] != -100).sum()) for m in micro])
-        loss, _ = train_step(accelerator, net, optimizer, scheduler, micro, world * cfg.gradient_accumulation_steps,
-                             cfg.max_grad_norm, step)  # fmt: skip  # collectives inside
-        losses.append(loss)
+        result = train_step(accelerator, net, optimizer, scheduler, micro, world * cfg.gradient_accumulation_steps,
+                            cfg.max_grad_norm, step)  # fmt: skip  # collectives inside
+        losses.append(result.loss)
     state = accelerator.get_state_dict(net)  # collective: gathers ZeRO/FSDP shards
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:  # rank 0 only: file writes

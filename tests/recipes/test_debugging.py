@@ -76,7 +76,8 @@ def test_a_rank_without_a_stack_is_named_dead(tmp_path):
 @pytest.fixture(scope="module")
 def profiled(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("profiled") / "out"
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    # The user's WANDB_DIR is where the W&B run goes (without it: under --output_dir, test_strategies.py).
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(out.parent / "wandb_dir")}
     args = [*corpus["flags"], *TRAIN, *PROFILE, "--report_to=wandb"]
     return launch(launcher_command("accelerate", "ddp"), args, out, timeout=LAUNCH_TIMEOUT, env=env)
 
@@ -118,7 +119,8 @@ def test_profile_writes_every_ranks_trace_and_one_summary(profiled):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_wandb_offline_history_is_metrics_jsonl(profiled):
-    assert_same_as_metrics(wandb_history(profiled.output_dir), profiled.records, "wandb")
+    assert not (profiled.output_dir / "wandb").exists(), "WANDB_DIR was set: nothing belongs under --output_dir"
+    assert_same_as_metrics(wandb_history(profiled.output_dir.parent / "wandb_dir"), profiled.records, "wandb")
 
 
 @pytest.mark.slow

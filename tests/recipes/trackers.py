@@ -48,11 +48,12 @@ def wandb_records(path: Path) -> list[bytes]:
     return records
 
 
-def wandb_history(output_dir: Path) -> dict[int, dict[str, float]]:
-    """{step: {key: value}} of the one offline W&B run under output_dir/wandb/."""
+def wandb_history(wandb_dir: Path) -> dict[int, dict[str, float]]:
+    """{step: {key: value}} of the one offline W&B run under wandb_dir/wandb/ (--output_dir, or the user's
+    WANDB_DIR)."""
     from wandb.proto import wandb_internal_pb2
 
-    runs = list((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    runs = list((wandb_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, f"expected one offline run (rank 0 only): {runs}"
     by_step: dict[int, dict[str, float]] = {}
     for raw in wandb_records(runs[0]):

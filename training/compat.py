@@ -1,0 +1,80 @@
+"""The versions this project runs on, checked at start-up, and the one place that touches private APIs.
+
+The floors are the oldest releases the test suite runs on (`make test-floor` for torch, the lock for the rest; the
+same floors as pyproject.toml's ranges, which a test keeps equal). A launch on an older release ends before any
+heavy work with one line naming the installed version, what needs more and the fix.
+
+Private APIs, each used because no public one does the job, checked on torch 2.11-2.14 and deepspeed 0.19.8:
+- torch's CUDA memory history and snapshot (`torch.cuda.memory._record_memory_history`, `_dump_snapshot`): the
+  APIs torch's own memory-visualisation guide uses; GPU only.
+- DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
+  device has no fp16 (CPU): see `keep_zero3_param_dtype`.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import torch
+from packaging.version import Version
+
+# The oldest release of each that the suite runs on (pyproject.toml's lower bounds).
+FLOORS = {"torch": "2.11", "transformers": "5.24", "accelerate": "1.15", "deepspeed": "0.19.8"}
+WHY = {
+    "torch": "the oldest torch whose compiler, FSDP2 and DTensor this project is tested with",
+    "transformers": "the model follows transformers 5.24's cache API (`cache=`, `BaseModelOutputWithPast.cache`)",
+    "accelerate": "FSDP2 preparation and the DeepSpeed plugin as this project drives them",
+    "deepspeed": "the ZeRO config model, CPU Adam and the NVMe swapper this project reads",
+}
+
+
+def check_versions() -> None:
+    """Refuse, in one line, an installed release older than its floor (read from the packages' metadata: nothing
+    is imported)."""
+    for name in FLOORS:
+        installed = version(name)
+        if Version(installed).release < Version(FLOORS[name]).release:
+            raise ValueError(
+                f"{name} {installed} is installed, but this project needs {name} >= {FLOORS[name]} ({WHY[name]}): "
+                f"pip install '{name}>={FLOORS[name]}' (for torch, the build for your CUDA: see the README's set-up)"
+            )
+
+
+# ------------------------------------------------------------------------------------------------ private APIs
+
+
+def record_cuda_memory_history() -> None:
+    """Start recording the CUDA caching allocator's history (for `dump_cuda_memory_snapshot`)."""
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded allocator history (open it at https://pytorch.org/memory_viz) and stop recording."""
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def keep_zero3_param_dtype() -> None:
+    """Make ZeRO-3 keep the model's parameter dtype where the device has no fp16 (CPU).
+
+    When the engine partitions an existing model it passes the model's dtype to `zero.Init`, but
+    `InsertPostInitMethodToModuleSubClasses._set_dtype` (deepspeed 0.19.8) reads
+    `dtype or torch.float16 if fp16_supported else torch.bfloat16 ...`, which on a device without fp16
+    ignores the dtype and answers bf16. Under NVMe parameter offload the swapper then stores fp32
+    partitions in bf16 buffers: measured on the `tiny` preset, the embedding was rounded to bf16 when
+    `prepare` returned (max error 2.4e-4) and the step-1 loss moved by 7e-6 relative. On GPUs the
+    expression already returns the given dtype, so nothing is changed there."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
+
+    if get_accelerator().is_fp16_supported() or getattr(ZeroInit._set_dtype, "keeps_given_dtype", False):
+        return
+    upstream = ZeroInit._set_dtype
+
+    def _set_dtype(self, ds_config, dtype):
+        upstream(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    _set_dtype.keeps_given_dtype = True
+    ZeroInit._set_dtype = _set_dtype
