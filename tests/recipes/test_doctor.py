@@ -125,7 +125,7 @@ def test_strategy_names_match_the_training_script(name):
     expected = {"zero1": "zero1", "fsdp": "fsdp", "fsdp_shard_grad_op": "fsdp-shard-grad-op",
                 "zero3_offload_cpu": "zero3-offload-cpu", "fsdp_hybrid_multinode": "fsdp-hybrid"}  # fmt: skip
     world = launch["num_processes"]  # as written: 16 for the multi-node YAML, 2 for the others
-    assert launches.strategy_name(launch, ds, world) == expected[name]
+    assert launches.launched_strategy(launch, ds, world).name == expected[name]
 
 
 def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, monkeypatch):
