@@ -10,6 +10,7 @@ not run as asked (FSDP wrap classes, DeepSpeed ops, FSDP1 on CPU ranks, accelera
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -204,7 +205,7 @@ def fsdp_strategy(fsdp_env: Mapping[str, str], world: int, shard_size: int) -> S
     keep_gathered = fsdp_env.get("FSDP_SHARDING_STRATEGY") == "SHARD_GRAD_OP" or not reshard
     return Strategy(
         "fsdp", world, offload_param=offload, offload_optimizer=offload, fsdp_version=2,
-        fsdp_sharding="SHARD_GRAD_OP" if keep_gathered else "FULL_SHARD", replicas=-(-world // shard_size),
+        fsdp_sharding="SHARD_GRAD_OP" if keep_gathered else "FULL_SHARD", replicas=math.ceil(world / shard_size),
         fsdp_env=fsdp_env,
     )  # fmt: skip
 
