@@ -11,12 +11,12 @@ from .packing import storage_dtype
 MIN_BPE_VOCAB = 256 + 1
 
 
-def _flag(default, help: str):
+def flag(default, help: str):
     # The help text documents the field and is what `HfArgumentParser` shows for `--help`.
     return field(default=default, metadata={"help": help})
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataArguments:
     """Which text to train on, how to tokenize it, and where to cache the result.
 
@@ -24,27 +24,25 @@ class DataArguments:
     `tokenizer_name` a byte-level BPE is trained on it: the default needs no download.
     """
 
-    dataset_name: str | None = _flag(None, "A dataset on the Hugging Face hub (or a local dataset folder), by name.")
-    dataset_config_name: str | None = _flag(None, "The configuration of --dataset_name, if it has several.")
-    train_file: str | None = _flag(
-        None, "Local training data: a path or glob of .txt, .json, .jsonl or .parquet files."
-    )
-    validation_file: str | None = _flag(
+    dataset_name: str | None = flag(None, "A dataset on the Hugging Face hub (or a local dataset folder), by name.")
+    dataset_config_name: str | None = flag(None, "The configuration of --dataset_name, if it has several.")
+    train_file: str | None = flag(None, "Local training data: a path or glob of .txt, .json, .jsonl or .parquet files.")
+    validation_file: str | None = flag(
         None, "Local validation data, like --train_file. Without it, documents are held out of the training data."
     )
-    text_column_name: str = _flag("text", "The column that holds the text (.json, .jsonl, .parquet and hub data).")
-    streaming: bool = _flag(False, "Read the corpus as a stream and pack it on the fly instead of tokenizing it first.")
-    tokenizer_name: str | None = _flag(
+    text_column_name: str = flag("text", "The column that holds the text (.json, .jsonl, .parquet and hub data).")
+    streaming: bool = flag(False, "Read the corpus as a stream and pack it on the fly instead of tokenizing it first.")
+    tokenizer_name: str | None = flag(
         None, "A fast tokenizer by hub name or local path. Default: a byte-level BPE trained on the corpus."
     )
-    tokenizer_vocab_size: int = _flag(8192, "Vocabulary size of the default BPE (ignored with --tokenizer_name).")
-    block_size: int = _flag(256, "Tokens per training sequence: documents are packed into blocks of this size.")
-    validation_split_percentage: int = _flag(
+    tokenizer_vocab_size: int = flag(8192, "Vocabulary size of the default BPE (ignored with --tokenizer_name).")
+    block_size: int = flag(256, "Tokens per training sequence: documents are packed into blocks of this size.")
+    validation_split_percentage: int = flag(
         5, "Percentage of documents held out for validation when the source has no validation split."
     )
-    preprocessing_num_workers: int | None = _flag(None, "Processes that tokenize (default: this process alone).")
-    cache_dir: str | None = _flag(None, "Where caches go. Default: $SHARDGPT_CACHE, else ~/.cache/shardgpt.")
-    overwrite_cache: bool = _flag(False, "Tokenize and pack again even if the packed data is cached.")
+    preprocessing_num_workers: int | None = flag(None, "Processes that tokenize (default: this process alone).")
+    cache_dir: str | None = flag(None, "Where caches go. Default: $SHARDGPT_CACHE, else ~/.cache/shardgpt.")
+    overwrite_cache: bool = flag(False, "Tokenize and pack again even if the packed data is cached.")
 
     def validate(self, max_position_embeddings: int | None = None) -> None:
         """Fail on bad flags before any data is read: each message names the flag, its value and a fix."""

@@ -132,7 +132,7 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
 def tensor_parallel_size(launch: dict) -> int:
     """Ranks each layer is split over in an accelerate config: its DeepSpeed JSON's autotp_size, or its
     parallelism_config's tp size."""
-    from training.config import autotp_size, load_json
+    from training.deepspeed_config import autotp_size, load_json
 
     ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if ds_file:
@@ -261,10 +261,13 @@ def predict_memory(res: Result, out: Path, args) -> None:
     except ImportError:
         res.prediction_note = "recipes/plan_memory.py not found"
         return
-    if res.strategy == "single":
-        res.prediction_note = "single: the planner models multi-rank strategies only"
-        return
+    from training.strategy import Strategy
+
     try:
+        strategy = Strategy.from_name(res.strategy, res.world_size)  # what the run recorded in strategy.json
+        if strategy.family == "single":
+            res.prediction_note = "single: the planner models multi-rank strategies only"
+            return
         import model as shardgpt
 
         config = shardgpt.ShardGPTConfig.from_pretrained(out)
@@ -272,7 +275,7 @@ def predict_memory(res: Result, out: Path, args) -> None:
         ds = json.loads((out / "ds_config.json").read_text()) if (out / "ds_config.json").is_file() else None
         precision = "bf16" if run["bf16"] else "fp16" if run["fp16"] else "fp32"
         pred = predict(
-            config, res.strategy, res.world_size, precision, run["per_device_train_batch_size"], run["block_size"],
+            config, strategy, precision, run["per_device_train_batch_size"], run["block_size"],
             run["gradient_checkpointing"], ds_config=ds,
         )  # fmt: skip
         res.prediction = {k: v for k, v in pred.items() if k != "detail"}

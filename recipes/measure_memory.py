@@ -61,7 +61,7 @@ class Probe:
         ledger = Ledger()
         if self.strategy.deepspeed is None:
             inner = self.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch AdamW
-            walk = walk_fsdp if self.strategy.name.startswith("fsdp") else walk_ddp
+            walk = walk_fsdp if self.strategy.family == "fsdp" else walk_ddp
             walk(ledger, self.net, inner)
         elif self.strategy.zero_stage == 3:
             walk_zero3(ledger, self.net)

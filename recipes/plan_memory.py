@@ -30,9 +30,10 @@ import sys
 from pathlib import Path
 
 from model import ShardGPTConfig
-from training.config import load_json
+from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.memory.planner import BYTES, STRATEGIES, GiB, layout, predict
+from training.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +60,7 @@ def table(rows: list[dict], gpu_memory_gb: float | None) -> str:
     return "\n".join(lines)
 
 
-def largest(args, overrides: dict, strategies: list[str], ds: dict | None) -> str:
+def largest(args, overrides: dict, strategies: list[Strategy], ds: dict | None) -> str:
     """One line per strategy: the largest size predicted to fit this machine (or the capacities given)."""
     here = capacity(args.nvme_path)
     have = Capacity(
@@ -72,17 +73,16 @@ def largest(args, overrides: dict, strategies: list[str], ds: dict | None) -> st
     lines = [f"{args.num_gpus} ranks, {per_host} per host; free: " + ", ".join(
         f"{where} {n / GiB:.1f} GiB" for where, n in free.items() if n is not None)]  # fmt: skip
     for s in strategies:
-        launch = Launch(s, args.num_gpus, per_host, args.precision, args.micro_batch, args.seq_len,
-                        args.activation_checkpointing, ds if s.startswith("zero") else None,
-                        args.bf16_gradient_reduction)  # fmt: skip
+        launch = Launch(s, per_host, args.precision, args.micro_batch, args.seq_len, args.activation_checkpointing,
+                        ds if s.family == "deepspeed" else None, args.bf16_gradient_reduction)  # fmt: skip
         found = largest_that_fits(launch, have, overrides)
         if found is None:
-            lines.append(f"{s}: nothing fits, not even the smallest preset")
+            lines.append(f"{s.name}: nothing fits, not even the smallest preset")
             continue
         name, config = found
         need = ", ".join(f"{where} {n / GiB:.2f} GiB" for where, n in needs(config, launch, have.gpu_free is not None))
         flags = name.replace(" num_hidden_layers=", " --config_overrides num_hidden_layers=")
-        lines.append(f"{s}: --preset {flags} ({layout(config).psi / 1e9:.3f}B parameters); per host: {need}")
+        lines.append(f"{s.name}: --preset {flags} ({layout(config).psi / 1e9:.3f}B parameters); per host: {need}")
     return "\n".join(lines)
 
 
@@ -117,14 +117,15 @@ def main(argv: list[str] | None = None) -> None:
                  "num_key_value_heads", "intermediate_size", "vocab_size") if getattr(args, k) is not None}  # fmt: skip
     try:
         config = ShardGPTConfig.from_preset(args.preset, **overrides)
-        strategies = STRATEGIES if args.strategy == "all" else args.strategy.split(",")
+        names = STRATEGIES if args.strategy == "all" else args.strategy.split(",")
+        strategies = [Strategy.from_name(name, args.num_gpus) for name in names]
         ds = load_json(args.ds_config) if args.ds_config else None
         if args.largest:
             print(largest(args, overrides, strategies, ds))
             return
         rows = [
-            predict(config, s, args.num_gpus, args.precision, args.micro_batch, args.seq_len,
-                    args.activation_checkpointing, ds if s.startswith("zero") else None,
+            predict(config, s, args.precision, args.micro_batch, args.seq_len, args.activation_checkpointing,
+                    ds if s.family == "deepspeed" else None,
                     bf16_gradient_reduction=args.bf16_gradient_reduction)
             for s in strategies
         ]  # fmt: skip

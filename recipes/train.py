@@ -48,7 +48,13 @@ from training.preemption import Preempted, PreemptionWatch, stop_message
 from training.profiling import make_profiler
 from training.ranks import BAD_INPUT, run_rank
 from training.step import NonFiniteLossError, ZeroGradientError, check_gradients_flow, train_step
-from training.strategy import check_deepspeed_ops, check_fsdp_wrap, launched_world_size, requested_strategy
+from training.strategy import (
+    check_deepspeed_ops,
+    check_fsdp_wrap,
+    launch_precision,
+    launched_world_size,
+    requested_strategy,
+)
 from training.watchdog import make_watchdog
 
 logger = logging.getLogger("shardgpt")
@@ -60,7 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
-    cfg.validate(world)
+    # The run's final config: every flag checked; the accumulation --global_batch_size gives, the checkpoint's own
+    # tokenizer and the accelerate config's precision filled in. Nothing changes it afterwards.
+    cfg = cfg.resolve(world, launch_precision())
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
     check_resume(cfg, strategy)  # the global batch, and a checkpoint of another strategy converts
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path, accelerator)
 
     # ------------------------------------------------------------------ optimizer
-    fused = accelerator.device.type == "cuda" and "offload" not in strategy.name
+    fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
 
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     resume = resolve_resume_once(accelerator, cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums)
     if resume is not None:
         # collective: every rank loads its shard; a checkpoint of another strategy or world size converts first
-        state = load_checkpoint(accelerator, resume, config.to_dict(), strategy.name, (net, optimizer, scheduler))
+        state = load_checkpoint(accelerator, resume, config.to_dict(), strategy, (net, optimizer, scheduler))
         loader.load_state_dict(state["loader"])
         step = state["step"]
         logger.info("resumed from %s at step %d", resume, step)

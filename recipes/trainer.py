@@ -37,14 +37,14 @@ from training.metrics import flops_per_token, peak_flops
 from training.preemption import Preempted, stop_message
 from training.profiling import make_profiler
 from training.ranks import run_rank
-from training.strategy import check_deepspeed_ops, launched_world_size, requested_strategy
+from training.strategy import check_deepspeed_ops, launch_precision, launched_world_size, requested_strategy
 
 
 def main(argv: list[str] | None = None) -> None:
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
-    cfg.validate(world)
+    cfg = cfg.resolve(world, launch_precision())  # the run's final config, as recipes/train.py's
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
     if cfg.step_timeout:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = ShardGPTTrainer(
         model=net, args=args, train_dataset=BlockDataset(packed.train), eval_dataset=validation,
         data_collator=default_data_collator, processing_class=packed.tokenizer, run_config=cfg,
-        fused_adamw=args.device.type == "cuda" and "offload" not in strategy.name,
+        fused_adamw=args.device.type == "cuda" and not strategy.offloads,
     )  # fmt: skip
     tokens_per_step = cfg.global_batch(dp) * cfg.block_size
     flops = flops_per_token(config, cfg.block_size) * tokens_per_step

@@ -95,6 +95,79 @@ def test_nothing_in_the_library_is_a_script():
     assert not scripts, scripts
 
 
+# ---------------------------------------------------------------------------------------------- strategy names
+
+# Methods that read a string in parts. A strategy's facts are fields of `training.strategy.Strategy`; only that
+# module spells a name or reads one back (`Strategy.name`, `Strategy.from_name`).
+AFFIXES = {"startswith", "endswith", "removeprefix", "removesuffix"}
+STRING_PARTS = AFFIXES | {"replace", "find", "index", "count"}
+SPLITS = {"split", "rsplit", "partition", "rpartition"}  # at a name's "-" (a list of names splits at ",")
+# What a strategy's name is made of: a family, then suffixes (zero3-offload-nvme, fsdp-hybrid-shard-grad-op).
+NAME_PARTS = ("single", "ddp", "fsdp", "zero", "-offload", "-autotp", "-hybrid", "-shard-grad-op", "-no-shard")
+
+
+def names_a_strategy(node: ast.expr) -> bool:
+    """`strategy`, `strategy_name`, `res.strategy`, `strategy.name`, `record["strategy"]`: a strategy's name."""
+    if isinstance(node, ast.Attribute) and node.attr == "name":
+        return "strategy" in ast.unparse(node.value).lower()
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "strategy"
+    last = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return "strategy" in last.lower()
+
+
+def spells(node: ast.expr | None, text: str) -> bool:
+    return isinstance(node, ast.Constant) and node.value == text
+
+
+def spells_a_strategy(node: ast.expr | None) -> bool:
+    """A string literal (or a tuple of them) that begins with a part of a strategy's name."""
+    values = node.elts if isinstance(node, ast.Tuple) else [node]
+    return any(isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value.startswith(NAME_PARTS)
+               for v in values)  # fmt: skip
+
+
+def name_parsing(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every place `source` reads a strategy's name in parts or keeps a table of its spellings."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method, first = node.func.attr, node.args[0] if node.args else None
+            in_parts = method in STRING_PARTS or (method in SPLITS and not spells(first, ","))
+            if (in_parts and names_a_strategy(node.func.value)) or (method in AFFIXES and spells_a_strategy(first)):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            if isinstance(node.left, ast.Constant) and any(names_a_strategy(c) for c in node.comparators):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Name, ast.Attribute)) and (getattr(node, "id", None) or node.attr) == "ALIASES":
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_name_checks_find_what_they_look_for():
+    bad = [
+        'strategy.name.startswith("zero")', '"offload" not in strategy.name', 'name.startswith(("zero3", "fsdp"))',
+        'record["strategy"].startswith("zero")', 'name.removesuffix("-autotp")', 'strategy_name.split("-")',
+        'self.strategy.name.startswith("fsdp")', 'ALIASES = {"zero2-offload-cpu": "zero2-offload"}',
+        'pm.ALIASES.get(name, name)',
+    ]  # fmt: skip
+    assert [code for code in bad if not name_parsing(code)] == []
+    fine = [
+        'strategy.family == "fsdp"', 'p.name.startswith("checkpoint-")', 'k.startswith("FSDP_")', 'strategy.name',
+        'f.startswith("--nvme_path")', '"zero3" in STRATEGIES', 'args.strategy.split(",")',
+    ]  # fmt: skip
+    assert [code for code in fine if name_parsing(code)] == []
+
+
+def test_only_the_strategy_module_reads_strategy_names():
+    """Facts are typed, not spelled: outside training/strategy.py nothing reads a strategy's name in parts
+    (`startswith("zero")`, `"offload" in strategy.name`) or keeps a table of its spellings (`ALIASES`)."""
+    allowed = ROOT / "training" / "strategy.py"
+    found = [f"{path.relative_to(ROOT)}:{line}: {code}" for path in sources() if path != allowed
+             for line, code in name_parsing(path.read_text())]  # fmt: skip
+    assert not found, found
+
+
 def private_torch_uses(path: Path) -> list[str]:
     """`torch` names with a private part (`torch._dynamo`, `torch.cuda.memory._dump_snapshot`, `from torch.x._y
     import z`) that a file imports or reads; dunders (`torch.__version__`) are public."""

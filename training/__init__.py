@@ -2,8 +2,10 @@
 
 The modules a training run uses, in the order `recipes/train.py` reads them:
 
-    config.py        RunConfig: every flag, validated before anything heavy; batch arithmetic, DeepSpeed "auto"
-    strategy.py      what the launch asks for (launcher environment, DeepSpeed JSON), checked before the group
+    config.py        RunConfig: every flag, resolved once into the run's frozen config before anything heavy
+    deepspeed_config.py  a DeepSpeed JSON checked and its "auto" values filled from the flags
+    strategy.py      Strategy, the launch's typed facts and their names, built once from the launcher's environment
+                     and the DeepSpeed JSON; the checks before the group
     accelerator.py   the Accelerator, and the switches that run every GPU strategy on CPU ranks
     build.py         the model of a run: a preset or a checkpoint, built sharded (ZeRO-3, FSDP2), same weights per seed
     optim.py         AdamW's parameter groups and the learning-rate schedule

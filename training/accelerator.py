@@ -47,7 +47,7 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
     elif on_cpu:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
-    fsdp_on_cpu = bool(strategy.fsdp_env) and on_cpu
+    fsdp_on_cpu = strategy.family == "fsdp" and on_cpu
     if fsdp_on_cpu:
         # sync_module_states broadcasts rank 0's weights (cpu_ram_efficient_loading forces it on, for
         # transformers' from_pretrained on rank 0 alone, which this script does not use); torch's FSDP1 and
@@ -62,7 +62,7 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
     accelerator = Accelerator(**kwargs)
     if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
         enable_fsdp_on_cpu(accelerator)
-    if hybrid_on_cpu and strategy.shard_size != strategy.world_size:
+    if hybrid_on_cpu and strategy.replicas > 1:
         apply_parallelism_config_on_cpu(accelerator)
     if accelerator.distributed_type == DistributedType.FSDP and cfg.mixed_precision != "no":
         plugin = accelerator.state.fsdp_plugin

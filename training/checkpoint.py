@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from training.portable import STATE
 from training.ranks import all_ranks_max
+from training.strategy import Strategy
 
 from . import faults, portable
 
@@ -154,7 +155,7 @@ def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> 
     return path
 
 
-def check_resume(cfg, strategy) -> None:
+def check_resume(cfg, strategy: Strategy) -> None:
     """Before the process group, on every rank: the checkpoint `--resume_from_checkpoint` points at (unverified
     yet: rank 0 verifies it later) must have this launch's global batch, and, written under another strategy or
     number of ranks, be one that converts. The global batch counts data-parallel ranks (tensor-parallel ranks
@@ -182,7 +183,7 @@ def check_resume(cfg, strategy) -> None:
             f"{cfg.gradient_accumulation_steps} x {_ranks(strategy.data_parallel_size, strategy.world_size)}): "
             f"pass --global_batch_size {was}"
         )
-    why = portable.refusal(saved, strategy.name, strategy.world_size)
+    why = portable.refusal(saved, strategy, strategy.world_size)
     if why is not None:
         raise ValueError(f"checkpoint {str(path)!r}: {why}")
 
@@ -300,7 +301,7 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict, strategy_name: str, prepared) -> dict:
+def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict, strategy: Strategy, prepared) -> dict:
     """Restore model, optimizer, scheduler and RNG on every rank (a collective); returns trainer_state.
 
     `prepared` is (model, optimizer, scheduler) as `accelerator.prepare` returned them. A checkpoint written under
@@ -320,13 +321,13 @@ def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict, st
             "tokenizer, or start afresh in a new --output_dir"
         )
     written, world = state["strategy"], accelerator.num_processes
-    if not portable.needs_conversion(written, strategy_name, world):
+    if not portable.needs_conversion(written, strategy, world):
         accelerator.load_state(str(path))
         return state
     model, optimizer, scheduler = prepared
     portable.load_neutral(model, optimizer, neutral_form(accelerator, path))  # collective
     portable.load_around(path, optimizer, scheduler, accelerator.process_index, written["world_size"] == world)
-    logger.info("converted %s (%s on %d ranks) for %s", path, written["strategy"], written["world_size"], strategy_name)
+    logger.info("converted %s (%s on %d ranks) for %s", path, written["strategy"], written["world_size"], strategy.name)
     return state
 
 

@@ -170,7 +170,7 @@ def cpu_ranks(strategy) -> dict:
     of 1, so accelerate's state is set up here, as recipes/train.py's Accelerator does, and the Trainer uses it."""
     if torch.cuda.is_available() or strategy.world_size == 1:
         return {}
-    if strategy.fsdp_env:
+    if strategy.family == "fsdp":
         raise ValueError(
             "FSDP through the Trainer needs GPUs (accelerate runs FSDP only on accelerator devices); on CPU ranks "
             "use recipes/train.py, or a DeepSpeed config"

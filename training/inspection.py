@@ -53,7 +53,7 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
             f"zero_optimization.stage; seen: {seen}"
         )
 
-    if strategy.deepspeed is not None:
+    if strategy.family == "deepspeed":
         from deepspeed import DeepSpeedEngine
 
         if not isinstance(model, DeepSpeedEngine):
@@ -65,10 +65,10 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
             refuse(f"this rank holds {local} of {total} parameters (ZeRO-3 should hold about 1/{world})")
         if strategy.tp_size > 1:
             seen["tensor_parallel"] = verify_autotp(model, unwrapped, strategy, refuse)
-    elif strategy.fsdp_env:
+    elif strategy.family == "fsdp":
         if accelerator.distributed_type != DistributedType.FSDP:
             refuse(f"accelerate runs {accelerator.distributed_type}")
-        shards = strategy.shard_size or world
+        shards = strategy.shard_size
         if shards > 1 and local > total / shards * 1.05 + 1024:
             refuse(f"this rank holds {local} of {total} parameters (FSDP should hold about 1/{shards})")
     elif world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):

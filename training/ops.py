@@ -12,7 +12,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from training.config import offload_devices
+from training.deepspeed_config import offload_devices
 
 # The ops a launch of this project can JIT-compile: the optimizer (fused Adam on GPUs, CPU Adam under offload),
 # async I/O for NVMe offload and, on CPU ranks, pinned buffers and shared-memory collectives.

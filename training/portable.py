@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training.strategy import Strategy
+
 STATE = "trainer_state.json"
 NEUTRAL = "neutral.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -33,33 +35,38 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 # ---------------------------------------------------------------------- which checkpoints convert
 
 
-def family(strategy_name: str) -> str:
+def family(strategy: Strategy) -> str:
     """What decides the checkpoint's files: the ZeRO strategy itself (stage and offload: the offload JSONs hand the
     schedule to the engine, which saves it elsewhere), `fsdp1`, `fsdp` (FSDP2, any sharding) or `plain` (DDP and one
     process)."""
-    if strategy_name.startswith("zero"):
-        return strategy_name
-    if strategy_name.startswith("fsdp1"):
-        return "fsdp1"
-    return "fsdp" if strategy_name.startswith("fsdp") else "plain"
+    if strategy.family == "deepspeed":
+        return strategy.name
+    if strategy.family == "fsdp":
+        return "fsdp1" if strategy.fsdp_version == 1 else "fsdp"
+    return "plain"
 
 
-def needs_conversion(saved: dict, strategy_name: str, world: int) -> bool:
+def written_by(saved: dict) -> Strategy:
+    """The strategy a checkpoint was written under, from its trainer state's record (strategy.json's fields)."""
+    return Strategy.from_name(saved["strategy"], saved["world_size"])
+
+
+def needs_conversion(saved: dict, strategy: Strategy, world: int) -> bool:
     """Whether a checkpoint written under `saved` (its trainer state's strategy) loads natively here."""
-    return family(saved["strategy"]) != family(strategy_name) or saved["world_size"] != world
+    return family(written_by(saved)) != family(strategy) or saved["world_size"] != world
 
 
-def refusal(saved: dict, strategy_name: str, world: int) -> str | None:
+def refusal(saved: dict, strategy: Strategy, world: int) -> str | None:
     """Why a checkpoint written under `saved` cannot resume in this launch, or None."""
-    if not needs_conversion(saved, strategy_name, world):
+    if not needs_conversion(saved, strategy, world):
         return None
-    for name, where in ((saved["strategy"], "the checkpoint's"), (strategy_name, "this launch's")):
-        if "nvme" in name or family(name) == "fsdp1":
+    for side, where in ((written_by(saved), "the checkpoint's"), (strategy, "this launch's")):
+        if side.offload_device == "nvme" or family(side) == "fsdp1":
             return (
-                f"{saved['strategy']} on {saved['world_size']} ranks cannot resume under {strategy_name} on {world} "
-                f"ranks: {where} {name} is not converted (NVMe swap files, FSDP1's flat parameters); resume under "
-                "the strategy and ranks that wrote it, or move between DDP, FSDP2 and ZeRO-1/2/3 with or without "
-                "CPU offload"
+                f"{saved['strategy']} on {saved['world_size']} ranks cannot resume under {strategy.name} on {world} "
+                f"ranks: {where} {side.name} is not converted (NVMe swap files, FSDP1's flat parameters); resume "
+                "under the strategy and ranks that wrote it, or move between DDP, FSDP2 and ZeRO-1/2/3 with or "
+                "without CPU offload"
             )
     return None
 
@@ -71,8 +78,9 @@ def read_checkpoint(path: Path) -> dict:
     """The neutral form of a checkpoint: {"step", "weights", "exp_avg", "exp_avg_sq"}, tensors on the CPU."""
     path = Path(path)
     state = json.loads((path / STATE).read_text())
-    kind = family(state["strategy"]["strategy"])
-    if kind.startswith("zero") and "nvme" not in kind:
+    written = written_by(state["strategy"])
+    kind = family(written)
+    if written.family == "deepspeed" and written.offload_device != "nvme":
         return _read_zero(path, meta_model(state))
     if kind == "fsdp":
         return _read_dcp(path)

@@ -1,47 +1,142 @@
-"""What a launch asks for, read and checked before any process group exists: the strategy
-named by the launcher's environment and the DeepSpeed JSON, the world size, the precision, and the
-checks that refuse a launch which could not run as asked (FSDP wrap classes, DeepSpeed ops, FSDP1).
+"""What a launch asks for, read and checked before any process group exists.
+
+`Strategy` is the typed answer (family, ZeRO stage, offload targets, FSDP version and sharding, data-parallel,
+shard and tensor-parallel degrees), built once per launch by `requested_strategy` from the launcher's environment
+and the DeepSpeed JSON; everything else reads its fields. Its `name` (`zero3-offload-cpu`, `fsdp-shard-grad-op`)
+is how people and records spell it, and `Strategy.from_name` is the one place a name is read back: the planner's
+--strategy choices, the strategy a checkpoint or a measurement recorded. The checks here refuse a launch that could
+not run as asked (FSDP wrap classes, DeepSpeed ops, FSDP1 on CPU ranks, accelerate's tensor parallelism).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 from accelerate.utils import (
     DeepSpeedPlugin,
 )
 
-from training.config import RunConfig, autotp_size, load_json, offload_devices, resolve_deepspeed, zero_stage
+from training.config import RunConfig
+from training.deepspeed_config import autotp_size, load_json, offload_devices, resolve_deepspeed, zero_stage
 from training.ops import check_op_cache, launch_ops
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() == "true"
-
-
-def launched_world_size() -> int:
-    """Ranks the launcher started (torchrun, accelerate and deepspeed all export WORLD_SIZE)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+Family = Literal["single", "ddp", "fsdp", "deepspeed"]
+Device = Literal["none", "cpu", "nvme"]
+Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+SHARDING_SUFFIX = {"FULL_SHARD": "", "SHARD_GRAD_OP": "-shard-grad-op", "NO_SHARD": "-no-shard"}  # in names
 
 
-@dataclass
+@dataclass(frozen=True)
 class Strategy:
-    """What the launch asked for, resolved before any process group exists."""
+    """What the launch asked for, resolved before any process group exists: built once (`requested_strategy`),
+    read by its fields everywhere, spelled by `name`."""
 
-    name: str  # single, ddp, fsdp[-hybrid][-shard-grad-op][-offload], zero{1,2,3}[-offload-cpu|-offload-nvme]
-    world_size: int
-    deepspeed: dict | None = None  # the resolved DeepSpeed config
-    deepspeed_source: str | None = None
-    fsdp_env: dict = field(default_factory=dict)
-    shard_size: int | None = None  # ranks one copy of the model is sharded over (hybrid FSDP: fewer than all)
-    tp_size: int = 1  # ranks each layer is split over (tensor parallelism); they train on the same batch
+    family: Family
+    """Who wraps the model: nobody (one process, "single"), DDP, torch's FSDP through accelerate, or a DeepSpeed
+    engine."""
+    world_size: int = 1
+    """Ranks the launcher started."""
+    zero_stage: int = 0
+    """DeepSpeed's ZeRO stage (0 to 3); 0 outside DeepSpeed."""
+    offload_param: Device = "none"
+    """Where the parameters live between uses: ZeRO-3's `offload_param` device, or "cpu" under FSDP's
+    `fsdp_offload_params`."""
+    offload_optimizer: Device = "none"
+    """Where the optimizer states live and are stepped: ZeRO's `offload_optimizer` device (DeepSpeed's CPU Adam),
+    or "cpu" under FSDP's `fsdp_offload_params`."""
+    fsdp_version: int = 0
+    """1 (torch's FullyShardedDataParallel, flat parameters) or 2 (`fully_shard`); 0 outside FSDP."""
+    fsdp_sharding: Sharding = "FULL_SHARD"
+    """FSDP's sharding, in torch's names: FULL_SHARD frees a unit's gathered parameters after its forward,
+    SHARD_GRAD_OP keeps them until its backward (FSDP2's `fsdp_reshard_after_forward: false`), NO_SHARD (FSDP1)
+    shards nothing."""
+    replicas: int = 1
+    """Hybrid FSDP: the copies of the model, each sharded over world_size / replicas ranks (accelerate's
+    parallelism_config); 1 otherwise."""
+    tp_size: int = 1
+    """Ranks each layer is split over (DeepSpeed AutoTP); the ranks of a tensor-parallel group train on the same
+    batch."""
+    deepspeed: dict | None = field(default=None, compare=False)
+    """The DeepSpeed config with every "auto" resolved from the flags; None outside DeepSpeed."""
+    deepspeed_source: str | None = field(default=None, compare=False)
+    """Where the DeepSpeed config came from, as messages name it."""
+    fsdp_env: Mapping[str, str] = field(default_factory=dict, compare=False)
+    """accelerate's FSDP_* variables as launched: what only FSDP's own set-up and checks read (the wrap policy)."""
+
+    def __post_init__(self):
+        if self.world_size < 1 or self.tp_size < 1 or not 1 <= self.replicas <= self.world_size:
+            raise ValueError(
+                f"Strategy: {self.world_size} ranks cannot hold {self.replicas} replicas or split layers over "
+                f"{self.tp_size}"
+            )
+        if self.replicas > 1 and self.fsdp_version != 2:
+            raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
+        for name, kind in (("family", Family), ("offload_param", Device), ("offload_optimizer", Device),
+                           ("fsdp_sharding", Sharding)):  # fmt: skip
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(f"Strategy.{name} = {getattr(self, name)!r}: choose one of {get_args(kind)}")
+        if self.zero_stage not in (0, 1, 2, 3) or self.fsdp_version not in (0, 1, 2):
+            raise ValueError(f"Strategy: ZeRO stage {self.zero_stage} or FSDP version {self.fsdp_version} is unknown")
 
     @property
-    def zero_stage(self) -> int:
-        return zero_stage(self.deepspeed) if self.deepspeed else 0
+    def name(self) -> str:
+        """How people and records spell the strategy: single, ddp, fsdp[-hybrid][-shard-grad-op][-offload],
+        fsdp1[-shard-grad-op|-no-shard][-offload], zero{0-3}[-offload-cpu|-offload-nvme][-autotp]."""
+        if self.family == "deepspeed":
+            offload = f"-offload-{self.offload_device}" if self.offloads else ""
+            return f"zero{self.zero_stage}{offload}" + ("-autotp" if self.tp_size > 1 else "")
+        if self.family == "fsdp":
+            version = "1" if self.fsdp_version == 1 else ""
+            hybrid = "-hybrid" if self.replicas > 1 else ""
+            offload = "-offload" if self.offloads else ""
+            return f"fsdp{version}{hybrid}{SHARDING_SUFFIX[self.fsdp_sharding]}{offload}"
+        return self.family
+
+    @classmethod
+    def from_name(cls, name: str, world_size: int = 1) -> Strategy:
+        """The strategy `name` spells, on `world_size` ranks: the inverse of `name`, for the planner's --strategy
+        choices and the names runs recorded (a checkpoint's trainer state, strategy.json, memory_rank*.json). An
+        offload may leave out its device, CPU (`zero2-offload`, the planner's earlier spelling). A name does not
+        spell every degree: -hybrid reads as two replicas, -autotp as two tensor-parallel ranks
+        (ds_configs/autotp.json's), and a ZeRO-3 offload as the parameters' and the optimizer's (as ds_configs/
+        offloads them); a caller that has the launch's DeepSpeed JSON builds from it instead (`deepspeed_strategy`)."""
+        match = NAME.fullmatch(name)
+        try:
+            strategy = spelled(match, world_size) if match else None
+        except ValueError:  # parts that make no strategy: fsdp1-hybrid, -hybrid on one rank
+            strategy = None
+        if strategy is None or strategy.name not in (name, name.replace("-offload", "-offload-cpu")):
+            raise ValueError(
+                f"strategy {name!r} is unknown: a strategy is spelled single, ddp, fsdp[-hybrid][-shard-grad-op]"
+                "[-offload], fsdp1[-shard-grad-op|-no-shard][-offload] or zero{0-3}[-offload-cpu|-offload-nvme]"
+                "[-autotp]"
+            )
+        return strategy
+
+    @property
+    def offloads(self) -> bool:
+        """Whether states live off the accelerator (DeepSpeed's CPU Adam or FSDP's CPU policy steps them there)."""
+        return self.offload_param != "none" or self.offload_optimizer != "none"
+
+    @property
+    def offload_device(self) -> Device:
+        """The device the name spells: the parameters' if they are offloaded, else the optimizer's."""
+        return self.offload_param if self.offload_param != "none" else self.offload_optimizer
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one copy of the model is sharded over under FSDP: the world, a replica's ranks under hybrid
+        sharding, 1 under NO_SHARD; 1 outside FSDP."""
+        if self.family != "fsdp" or self.fsdp_sharding == "NO_SHARD":
+            return 1
+        return self.world_size // self.replicas
 
     @property
     def data_parallel_size(self) -> int:
@@ -54,8 +149,100 @@ class Strategy:
         return rank // self.tp_size
 
 
+# A name as `Strategy.name` spells it; `from_name` builds from its parts and checks that the name reads back.
+NAME = re.compile(
+    r"(?P<family>single|ddp|fsdp|zero)(?P<number>[0-3])?(?P<hybrid>-hybrid)?(?P<sharding>-shard-grad-op|-no-shard)?"
+    r"(?P<offload>-offload(?:-(?P<device>cpu|nvme))?)?(?P<autotp>-autotp)?"
+)
+
+
+def spelled(match: re.Match, world: int) -> Strategy:
+    """The strategy of a `NAME` match on `world` ranks."""
+    part = match.groupdict()
+    device = part["device"] or ("cpu" if part["offload"] else "none")
+    if part["family"] == "zero":
+        stage = int(part["number"] or 0)
+        return Strategy("deepspeed", world, zero_stage=stage, offload_param=device if stage == 3 else "none",
+                        offload_optimizer=device, tp_size=2 if part["autotp"] else 1)  # fmt: skip
+    if part["family"] == "fsdp":
+        return Strategy(
+            "fsdp", world, offload_param=device, offload_optimizer=device, fsdp_version=int(part["number"] or 2),
+            fsdp_sharding=next(s for s, suffix in SHARDING_SUFFIX.items() if suffix == (part["sharding"] or "")),
+            replicas=2 if part["hybrid"] else 1,
+        )  # fmt: skip
+    return Strategy(part["family"], world)
+
+
+def deepspeed_strategy(ds: dict, world: int, source: str | None = None) -> Strategy:
+    """The strategy a resolved DeepSpeed config runs on `world` ranks: its stage, offload devices and AutoTP size."""
+    devices = offload_devices(ds)
+    return Strategy(
+        "deepspeed", world, zero_stage=zero_stage(ds), offload_param=devices["offload_param"],
+        offload_optimizer=devices["offload_optimizer"], tp_size=autotp_size(ds), deepspeed=ds, deepspeed_source=source,
+    )  # fmt: skip
+
+
+# torch's ShardingStrategy, by the name or number accelerate accepts in fsdp_sharding_strategy.
+FSDP1_SHARDING = {
+    "1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD_ZERO2",
+}  # fmt: skip
+
+
+def fsdp_strategy(fsdp_env: Mapping[str, str], world: int, shard_size: int) -> Strategy:
+    """The strategy accelerate's FSDP_* variables (as `accelerate launch` exports them from the YAML's fsdp_config)
+    run on `world` ranks, sharding one copy of the model over `shard_size` of them (fewer than `world`: hybrid)."""
+    offload = "cpu" if fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true" else "none"
+    if fsdp_version(fsdp_env) == 1:
+        sharding = fsdp1_sharding(fsdp_env)
+        if sharding not in get_args(Sharding):
+            raise ValueError(
+                f"fsdp_sharding_strategy: {sharding} is not one of torch's: set FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+                "HYBRID_SHARD or HYBRID_SHARD_ZERO2"
+            )
+        return Strategy("fsdp", world, offload_param=offload, offload_optimizer=offload, fsdp_version=1,
+                        fsdp_sharding=sharding, fsdp_env=fsdp_env)  # fmt: skip
+    reshard = fsdp_env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "shard_grad_op")
+    keep_gathered = fsdp_env.get("FSDP_SHARDING_STRATEGY") == "SHARD_GRAD_OP" or not reshard
+    return Strategy(
+        "fsdp", world, offload_param=offload, offload_optimizer=offload, fsdp_version=2,
+        fsdp_sharding="SHARD_GRAD_OP" if keep_gathered else "FULL_SHARD", replicas=math.ceil(world / shard_size),
+        fsdp_env=fsdp_env,
+    )  # fmt: skip
+
+
+def fsdp_version(fsdp_env: Mapping[str, str]) -> int:
+    """`accelerate launch` exports FSDP_VERSION from the YAML's fsdp_version; a YAML without it is FSDP1."""
+    return int(fsdp_env.get("FSDP_VERSION", "1"))
+
+
+def fsdp1_sharding(fsdp_env: Mapping[str, str]) -> str:
+    """FSDP1's sharding strategy, by torch's name."""
+    sharding = fsdp_env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+    return FSDP1_SHARDING.get(sharding, sharding)
+
+
+# ---------------------------------------------------------------------------------------------- the launch
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def launched_world_size() -> int:
+    """Ranks the launcher started (torchrun, accelerate and deepspeed all export WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launch_precision() -> str:
+    """The accelerate config's mixed_precision, as `accelerate launch` exports it ("no" without one); the run's
+    config takes it in `RunConfig.resolve`."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
 def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
-    """Read the strategy from the launch and resolve/check its config. No process group is created."""
+    """The strategy of this launch, built once from the launcher's environment and the DeepSpeed JSON (its "auto"
+    values resolved from `cfg`, the run's final config), after the checks that refuse what could not run. No
+    process group is created."""
     world = launched_world_size()
     ds_file = cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
     use_fsdp = env_flag("ACCELERATE_USE_FSDP")
@@ -64,61 +251,22 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             "both DeepSpeed and FSDP are requested (--deepspeed or a DeepSpeed accelerate config, and an FSDP "
             "accelerate config): launch with one of them"
         )
-    apply_launch_precision(cfg)
     check_parallelism_config_tp()
     if ds_file or env_flag("ACCELERATE_USE_DEEPSPEED"):
         if ds_file:
             raw, source = load_json(ds_file), repr(ds_file)
         else:  # an accelerate YAML with inline deepspeed_config fields: the JSON accelerate would build from them
             raw, source = inline_deepspeed_config(), "from the accelerate config's deepspeed_config"
-        ds = resolve_deepspeed(raw, cfg, world, hidden_size, source)
-        devices = offload_devices(ds)
-        offload = next((d for d in (devices["offload_param"], devices["offload_optimizer"]) if d != "none"), None)
-        tp = autotp_size(ds)
-        name = f"zero{zero_stage(ds)}" + (f"-offload-{offload}" if offload else "") + ("-autotp" if tp > 1 else "")
-        return Strategy(name, world, deepspeed=ds, deepspeed_source=source, tp_size=tp)
+        return deepspeed_strategy(resolve_deepspeed(raw, cfg, world, hidden_size, source), world, source)
     if use_fsdp:
         fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
         # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.
         shard_size = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", world)) if parallelism_config() else world
         if fsdp_version(fsdp_env) == 1:
             check_fsdp1_checkpoints(cfg, fsdp_env)
-            return fsdp1_strategy(fsdp_env, world)
-        name = "fsdp-hybrid" if shard_size < world else "fsdp"
-        if fsdp_env.get("FSDP_SHARDING_STRATEGY") == "SHARD_GRAD_OP" or fsdp_env.get(
-            "FSDP_RESHARD_AFTER_FORWARD", "true"
-        ).lower() in ("false", "shard_grad_op"):
-            name += "-shard-grad-op"
-        if fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
-            name += "-offload"
-        return Strategy(name, world, fsdp_env=fsdp_env, shard_size=shard_size)
+            check_fsdp1(fsdp_env)
+        return fsdp_strategy(fsdp_env, world, shard_size)
     return Strategy("ddp" if world > 1 else "single", world)
-
-
-def apply_launch_precision(cfg: RunConfig) -> None:
-    """The accelerate config's `mixed_precision` sets the precision when no flag does; a flag that says otherwise
-    is refused naming both. `mixed_precision: "no"` (also what `accelerate launch` exports when the YAML has no
-    such key) leaves precision to the flags. fp16 needs CUDA: on CPU accelerate turns its autocast off without a
-    word, so the run would be fp32 while claiming fp16."""
-    launch = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if launch not in ("no", "bf16", "fp16"):
-        raise ValueError(
-            f"the accelerate config sets mixed_precision: {launch}, which this script does not train in: "
-            "set mixed_precision: bf16 (or 'no' and pass --bf16)"
-        )
-    if launch != "no" and cfg.mixed_precision == "no":
-        cfg.bf16, cfg.fp16 = launch == "bf16", launch == "fp16"
-    elif launch not in ("no", cfg.mixed_precision):
-        raise ValueError(
-            f"the accelerate config sets mixed_precision: {launch} but the flags give --{cfg.mixed_precision}: "
-            f"drop --{cfg.mixed_precision} (the YAML's {launch} is used), or set mixed_precision in the YAML to "
-            f"{cfg.mixed_precision}"
-        )
-    if cfg.fp16 and not torch.cuda.is_available():
-        raise ValueError(
-            "fp16 (--fp16 or the accelerate config's mixed_precision: fp16) needs a CUDA GPU: on CPU accelerate "
-            "silently trains in fp32; pass --bf16 instead (or set mixed_precision: bf16)"
-        )
 
 
 def inline_deepspeed_config() -> dict:
@@ -131,25 +279,12 @@ def inline_deepspeed_config() -> dict:
     return ds
 
 
-def fsdp_version(fsdp_env: dict) -> int:
-    """`accelerate launch` exports FSDP_VERSION from the YAML's fsdp_version; a YAML without it is FSDP1."""
-    return int(fsdp_env.get("FSDP_VERSION", "1"))
-
-
-# torch's ShardingStrategy, by the name or number accelerate accepts in fsdp_sharding_strategy.
-FSDP1_SHARDING = {
-    "1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD_ZERO2",
-}  # fmt: skip
-
-
-def fsdp1_strategy(fsdp_env: dict, world: int) -> Strategy:
-    """FSDP1 (torch's FullyShardedDataParallel, flat parameters): named fsdp1[-shard-grad-op|-no-shard][-offload].
-    On CPU ranks two of its options cannot run, and are refused here rather than inside `prepare`."""
-    sharding = fsdp_env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
-    sharding = FSDP1_SHARDING.get(sharding, sharding)
-    offload = fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+def check_fsdp1(fsdp_env: Mapping[str, str]) -> None:
+    """FSDP1 (torch's FullyShardedDataParallel, flat parameters): on CPU ranks two of its options cannot run, and one
+    breaks weight decay everywhere; refused here rather than inside `prepare`."""
+    sharding = fsdp1_sharding(fsdp_env)
     if not torch.cuda.is_available():
-        if offload:
+        if fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
             # torch 2.13 torch/distributed/fsdp/_flat_param.py:1260, FlatParamHandle.init_flat_param_attributes:
             # `flat_param._local_shard = flat_param._local_shard.pin_memory()`, unconditionally under CPU offload;
             # pinning needs an accelerator ("Cannot access accelerator device when none is available").
@@ -170,14 +305,6 @@ def fsdp1_strategy(fsdp_env: dict, world: int) -> Strategy:
             "AdamW's weight decay could not skip norms and biases, and accelerate would leave the optimizer holding "
             "the replaced parameters (nothing trains): set fsdp_use_orig_params: true"
         )
-    suffix = {"FULL_SHARD": "", "SHARD_GRAD_OP": "-shard-grad-op", "NO_SHARD": "-no-shard"}.get(sharding)
-    if suffix is None:
-        raise ValueError(
-            f"fsdp_sharding_strategy: {sharding} is not one of torch's: set FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
-            "HYBRID_SHARD or HYBRID_SHARD_ZERO2"
-        )
-    name = "fsdp1" + suffix + ("-offload" if offload else "")
-    return Strategy(name, world, fsdp_env=fsdp_env, shard_size=1 if sharding == "NO_SHARD" else world)
 
 
 def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
@@ -244,9 +371,9 @@ def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:
     before any process group: accelerate would otherwise fail deep inside `prepare`."""
     policy = strategy.fsdp_env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper()
     min_num_params = int(strategy.fsdp_env.get("FSDP_MIN_NUM_PARAMS", "0"))
-    if policy == "SIZE_BASED_WRAP" and fsdp_version(strategy.fsdp_env) == 2:
+    if policy == "SIZE_BASED_WRAP" and strategy.fsdp_version == 2:
         check_fsdp2_size_wrap(min_num_params, model)
-    if policy == "SIZE_BASED_WRAP" and fsdp_version(strategy.fsdp_env) == 1:
+    if policy == "SIZE_BASED_WRAP" and strategy.fsdp_version == 1:
         check_fsdp1_size_wrap(min_num_params, model)
     if policy != "TRANSFORMER_BASED_WRAP":
         return  # accelerate reads fsdp_transformer_layer_cls_to_wrap only under TRANSFORMER_BASED_WRAP

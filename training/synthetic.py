@@ -21,7 +21,7 @@ from training.config import RunConfig
 from training.inspection import verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.step import train_step
-from training.strategy import Strategy, launched_world_size, requested_strategy
+from training.strategy import Strategy, launch_precision, launched_world_size, requested_strategy
 
 
 class StandInTokenizer:
@@ -41,7 +41,7 @@ def set_up(argv: list[str] | None):
     (collective: initialises the process group), the seed set. Returns (cfg, world, config, strategy, accelerator)."""
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
-    cfg.validate(world)
+    cfg = cfg.resolve(world, launch_precision())  # the run's final config
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
@@ -81,7 +81,7 @@ def synthetic_run(argv: list[str] | None = None) -> SyntheticRun:
     net = build_model(config, StandInTokenizer(cfg.tokenizer_vocab_size), cfg.gradient_checkpointing)
     psi = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())  # ds_numel: a zero.Init partition
     tensors = sum(1 for _ in net.parameters())
-    fused = accelerator.device.type == "cuda" and "offload" not in strategy.name
+    fused = accelerator.device.type == "cuda" and not strategy.offloads
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)  # collective

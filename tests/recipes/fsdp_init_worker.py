@@ -22,12 +22,13 @@ from training.build import build_model, start_config
 from training.config import RunConfig
 from training.optim import make_optimizer, make_scheduler
 from training.ranks import run_rank
-from training.strategy import requested_strategy
+from training.strategy import launch_precision, launched_world_size, requested_strategy
 from training.synthetic import StandInTokenizer
 
 
 def main() -> None:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
+    cfg = cfg.resolve(launched_world_size(), launch_precision())
     config = cfg.model_config()
     accelerator = make_accelerator(cfg, requested_strategy(cfg, config.hidden_size))  # collective
     set_seed(cfg.seed)

@@ -18,7 +18,7 @@ from training.inspection import verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.ranks import run_rank
 from training.step import train_step
-from training.strategy import launched_world_size, requested_strategy
+from training.strategy import launch_precision, launched_world_size, requested_strategy
 
 STEPS, SEQ = 6, 32
 
@@ -45,7 +45,7 @@ def rank_micro_batches(ids, labels, micro: int, accumulation: int, world: int, r
 def main() -> None:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
     world = launched_world_size()
-    cfg.validate(world)
+    cfg = cfg.resolve(world, launch_precision())
     config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
     strategy = requested_strategy(cfg, config.hidden_size)
     accelerator = make_accelerator(cfg, strategy)  # collective

@@ -18,14 +18,14 @@ from training.config import RunConfig
 from training.inspection import verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.ranks import run_rank
-from training.strategy import launched_world_size, requested_strategy
+from training.strategy import launch_precision, launched_world_size, requested_strategy
 
 VOCAB = 16384  # x hidden 64 = 1,048,576 embedding elements: half per rank, 2 MiB in fp32
 
 
 def main() -> None:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
-    cfg.validate(launched_world_size())
+    cfg = cfg.resolve(launched_world_size(), launch_precision())
     config = shardgpt.ShardGPTConfig.from_preset(cfg.preset, vocab_size=VOCAB)
     strategy = requested_strategy(cfg, config.hidden_size)
     accelerator = make_accelerator(cfg, strategy)  # collective

@@ -17,14 +17,14 @@ from training.config import RunConfig
 from training.optim import make_optimizer, make_scheduler
 from training.portable import gather_neutral
 from training.ranks import run_rank
-from training.strategy import launched_world_size, requested_strategy
+from training.strategy import launch_precision, launched_world_size, requested_strategy
 from training.synthetic import StandInTokenizer
 
 
 def main() -> None:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
     world = launched_world_size()
-    cfg.validate(world)
+    cfg = cfg.resolve(world, launch_precision())
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)
     check_resume(cfg, strategy)
@@ -35,7 +35,7 @@ def main() -> None:
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
     prepared = accelerator.prepare(net, optimizer, scheduler)  # collective
     path = resolve_resume_once(accelerator, cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums)
-    load_checkpoint(accelerator, path, config.to_dict(), strategy.name, prepared)  # collective
+    load_checkpoint(accelerator, path, config.to_dict(), strategy, prepared)  # collective
     loaded = gather_neutral(*prepared[:2])  # collective
     loaded["lr"] = prepared[2].get_last_lr()
     if accelerator.is_main_process:  # rank 0 only: the file write

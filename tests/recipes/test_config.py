@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from training.config import RunConfig, check_deepspeed_keys, resolve_deepspeed
+from training.config import RunConfig
+from training.deepspeed_config import check_deepspeed_keys, resolve_deepspeed
 from training.optim import lr_lambda, param_groups
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,6 +4,7 @@ is kept or the resume refused; recipes/convert_checkpoint.py writes an HF folder
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -168,12 +169,13 @@ def fake_checkpoint(tmp_path, strategy: str, world: int, micro: int = 4, accumul
     return path
 
 
-def test_global_batch_size_derives_the_accumulation():
-    cfg = RunConfig(per_device_train_batch_size=4, global_batch_size=32)
-    cfg.derive_accumulation(2)
+def test_global_batch_size_derives_the_accumulation(tmp_path):
+    parsed = RunConfig(per_device_train_batch_size=4, global_batch_size=32, output_dir=str(tmp_path))
+    cfg = parsed.resolve(2)
     assert cfg.gradient_accumulation_steps == 4 and cfg.global_batch(2) == 32
+    assert parsed.gradient_accumulation_steps == 1  # the parsed flags are left as they were
     with pytest.raises(ValueError, match=r"--global_batch_size 30 is not a multiple of micro 4 x world 2 = 8"):
-        RunConfig(per_device_train_batch_size=4, global_batch_size=30).derive_accumulation(2)
+        RunConfig(per_device_train_batch_size=4, global_batch_size=30).accumulation(2)
     with pytest.raises(ValueError, match="--gradient_accumulation_steps 3 contradicts --global_batch_size 32"):
         RunConfig(per_device_train_batch_size=4, gradient_accumulation_steps=3, global_batch_size=32).validate(2)
 
@@ -181,14 +183,14 @@ def test_global_batch_size_derives_the_accumulation():
 def test_resume_checks_before_the_process_group(tmp_path):
     path = fake_checkpoint(tmp_path, "zero2", 2)
     cfg = RunConfig(per_device_train_batch_size=4, output_dir=str(tmp_path / "out"), resume_from_checkpoint="auto")
-    check_resume(cfg, Strategy("fsdp", 2))  # same global batch, a strategy that converts
+    check_resume(cfg, Strategy.from_name("fsdp", 2))  # same global batch, a strategy that converts
     with pytest.raises(ValueError, match="pass --global_batch_size 8"):
-        check_resume(cfg, Strategy("zero2", 4))
+        check_resume(cfg, Strategy.from_name("zero2", 4))
     with pytest.raises(ValueError, match="zero3-offload-nvme is not converted .* resume under the strategy and ranks"):
-        check_resume(cfg, Strategy("zero3-offload-nvme", 2))
+        check_resume(cfg, Strategy.from_name("zero3-offload-nvme", 2))
     fake_checkpoint(tmp_path / "fsdp1", "fsdp1", 2)
-    cfg.resume_from_checkpoint = str(tmp_path / "fsdp1" / "out" / "checkpoint-3")
+    cfg = dataclasses.replace(cfg, resume_from_checkpoint=str(tmp_path / "fsdp1" / "out" / "checkpoint-3"))
     with pytest.raises(ValueError, match="the checkpoint's fsdp1 is not converted"):
-        check_resume(cfg, Strategy("zero3", 2))
-    check_resume(cfg, Strategy("fsdp1", 2))  # the strategy and ranks that wrote it: loaded natively
+        check_resume(cfg, Strategy.from_name("zero3", 2))
+    check_resume(cfg, Strategy.from_name("fsdp1", 2))  # the strategy and ranks that wrote it: loaded natively
     assert path.is_dir()

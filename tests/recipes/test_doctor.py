@@ -116,16 +116,19 @@ def test_write_speed_on_tmp_path(tmp_path):
     assert report.checks[-1].status == "FAIL" and "need about" in report.checks[-1].detail
 
 
-@pytest.mark.parametrize("name", ["zero1", "fsdp", "fsdp_shard_grad_op", "zero3_offload_cpu", "fsdp_hybrid_multinode"])
+@pytest.mark.parametrize(
+    "name", ["zero1", "fsdp", "fsdp_shard_grad_op", "zero3_offload_cpu", "fsdp_hybrid_multinode", "fsdp1", "autotp"]
+)
 def test_strategy_names_match_the_training_script(name):
     """The name doctor prints is the one training/strategy.py reports in strategy.json."""
     launch = launches.read_launch_config(ROOT / "accelerate_configs" / f"{name}.yaml")
     ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
     ds = json.loads((ROOT / ds_file).read_text()) if ds_file else None
     expected = {"zero1": "zero1", "fsdp": "fsdp", "fsdp_shard_grad_op": "fsdp-shard-grad-op",
-                "zero3_offload_cpu": "zero3-offload-cpu", "fsdp_hybrid_multinode": "fsdp-hybrid"}  # fmt: skip
+                "zero3_offload_cpu": "zero3-offload-cpu", "fsdp_hybrid_multinode": "fsdp-hybrid", "fsdp1": "fsdp1",
+                "autotp": "zero1-autotp"}  # fmt: skip
     world = launch["num_processes"]  # as written: 16 for the multi-node YAML, 2 for the others
-    assert launches.strategy_name(launch, ds, world) == expected[name]
+    assert launches.launched_strategy(launch, ds, world).name == expected[name]
 
 
 def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ from training.strategy import Strategy
 
 GiB = 2**30
 LLAMA_1B = ShardGPTConfig.from_preset("llama-1b")
+named = Strategy.from_name
 
 
 def on_gpu(launch: Launch) -> dict[str, int]:
@@ -35,14 +36,14 @@ def on_gpu(launch: Launch) -> dict[str, int]:
 
 
 def test_host_ram_need_is_ranks_per_host_times_what_a_rank_keeps_in_host_memory():
-    launch = Launch("zero3", 2, 2, "fp32", 1, 128, False)
-    pred = predict(LLAMA_1B, "zero3", 2, "fp32", 1, 128, unfused_adam=True)
+    launch = Launch(named("zero3", 2), 2, "fp32", 1, 128, False)
+    pred = predict(LLAMA_1B, named("zero3", 2), "fp32", 1, 128, unfused_adam=True)
     # CPU ranks: the process and the whole prediction (with unfused AdamW's temporaries: the training script
     # fuses AdamW only on GPUs) live in host memory, for both ranks of the host.
     per_rank = PROCESS_BYTES + pred["total"] + pred["host_ram"]
     assert dict(needs(LLAMA_1B, launch, on_gpu=False)) == {"host RAM": 2 * per_rank}
-    offload = replace(launch, strategy="zero3-offload-nvme", world_size=8, ranks_per_host=8)
-    pred = predict(LLAMA_1B, "zero3-offload-nvme", 8, "fp32", 1, 128)
+    offload = replace(launch, strategy=named("zero3-offload-nvme", 8), ranks_per_host=8)
+    pred = predict(LLAMA_1B, named("zero3-offload-nvme", 8), "fp32", 1, 128)
     assert on_gpu(offload) == {
         "GPU memory": pred["total"],
         "host RAM": 8 * (PROCESS_BYTES + max(pred["host_ram"], pred["host_ram_at_start"])),
@@ -51,7 +52,7 @@ def test_host_ram_need_is_ranks_per_host_times_what_a_rank_keeps_in_host_memory(
 
 
 def test_a_launch_that_fits_passes_and_one_that_does_not_names_the_numbers():
-    launch = Launch("zero3", 2, 2, "fp32", 1, 128, False)
+    launch = Launch(named("zero3", 2), 2, "fp32", 1, 128, False)
     need = dict(needs(LLAMA_1B, launch, on_gpu=False))["host RAM"]
     check_memory_fit(LLAMA_1B, launch, Capacity(None, need))  # exactly enough
     with pytest.raises(MemoryFitError) as e:
@@ -64,9 +65,9 @@ def test_a_launch_that_fits_passes_and_one_that_does_not_names_the_numbers():
 @pytest.mark.parametrize(
     "launch, fix",
     [
-        (Launch("zero3", 8, 8, "bf16", 8, 2048, False), "--gradient_checkpointing"),
-        (Launch("zero3", 8, 8, "bf16", 8, 2048, True), "--per_device_train_batch_size 4 and x2"),
-        (Launch("ddp", 8, 8, "bf16", 1, 2048, True), "zero3.yaml"),
+        (Launch(named("zero3", 8), 8, "bf16", 8, 2048, False), "--gradient_checkpointing"),
+        (Launch(named("zero3", 8), 8, "bf16", 8, 2048, True), "--per_device_train_batch_size 4 and x2"),
+        (Launch(named("ddp", 8), 8, "bf16", 1, 2048, True), "zero3.yaml"),
     ],
 )
 def test_the_cheapest_fix_is_the_first_change_that_fits(launch, fix):
@@ -76,7 +77,7 @@ def test_the_cheapest_fix_is_the_first_change_that_fits(launch, fix):
     changed = {
         "--gradient_checkpointing": replace(launch, checkpointing=True),
         "--per_device_train_batch_size 4 and x2": replace(launch, micro_batch=4),
-        "zero3.yaml": replace(launch, strategy="zero3"),
+        "zero3.yaml": replace(launch, strategy=named("zero3", 8)),
     }[fix]
     after = on_gpu(changed)["GPU memory"]
     assert after < before
@@ -86,13 +87,17 @@ def test_the_cheapest_fix_is_the_first_change_that_fits(launch, fix):
         check_memory_fit(LLAMA_1B, launch, have)
 
 
-def test_planner_names_for_the_training_scripts_strategies():
-    assert planner_strategy("single", 1, None) == ("ddp", 1)
-    assert planner_strategy("zero2-offload-cpu", 4, None) == ("zero2-offload", 4)
-    assert planner_strategy("fsdp1-shard-grad-op", 2, 2) == ("fsdp-shard-grad-op", 2)
-    assert planner_strategy("fsdp1-no-shard", 2, 1) == ("ddp", 2)
-    assert planner_strategy("fsdp-hybrid", 8, 4) == ("fsdp", 4)
-    assert planner_strategy("zero0", 2, None) is None  # not modelled: not checked
+def test_planner_models_the_training_scripts_strategies():
+    def planned(name: str, world: int) -> tuple[str, int] | None:
+        strategy = planner_strategy(named(name, world))
+        return strategy and (strategy.name, strategy.world_size)
+
+    assert planned("single", 1) == ("ddp", 1)
+    assert planned("zero2-offload-cpu", 4) == ("zero2-offload-cpu", 4)
+    assert planned("fsdp1-shard-grad-op", 2) == ("fsdp-shard-grad-op", 2)
+    assert planned("fsdp1-no-shard", 2) == ("ddp", 2)
+    assert planned("fsdp-hybrid", 8) == ("fsdp", 4)  # one of 2 replicas: FSDP over its 4 ranks
+    assert planned("zero0", 2) is None  # not modelled: not checked
 
 
 def test_skip_memory_check_starts_anyway():
@@ -119,7 +124,7 @@ def test_largest_that_fits_is_the_last_size_whose_needs_fit():
     psis = [layout(config).psi for _, config in sizes]
     assert psis == sorted(psis) and len(set(psis)) == len(psis)
     assert ("llama-1b num_hidden_layers=5", 5) in [(n, c.num_hidden_layers) for n, c in sizes]
-    launch = Launch("zero3", 2, 2, "bf16", 1, 128, True)
+    launch = Launch(named("zero3", 2), 2, "bf16", 1, 128, True)
     have = Capacity(None, 12 * GiB)
     name, config = largest_that_fits(launch, have, {"vocab_size": 8192})
     following = sizes[[n for n, _ in sizes].index(name) + 1][1]

@@ -11,8 +11,10 @@ import torch
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from recipes import plan_memory
 from training.memory import planner as pm
+from training.strategy import Strategy
 
 GB = 1e9
+named = Strategy.from_name
 
 
 def test_paper_formulas_reproduce_the_zero_papers_figure_1():
@@ -88,7 +90,7 @@ def test_activation_checkpointing_keeps_one_input_per_layer():
 
 def test_predict_every_strategy():
     config = ShardGPTConfig.from_preset("llama-1b")
-    preds = {s: pm.predict(config, s, 8, "bf16", 1, 2048) for s in pm.STRATEGIES}
+    preds = {s: pm.predict(config, named(s, 8), "bf16", 1, 2048) for s in pm.STRATEGIES}
     for s, p in preds.items():
         parts = ("params", "grads", "optimizer_states", "activations", "logits", "temporary")
         assert p["total"] == sum(p[k] for k in parts), s
@@ -106,8 +108,9 @@ def test_predict_every_strategy():
     for s in ("fsdp-offload", "zero3-offload-cpu", "zero3-offload-nvme"):
         assert preds[s]["model_states"] == (0 if s.startswith("fsdp") else norms) and preds[s]["host_ram"] > 0
     # The bf16 weights stay, with the flat gradient partition the offload path reduces into (fp32: Ψ/N x 4).
-    assert preds["zero2-offload"]["model_states"] == preds["zero2"]["params"] + preds["zero2-offload"]["grads"]
-    assert preds["zero2-offload"]["grads"] == pytest.approx(4 * psi / 8, rel=1e-6)
+    offload = preds["zero2-offload-cpu"]
+    assert offload["model_states"] == preds["zero2"]["params"] + offload["grads"]
+    assert offload["grads"] == pytest.approx(4 * psi / 8, rel=1e-6)
     assert preds["zero3-offload-nvme"]["nvme"] > 16 * psi / 8
     # The chunked loss: the saved gradients of the hidden states and of the head, one chunk's logits in fp32
     # and bf16, one chunk's weight-gradient product; far below the 12 bytes per token and vocabulary entry of
@@ -130,7 +133,7 @@ def test_predict_matches_deepspeeds_estimators():
     config = ShardGPTConfig.from_preset("llama-1b")
     lay = pm.layout(config)
     psi = lay.psi
-    z2 = pm.predict(config, "zero2", 8, "bf16", 1, 2048)
+    z2 = pm.predict(config, named("zero2", 8), "bf16", 1, 2048)
     _, ds_z2 = estimate_zero2_model_states_mem_needs(psi, 8, 1, cpu_offload=False)
     assert z2["params"] == 2 * psi  # the flat bf16 buffer: psi is a multiple of 16 here, no padding
     assert z2["optimizer_states"] == 12 * psi / 8 + 4 * 2  # fp32 master, exp_avg, exp_avg_sq; step counters
@@ -141,17 +144,17 @@ def test_predict_matches_deepspeeds_estimators():
     # DeepSpeed's estimate counts the gradient partitions in the model's dtype (its default grad_accum_dtype).
     ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3.json")
     ds["data_types"]["grad_accum_dtype"] = "bf16"
-    z3 = pm.predict(config, "zero3", 8, "bf16", 1, 2048, ds_config=ds)
+    z3 = pm.predict(config, named("zero3", 8), "bf16", 1, 2048, ds_config=ds)
     assert z3["model_states"] + z3["temporary"] == pytest.approx(ds_z3, rel=0.20)
     # Offloaded: the GPU keeps the bf16 weights (ZeRO-2) or only what is gathered (ZeRO-3).
     _, ds_z2_off = estimate_zero2_model_states_mem_needs(psi, 8, 1, cpu_offload=True)
-    assert pm.predict(config, "zero2-offload", 8, "bf16")["params"] == ds_z2_off  # + the gradient partition
+    assert pm.predict(config, named("zero2-offload-cpu", 8), "bf16")["params"] == ds_z2_off  # + the gradient partition
 
 
 def test_zero3_persistence_and_sub_groups_follow_the_json():
     config = ShardGPTConfig.from_preset("gpt2-124m")
     lay = pm.layout(config)
-    zero = pm.zero_config("zero3", config, 8, "bf16", 1)
+    zero = pm.zero_config(named("zero3"), config, 8, "bf16", 1)
     assert zero["stage3_param_persistence_threshold"] == 10 * config.hidden_size  # "auto" resolved as training
     assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == 10_000_000  # fixed in the JSON
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
@@ -162,9 +165,9 @@ def test_zero3_persistence_and_sub_groups_follow_the_json():
 
 def test_rank_figures_differ_only_where_deepspeed_splits():
     config = ShardGPTConfig.from_preset("tiny")
-    ranks = [pm.predict(config, "zero2", 2, "fp32", rank=r)["grads"] for r in (0, 1)]
+    ranks = [pm.predict(config, named("zero2", 2), "fp32", rank=r)["grads"] for r in (0, 1)]
     assert ranks[0] != ranks[1]
-    assert pm.predict(config, "zero2", 2, "fp32")["grads"] == max(ranks)
+    assert pm.predict(config, named("zero2", 2), "fp32")["grads"] == max(ranks)
 
 
 def test_command_line_table(capsys):
@@ -180,9 +183,9 @@ def test_command_line_overrides_and_json(capsys):
     import json
 
     plan_memory.main(["--preset", "llama-1b", "--hidden_size", "1024", "--num_attention_heads", "16", "--strategy",
-             "zero2-offload-cpu", "--num_gpus", "4", "--json"])  # fmt: skip
+             "zero2-offload", "--num_gpus", "4", "--json"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
-    assert out["inputs"]["strategy"] == "zero2-offload"
+    assert out["inputs"]["strategy"] == "zero2-offload-cpu"  # the device an -offload leaves out is CPU
     expected = ShardGPTConfig.from_preset("llama-1b", hidden_size=1024, num_attention_heads=16)
     assert out["inputs"]["psi"] == pm.layout(expected).psi
     assert math.isclose(out["host_ram_at_start"], 4 * out["inputs"]["psi"])
@@ -201,9 +204,9 @@ def test_zero3_and_fsdp_build_partitioned_at_start():
     config = ShardGPTConfig.from_preset("llama-1b")
     lay = pm.layout(config)
     for strategy in ("zero3", "fsdp"):
-        built = pm.predict(config, strategy, 8)["host_ram_at_start"]
+        built = pm.predict(config, named(strategy, 8))["host_ram_at_start"]
         assert built == 4 * (math.ceil(lay.psi / 8) + lay.largest_module)
-    assert pm.predict(config, "ddp", 8)["host_ram_at_start"] == 4 * lay.psi
+    assert pm.predict(config, named("ddp", 8))["host_ram_at_start"] == 4 * lay.psi
 
 
 def test_autotp_splits_the_planned_matrices_and_shards_adam_over_data_parallel_ranks():
@@ -215,12 +218,12 @@ def test_autotp_splits_the_planned_matrices_and_shards_adam_over_data_parallel_r
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
     local = (psi - norms) // 2 + norms
     assert pm.layout(config, tp=2).psi == local
-    pred = pm.predict(config, "zero1-autotp", 8, "bf16")
+    pred = pm.predict(config, named("zero1-autotp", 8), "bf16")
     assert pred["inputs"]["tensor_parallel_size"] == 2 and pred["inputs"]["psi"] == psi
     assert pred["model_states"] == 2 * local + 2 * local + (4 + 8) * local // 4 + 4 * 2
-    assert pred["model_states"] < pm.predict(config, "zero1", 8, "bf16")["model_states"]
+    assert pred["model_states"] < pm.predict(config, named("zero1", 8), "bf16")["model_states"]
     with pytest.raises(ValueError, match="world_size 3 must be a multiple"):
-        pm.predict(config, "zero1-autotp", 3)
+        pm.predict(config, named("zero1-autotp", 3))
 
 
 def test_zero3_gradient_partitions_follow_grad_accum_dtype_and_nvme_keeps_max_in_cpu_in_host():
@@ -229,15 +232,15 @@ def test_zero3_gradient_partitions_follow_grad_accum_dtype_and_nvme_keeps_max_in
     partition stay in host memory."""
     config = ShardGPTConfig.from_preset("gpt2-124m")
     part = sum(math.ceil(n / 2) for n in pm.layout(config).numels)
-    assert pm.predict(config, "zero3", 2, "bf16")["detail"]["gpu:grads.grad_partitions"] == 4 * part
+    assert pm.predict(config, named("zero3", 2), "bf16")["detail"]["gpu:grads.grad_partitions"] == 4 * part
     ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3.json")
     ds["data_types"]["grad_accum_dtype"] = "auto"
     for low, size in ((False, 4), (True, 2)):
-        detail = pm.predict(config, "zero3", 2, "bf16", ds_config=ds, bf16_gradient_reduction=low)["detail"]
+        detail = pm.predict(config, named("zero3", 2), "bf16", ds_config=ds, bf16_gradient_reduction=low)["detail"]
         assert detail["gpu:grads.grad_partitions"] == size * part
     ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3_offload_nvme.json")
     ds["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**7
-    detail = pm.predict(config, "zero3-offload-nvme", 2, "bf16", ds_config=ds)["detail"]
+    detail = pm.predict(config, named("zero3-offload-nvme", 2), "bf16", ds_config=ds)["detail"]
     assert detail["host:params.partitions_in_cpu"] == 2 * 10**7
     assert detail["nvme:params.partitions"] == 2 * (part - 10**7)
 
@@ -257,7 +260,7 @@ def test_zero3_with_parameters_on_nvme_builds_into_the_swap_buffers():
     ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3_offload_nvme_small_host.json")
     swap = ds["zero_optimization"]["offload_param"]
     assert swap["max_in_cpu"] == 0
-    built = pm.predict(config, "zero3-offload-nvme", 2, "bf16", ds_config=ds)["host_ram_at_start"]
+    built = pm.predict(config, named("zero3-offload-nvme", 2), "bf16", ds_config=ds)["host_ram_at_start"]
     assert built == 4 * pm.layout(config).largest_module + 2 * swap["buffer_count"] * swap["buffer_size"]
 
 
@@ -268,11 +271,13 @@ def test_unfused_adam_holds_two_fp32_temporaries_of_the_largest_tensor_it_steps(
     lay = pm.layout(config)
 
     def extra(strategy: str) -> int:
-        fused, unfused = (pm.predict(config, strategy, 2, "bf16", unfused_adam=u)["total"] for u in (False, True))
+        fused, unfused = (
+            pm.predict(config, named(strategy, 2), "bf16", unfused_adam=u)["total"] for u in (False, True)
+        )
         return unfused - fused
 
     assert extra("ddp") == 8 * max(lay.numels)
-    zero = pm.zero_config("zero3", config, 2, "bf16", 1)
+    zero = pm.zero_config(named("zero3"), config, 2, "bf16", 1)
     assert extra("zero3") == 8 * max(pm.zero3_groups(lay, 2, zero["sub_group_size"]))
     assert extra("zero3-offload-cpu") == 0
 
@@ -283,5 +288,5 @@ def test_zero2_offload_keeps_a_gradient_partition_on_the_device_in_the_accumulat
     the device (`averaged_gradients`), fp32 as the training script sets it."""
     config = ShardGPTConfig.from_preset("llama-1b", vocab_size=8192, num_hidden_layers=2)
     part = sum(p for _, p, _ in pm.zero12_partitions(pm.layout(config), 2, 0))
-    detail = pm.predict(config, "zero2-offload", 2, "bf16")["detail"]
+    detail = pm.predict(config, named("zero2-offload-cpu", 2), "bf16")["detail"]
     assert detail["gpu:grads.averaged_gradients"] == 4 * part == detail["host:grads.fp32_partition.grad"]

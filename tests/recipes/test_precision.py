@@ -35,7 +35,8 @@ from safetensors.torch import load_file
 from recipes.compare import parse_args, train_flags
 from training.accelerator import fsdp_precision
 from training.compare.report import Result, Spec, add_loss_differences, per_precision
-from training.config import RunConfig, load_json, resolve_deepspeed
+from training.config import RunConfig
+from training.deepspeed_config import load_json, resolve_deepspeed
 
 STEPS = 4
 TRAIN = [

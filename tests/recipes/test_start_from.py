@@ -115,15 +115,12 @@ def test_the_checkpoints_tokenizer_unless_tokenizer_name_says_otherwise(tmp_path
     from training.config import RunConfig
 
     LlamaConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path / "bare")
-    cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), output_dir=str(tmp_path / "out"))
-    cfg.validate(1)
+    cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), output_dir=str(tmp_path / "out")).resolve(1)
     assert cfg.tokenizer_name is None  # no tokenizer in the folder: the BPE trained on the corpus
     (tmp_path / "bare" / "tokenizer.json").write_text("{}")
-    cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), output_dir=str(tmp_path / "out"))
-    cfg.validate(1)
+    cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), output_dir=str(tmp_path / "out")).resolve(1)
     assert cfg.tokenizer_name == str(tmp_path / "bare")
     cfg = RunConfig(model_name_or_path=str(tmp_path / "bare"), tokenizer_name="other", output_dir=str(tmp_path / "o"))
-    cfg.validate(1)
-    assert cfg.tokenizer_name == "other"
+    assert cfg.resolve(1).tokenizer_name == "other"
     with pytest.raises(ValueError, match="--config_overrides 'num_hidden_layers=2' with --model_name_or_path"):
         RunConfig(model_name_or_path=str(tmp_path / "bare"), config_overrides="num_hidden_layers=2").validate(1)

@@ -286,7 +286,8 @@ def test_default_warmup_never_refuses_a_short_run():
     ids=["param of another scheduler", "unknown type", "fixed zero warmup"],
 )  # fmt: skip
 def test_deepspeed_scheduler_values_deepspeed_rejects_are_refused(scheduler, field, fix):
-    from training.config import RunConfig, resolve_deepspeed
+    from training.config import RunConfig
+    from training.deepspeed_config import resolve_deepspeed
 
     cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", max_steps=10)
     with pytest.raises(ValueError) as refused:
@@ -298,7 +299,7 @@ def test_inline_deepspeed_yaml_resolves_like_a_json(monkeypatch):
     """What `accelerate launch` exports for an inline `deepspeed_config` becomes accelerate's own JSON for those
     fields, resolved by the same checks as a file: batch sizes and clipping from the flags, offload as written."""
     from training.config import RunConfig
-    from training.strategy import requested_strategy
+    from training.strategy import launch_precision, requested_strategy
 
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "WORLD_SIZE": "2",
            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
@@ -306,7 +307,9 @@ def test_inline_deepspeed_yaml_resolves_like_a_json(monkeypatch):
            "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false", "ACCELERATE_MIXED_PRECISION": "bf16"}  # fmt: skip
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", gradient_accumulation_steps=2)
+    cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", gradient_accumulation_steps=2).resolve(
+        2, launch_precision()
+    )
     strategy = requested_strategy(cfg, hidden_size=64)
     ds = strategy.deepspeed
     assert strategy.name == "zero3-offload-cpu" and cfg.bf16 and ds["bf16"]["enabled"] is True

@@ -19,12 +19,13 @@ from training.config import RunConfig
 from training.inspection import verify_strategy
 from training.optim import make_optimizer
 from training.ranks import run_rank
-from training.strategy import Strategy, requested_strategy
+from training.strategy import Strategy, launch_precision, launched_world_size, requested_strategy
 from training.synthetic import StandInTokenizer
 
 
 def main() -> None:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
+    cfg = cfg.resolve(launched_world_size(), launch_precision())
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)
     accelerator = make_accelerator(cfg, strategy)  # collective: the process group
@@ -35,9 +36,9 @@ def main() -> None:
     world = strategy.world_size
     cases = {
         "as launched": strategy,
-        "asked for ZeRO-2": Strategy("zero2", world, deepspeed={"zero_optimization": {"stage": 2}}),
-        "asked for ZeRO-3": Strategy("zero3", world, deepspeed={"zero_optimization": {"stage": 3}}),
-        "asked for FSDP": Strategy("fsdp", world, fsdp_env={"FSDP_VERSION": "2"}),
+        "asked for ZeRO-2": Strategy("deepspeed", world, zero_stage=2),
+        "asked for ZeRO-3": Strategy("deepspeed", world, zero_stage=3),
+        "asked for FSDP": Strategy("fsdp", world, fsdp_version=2),
         "asked for DDP": Strategy("ddp", world),
     }
     seen = {}

@@ -8,10 +8,14 @@ import contextlib
 import io
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from training.doctor.machine import check_nvme
 from training.doctor.report import FAIL, NA, OK, WARN, Report, size
 from training.paths import ROOT
+
+if TYPE_CHECKING:  # training.strategy imports torch and accelerate: the doctor imports it where it is used
+    from training.strategy import Strategy
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "FSDP", "DEEPSPEED", "XLA")
 
@@ -97,27 +101,34 @@ def parse_train_flags(report: Report, flags: list[str]):
     return cfg
 
 
-def strategy_name(launch: dict | None, ds: dict | None, world: int) -> str:
-    """The name `training/strategy.py` gives the strategy (zero3-offload-cpu, fsdp-shard-grad-op, ...)."""
-    from training.config import offload_devices, zero_stage
+# The fsdp_config keys a strategy is built from, and the variables `accelerate launch` exports them as
+# (accelerate/utils/launch.py: str(value), booleans lower-cased).
+FSDP_VARIABLES = {
+    "fsdp_version": "FSDP_VERSION", "fsdp_sharding_strategy": "FSDP_SHARDING_STRATEGY",
+    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD", "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+}  # fmt: skip
+
+
+def launched_strategy(launch: dict | None, ds: dict | None, world: int) -> Strategy:
+    """The strategy the training script builds for this launch (`training/strategy.py`), from the YAML and the
+    resolved DeepSpeed JSON `ds` instead of the environment `accelerate launch` makes of them."""
+    from training.strategy import Strategy, deepspeed_strategy, fsdp_strategy
 
     if ds is not None:
-        devices = offload_devices(ds)
-        offload = next((d for d in (devices["offload_param"], devices["offload_optimizer"]) if d != "none"), None)
-        return f"zero{zero_stage(ds)}" + (f"-offload-{offload}" if offload else "")
+        return deepspeed_strategy(ds, world)
     if launch and launch.get("distributed_type") == "FSDP":
         fsdp = launch.get("fsdp_config") or {}
+        env = {var: str(fsdp[key]).lower() if isinstance(fsdp[key], bool) else str(fsdp[key])
+               for key, var in FSDP_VARIABLES.items() if key in fsdp}  # fmt: skip
         shard = (launch.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size", world)
-        name = "fsdp-hybrid" if shard < world else "fsdp"
-        if fsdp.get("fsdp_sharding_strategy") == "SHARD_GRAD_OP" or fsdp.get("fsdp_reshard_after_forward") is False:
-            name += "-shard-grad-op"
-        return name + ("-offload" if fsdp.get("fsdp_offload_params") else "")
-    return "ddp" if world > 1 else "single"
+        return fsdp_strategy(env, world, shard)
+    return Strategy("ddp" if world > 1 else "single", world)
 
 
 def check_training(report: Report, args, launch: dict | None, found: list[dict], bf16_ok: bool) -> None:
-    """RunConfig.validate and resolve_deepspeed exactly as the training script runs them at start-up."""
-    from training.config import RunConfig, load_json, resolve_deepspeed
+    """RunConfig.resolve and resolve_deepspeed exactly as the training script runs them at start-up."""
+    from training.config import RunConfig
+    from training.deepspeed_config import load_json, resolve_deepspeed
 
     flags = list(args.train_flags)
     if args.deepspeed:
@@ -129,7 +140,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         return
     world = launch["_world"] if launch else args.num_processes or max(len(found), 1)
     try:
-        cfg.validate(world)
+        cfg = cfg.resolve(world)  # the accelerate config's precision is checked below, against the flags
     except Exception as e:
         report.add("training flags", FAIL, str(e))
         return
@@ -147,8 +158,6 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     )
     if cfg.bf16 and not bf16_ok:
         report.add("precision", FAIL, "--bf16 is set but bf16 does not work here (see the bf16 check): drop --bf16")
-    if cfg.fp16 and not found:
-        report.add("precision", WARN, "--fp16 on CPU ranks: fp16 matmuls are slow and untested here; use --bf16")
 
     launch = launch or {}
     ds_section = launch.get("deepspeed_config") or {}
@@ -185,8 +194,12 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
             "global batch": f"{cfg.global_batch(world)} (= micro x accumulation x world {world})",
             "precision": precision,
         })  # fmt: skip
-    name = strategy_name(launch, ds, world)
-    report.resolved = {"strategy": f"{name} on {world} rank(s)", **report.resolved}
+    try:
+        strategy = launched_strategy(launch, ds, world)
+    except ValueError as e:  # an FSDP1 sharding strategy torch does not have
+        report.add("strategy", FAIL, str(e))
+        return
+    report.resolved = {"strategy": f"{strategy.name} on {world} rank(s)", **report.resolved}
 
     # NVMe offload: this node's ranks swap their shards of the fp32 weights, master copies and Adam states.
     per_node = world // int(launch.get("num_machines", 1) or 1)
@@ -198,12 +211,12 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         check_nvme(report, path, "the config's nvme_path", args.write_mb, need)
     if args.nvme_path and nvme_paths:
         args.nvme_need = need
-    plan(report, config, name, world, per_node, cfg, ds)
+    plan(report, config, strategy, per_node, cfg, ds)
 
 
 def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
     """The resolved DeepSpeed values that decide memory and speed."""
-    from training.config import offload_devices, zero_stage
+    from training.deepspeed_config import offload_devices, zero_stage
 
     devices = offload_devices(ds)
     return {
@@ -221,7 +234,7 @@ def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
     }
 
 
-def plan(report: Report, config, name: str, world: int, per_node: int, cfg, ds) -> None:
+def plan(report: Report, config, strategy: Strategy, per_node: int, cfg, ds) -> None:
     """The check the training script makes before it starts (`training/memory/fit.py`): the memory planner's
     prediction for this launch against this host's free GPU memory, RAM and NVMe disk, with the cheapest fix."""
     from training.memory.fit import (
@@ -234,9 +247,9 @@ def plan(report: Report, config, name: str, world: int, per_node: int, cfg, ds) 
         training_launch,
     )
 
-    launch = training_launch(cfg, name, world, None, per_node, ds)
+    launch = training_launch(cfg, strategy, per_node, ds)
     if launch is None:
-        report.add("memory plan", NA, f"the planner does not model {name}")
+        report.add("memory plan", NA, f"the planner does not model {strategy.name}")
         return
     config = planned_config(cfg, config)  # the vocabulary the run will have, as the training script plans it
     nvme = nvme_path(ds)

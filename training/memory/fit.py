@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
+from training.strategy import Strategy
+
 GiB = 2**30
 # What a training process holds before any model state: Python, torch, DeepSpeed and accelerate with their ops,
 # the tokenizer and the memory-mapped data; each rank's peak resident set of the debug preset (0.6M parameters)
@@ -42,10 +44,10 @@ class MemoryFitError(ValueError):
 
 @dataclass
 class Launch:
-    """What the prediction depends on: the planner's strategy name and the launch's sizes."""
+    """What the prediction depends on: the strategy as the planner models it (`planner_strategy`), on its world
+    size, and the launch's sizes."""
 
-    strategy: str  # a name of plan_memory.STRATEGIES
-    world_size: int
+    strategy: Strategy
     ranks_per_host: int
     precision: str  # fp32, bf16 or fp16
     micro_batch: int
@@ -53,6 +55,10 @@ class Launch:
     checkpointing: bool
     ds_config: dict | None = None
     bf16_gradient_reduction: bool = False  # what "auto" gradient dtypes of ds_config resolve to
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
 
 
 @dataclass
@@ -65,19 +71,17 @@ class Capacity:
     disk_free: int | None = None
 
 
-def planner_strategy(name: str, world: int, shard_size: int | None) -> tuple[str, int] | None:
-    """The planner's name for a strategy of `training/strategy.py` and the ranks one model copy is sharded
-    over; None for what the planner does not model (FSDP1's flat parameters count as FSDP2's shards)."""
-    from training.memory.planner import ALIASES, STRATEGIES
+def planner_strategy(strategy: Strategy) -> Strategy | None:
+    """A launch's strategy as the planner models it: one process as DDP on one rank, FSDP1's flat parameters as
+    FSDP2's shards (NO_SHARD as DDP), hybrid FSDP as FSDP over one shard group (the memory of a rank is that);
+    None for what the planner does not model."""
+    from training.memory.planner import STRATEGIES
 
-    if name == "single":
-        return "ddp", 1
-    name = ALIASES.get(name, name)
-    if name.startswith("fsdp1"):
-        name = "ddp" if "-no-shard" in name else "fsdp" + name.removeprefix("fsdp1")
-    if name.startswith("fsdp-hybrid"):  # the memory of a rank is that of FSDP over its shard group
-        name, world = "fsdp" + name.removeprefix("fsdp-hybrid"), shard_size or world
-    return (name, world) if name in STRATEGIES else None
+    if strategy.family == "single" or strategy.fsdp_sharding == "NO_SHARD":
+        strategy = Strategy("ddp", strategy.world_size)
+    elif strategy.family == "fsdp":
+        strategy = replace(strategy, fsdp_version=2, world_size=strategy.shard_size, replicas=1)
+    return strategy if strategy.name in STRATEGIES else None
 
 
 def capacity(nvme_path: str | None, local_rank: int = 0) -> Capacity:
@@ -93,8 +97,8 @@ def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
     """(place, bytes one host needs there) for `launch`, as the planner predicts it."""
     from training.memory.planner import predict
 
-    pred = predict(config, launch.strategy, launch.world_size, launch.precision, launch.micro_batch,
-                   launch.seq_len, launch.checkpointing, ds_config=launch.ds_config,
+    pred = predict(config, launch.strategy, launch.precision, launch.micro_batch, launch.seq_len,
+                   launch.checkpointing, ds_config=launch.ds_config,
                    bf16_gradient_reduction=launch.bf16_gradient_reduction, unfused_adam=not on_gpu)  # fmt: skip
     # On CPU ranks the "GPU" figures live in host RAM too. The full fp32 model a rank builds before `prepare`
     # shards it is the peak when it exceeds what the rank keeps afterwards.
@@ -128,17 +132,20 @@ def cheapest_fix(config, launch: Launch, have: Capacity) -> str:
             "(same global batch)", replace(launch, micro_batch=micro),
         ))  # fmt: skip
         micro //= 2
-    if launch.world_size > 1 and launch.strategy != "zero3":
+    world, now = launch.world_size, launch.strategy
+    zero3 = Strategy("deepspeed", world, zero_stage=3)
+    if world > 1 and now != zero3:
         candidates.append(("launch with accelerate_configs/zero3.yaml (ZeRO-3 shards every state)",
-                           replace(launch, strategy="zero3", ds_config=None)))  # fmt: skip
-    if on_gpu and "offload" not in launch.strategy and launch.world_size > 1:
+                           replace(launch, strategy=zero3, ds_config=None)))  # fmt: skip
+    if on_gpu and not now.offloads and world > 1:
+        offloaded = replace(zero3, offload_param="cpu", offload_optimizer="cpu")
         candidates.append(("launch with accelerate_configs/zero3_offload_cpu.yaml (states in host RAM)",
-                           replace(launch, strategy="zero3-offload-cpu", ds_config=None)))  # fmt: skip
-    hosts = launch.world_size // launch.ranks_per_host
+                           replace(launch, strategy=offloaded, ds_config=None)))  # fmt: skip
+    hosts = world // launch.ranks_per_host
     for more in (2, 4, 8, 16):
-        if launch.strategy.startswith(("zero", "fsdp")):
+        if now.family in ("deepspeed", "fsdp"):
             candidates.append((f"launch on {more * hosts} hosts of {launch.ranks_per_host} ranks (more shards)",
-                               replace(launch, world_size=more * launch.world_size)))  # fmt: skip
+                               replace(launch, strategy=replace(now, world_size=more * world))))  # fmt: skip
     for fix, changed in candidates:
         if not shortfalls(config, changed, have):
             return fix
@@ -154,8 +161,8 @@ def check_memory_fit(config, launch: Launch, have: Capacity) -> None:
     numbers = "; ".join(f"{where} needs {need / GiB:.1f} GiB{per_host}, {free / GiB:.1f} GiB free"
                         for where, need, free in short)  # fmt: skip
     raise MemoryFitError(
-        f"{launch.strategy} on {launch.world_size} rank(s), {launch.precision}, micro batch {launch.micro_batch} x "
-        f"{launch.seq_len} tokens is predicted not to fit: {numbers}; cheapest fix: "
+        f"{launch.strategy.name} on {launch.world_size} rank(s), {launch.precision}, micro batch "
+        f"{launch.micro_batch} x {launch.seq_len} tokens is predicted not to fit: {numbers}; cheapest fix: "
         f"{cheapest_fix(config, launch, have)} (or --skip_memory_check to start anyway)"
     )
 
@@ -168,24 +175,21 @@ def ranks_per_host(world: int) -> int:
 def check_launch_fits(cfg, config, strategy) -> None:
     """`check_memory_fit` for the launch the training script was started with (`strategy` from
     `training/strategy.requested_strategy`), on this host now."""
-    launch = training_launch(cfg, strategy.name, strategy.world_size, strategy.shard_size,
-                             ranks_per_host(strategy.world_size), strategy.deepspeed)  # fmt: skip
+    launch = training_launch(cfg, strategy, ranks_per_host(strategy.world_size), strategy.deepspeed)
     if cfg.skip_memory_check or launch is None:
         return
     have = capacity(nvme_path(strategy.deepspeed), int(os.environ.get("LOCAL_RANK", "0")))
     check_memory_fit(planned_config(cfg, config), launch, have)
 
 
-def training_launch(
-    cfg, name: str, world: int, shard_size: int | None, per_host: int, ds: dict | None
-) -> Launch | None:
-    """The planner's view of a `recipes/train.py` launch with flags `cfg`, strategy `name` on `world` ranks,
-    `per_host` of them on each host, and the resolved DeepSpeed JSON `ds`; None for a strategy it does not model."""
-    mapped = planner_strategy(name, world, shard_size)
-    if mapped is None:
+def training_launch(cfg, strategy: Strategy, per_host: int, ds: dict | None) -> Launch | None:
+    """The planner's view of a `recipes/train.py` launch with flags `cfg` and `strategy`, `per_host` of its ranks on
+    each host, and the resolved DeepSpeed JSON `ds`; None for a strategy the planner does not model."""
+    planned = planner_strategy(strategy)
+    if planned is None:
         return None
     return Launch(
-        mapped[0], mapped[1], min(per_host, mapped[1]), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
+        planned, min(per_host, planned.world_size), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
         cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, ds,
     )  # fmt: skip
 

@@ -12,10 +12,10 @@ from pathlib import Path
 from model import ShardGPTConfig
 from training.memory import planner as pm
 from training.paths import ROOT
+from training.strategy import Strategy
 
 LAUNCHES = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero3", "fp32"), ("fsdp", "fp32"),
             ("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "bf16")]  # fmt: skip
-STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 
 
 def launch_command(config: str, precision: str, preset: str, output_dir: Path) -> list[str]:
@@ -38,14 +38,19 @@ def load(run_dir: Path) -> list[dict]:
     return sorted(records, key=lambda r: r["rank"])
 
 
-def planner_inputs(record: dict) -> tuple[pm.Layout, str, dict | None]:
+def recorded_strategy(record: dict) -> Strategy:
+    """The strategy a record measured, as its name and world size say."""
+    return Strategy.from_name(record["strategy"], record["world_size"])
+
+
+def planner_inputs(record: dict) -> tuple[pm.Layout, Strategy, dict | None]:
     """The planner's view of a measured launch: the layout of the model (of one tensor-parallel slice under
     AutoTP), the strategy and the resolved ZeRO section."""
     config = ShardGPTConfig.from_preset(record["preset"], vocab_size=record["vocab_size"])
-    strategy = pm.ALIASES.get(record["strategy"], record["strategy"])
+    strategy = recorded_strategy(record)
     tp = pm.tensor_parallel_size(strategy, record["ds_config"])
     zero = None
-    if strategy.startswith("zero"):
+    if strategy.family == "deepspeed":
         zero = pm.zero_config(strategy, config, record["world_size"] // tp, record["precision"],
                               record["micro_batch"], record["ds_config"])  # fmt: skip
     return pm.layout(config, tp=tp), strategy, zero
@@ -63,9 +68,10 @@ def planned(record: dict) -> list[pm.Item]:
 def paper(record: dict) -> float:
     """The ZeRO paper's bytes for this launch: DDP and FSDP keep fp32 weights, gradients and Adam whatever the
     precision flag (autocast, or FSDP's bf16 compute copies), so they take the fp32 figures."""
-    strategy = record["strategy"]
-    precision = record["precision"] if strategy.startswith("zero") else "fp32"
-    return pm.zero_paper(record["psi"], record["world_size"], STAGE[strategy], precision)
+    strategy = recorded_strategy(record)
+    precision = record["precision"] if strategy.family == "deepspeed" else "fp32"
+    stage = 3 if strategy.family == "fsdp" else strategy.zero_stage  # FSDP shards every state, as ZeRO-3
+    return pm.zero_paper(record["psi"], record["world_size"], stage, precision)
 
 
 TERMS = {
@@ -81,15 +87,16 @@ TERMS = {
 def deviations(record: dict) -> dict[str, float]:
     """Measured minus the paper's figure, term by term (keys of TERMS); the terms add up to the difference."""
     detail = record["snapshots"][record["peak_snapshot"]]["detail"]
+    strategy = recorded_strategy(record)
     e = pm.BYTES[record["precision"]]
     terms = {
         "adam_step": detail.get("optimizer_states.adam.step", 0),
         "ddp_buckets": detail.get("grads.ddp_buckets", 0),
         "persistent": detail.get("params.persistent_whole", 0),
     }
-    if record["precision"] == "fp32" and record["strategy"].startswith("zero"):
+    if record["precision"] == "fp32" and strategy.family == "deepspeed":
         terms["fp32_master"] = record["bytes"]["master_params"]
-    if record["strategy"] == "zero2":
+    if strategy.zero_stage == 2 and not strategy.offloads:
         kept = detail.get("grads.averaged_gradients", 0) + detail.get("grads.grads_in_partition", 0)
         terms["zero2_whole_grads"] = kept - e * record["psi"] / record["world_size"]
     terms = {k: v for k, v in terms.items() if v}

@@ -27,17 +27,19 @@ from dataclasses import dataclass
 import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from training.config import RunConfig, autotp_size, gradient_reduction_dtype, load_json, resolve_deepspeed
+from training.config import RunConfig
+from training.deepspeed_config import autotp_size, gradient_reduction_dtype, load_json, resolve_deepspeed
 from training.optim import param_groups
 from training.paths import ROOT
+from training.strategy import Strategy
 
+# The strategies the planner models, by name (`Strategy.name`); each ZeRO one with the repo's JSON for it.
 STRATEGIES = (
-    "ddp", "fsdp", "fsdp-shard-grad-op", "fsdp-offload", "zero1", "zero2", "zero2-offload", "zero3",
+    "ddp", "fsdp", "fsdp-shard-grad-op", "fsdp-offload", "zero1", "zero2", "zero2-offload-cpu", "zero3",
     "zero3-offload-cpu", "zero3-offload-nvme", "zero1-autotp",
 )  # fmt: skip
-ALIASES = {"zero2-offload-cpu": "zero2-offload"}  # the name training/strategy.py gives the launch
 DS_CONFIGS = {
-    "zero1": "zero1.json", "zero2": "zero2.json", "zero2-offload": "zero2_offload.json", "zero3": "zero3.json",
+    "zero1": "zero1.json", "zero2": "zero2.json", "zero2-offload-cpu": "zero2_offload.json", "zero3": "zero3.json",
     "zero3-offload-cpu": "zero3_offload_cpu.json", "zero3-offload-nvme": "zero3_offload_nvme.json",
     "zero1-autotp": "autotp.json",
 }  # fmt: skip
@@ -100,25 +102,30 @@ def tensor_parallel_shape(name: str, shape: tuple[int, ...], plan: dict[str, str
     return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
-def tensor_parallel_size(strategy: str, ds_config: dict | None = None) -> int:
-    """Ranks each layer is split over: the DeepSpeed JSON's `tensor_parallel.autotp_size` (the repo's for the
-    strategy when `ds_config` is None); 1 for the data-parallel strategies."""
-    if not strategy.endswith("-autotp"):
+def tensor_parallel_size(strategy: Strategy, ds_config: dict | None = None) -> int:
+    """Ranks each layer is split over: under AutoTP the DeepSpeed JSON's `tensor_parallel.autotp_size` (the repo's
+    for the strategy when `ds_config` is None); 1 for the data-parallel strategies."""
+    if strategy.tp_size == 1:
         return 1
-    return autotp_size(ds_config if ds_config is not None else load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy]))
+    return autotp_size(ds_config if ds_config is not None else repo_json(strategy))
+
+
+def repo_json(strategy: Strategy) -> dict:
+    """The repo's DeepSpeed JSON for a ZeRO strategy the planner models."""
+    return load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy.name])
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed config
 
 
-def zero_config(strategy: str, config: ShardGPTConfig, world: int, precision: str, micro_batch: int,
+def zero_config(strategy: Strategy, config: ShardGPTConfig, world: int, precision: str, micro_batch: int,
                 ds_config: dict | None = None, bf16_gradient_reduction: bool = False) -> dict:  # fmt: skip
     """The `zero_optimization` section in force: `ds_config` (the repo's JSON for `strategy` when None) with
     its "auto" values filled exactly as the training script fills them (`recipes/config.resolve_deepspeed`),
     plus `grad_accum_bytes`: the bytes per element of `data_types.grad_accum_dtype`, in which ZeRO-3 keeps its
     gradient partitions (the training script sets it to fp32, or bf16 under --bf16_gradient_reduction)."""
     if ds_config is None:
-        ds_config = load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy])
+        ds_config = repo_json(strategy)
     accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype", "auto")
     if accum == "auto":
         accum = gradient_reduction_dtype(precision == "bf16", bf16_gradient_reduction)
@@ -298,17 +305,17 @@ def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
     return items
 
 
-def model_states(lay: Layout, strategy: str, world: int, rank: int, precision: str, zero: dict | None) -> list[Item]:
+def model_states(lay: Layout, strategy: Strategy, world: int, rank: int, precision: str,
+                 zero: dict | None) -> list[Item]:  # fmt: skip
     """What rank `rank` holds for parameters, gradients and optimizer states at its model-state peak (the
     moment recipes/measure_memory.py reports: the end of the backward for ZeRO-1, the optimizer step's start
-    otherwise)."""
-    strategy = ALIASES.get(strategy, strategy).removesuffix("-autotp")  # `lay`, `world`: the tp slice's, dp's
+    otherwise). `lay`, `world`: the tensor-parallel slice's layout, the data-parallel ranks."""
     e = BYTES[precision]
-    if strategy == "ddp":
+    if strategy.family == "ddp":
         return ddp_states(lay)
-    if strategy.startswith("fsdp"):
-        return fsdp_states(lay, world, rank, offload=strategy == "fsdp-offload")
-    if strategy in ("zero1", "zero2", "zero2-offload"):
+    if strategy.family == "fsdp":
+        return fsdp_states(lay, world, rank, offload=strategy.offloads)
+    if strategy.zero_stage in (1, 2):
         offload = offload_device(zero, "offload_optimizer") != "none"
         return zero12_states(lay, world, rank, e, int(zero["stage"]), offload, zero["grad_accum_bytes"])
     return zero3_states(lay, world, e, zero)
@@ -387,19 +394,18 @@ def saved_loss_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
 # ---------------------------------------------------------------------------------------------- temporaries
 
 
-def temporaries(lay: Layout, strategy: str, world: int, precision: str, zero: dict | None) -> list[Item]:
+def temporaries(lay: Layout, strategy: Strategy, world: int, precision: str, zero: dict | None) -> list[Item]:
     """Buffers that exist only for part of a step, at their largest; summed as if they coincided."""
-    strategy = ALIASES.get(strategy, strategy).removesuffix("-autotp")
     e = BYTES[precision]
     items: list[Item] = []
     largest_param = max(lay.numels)
-    if strategy == "ddp":
+    if strategy.family == "ddp":
         if precision != "fp32":
             items.append(Item("buffers", "autocast_weight_copies", e * lay.psi))  # saved for the backward
         return items
-    if strategy.startswith("fsdp"):
+    if strategy.family == "fsdp":
         root = sum(lay.numels[i] for i in lay.root)
-        if strategy == "fsdp-shard-grad-op":  # every unit stays unsharded from its forward to its backward
+        if strategy.fsdp_sharding == "SHARD_GRAD_OP":  # every unit stays unsharded from its forward to its backward
             items.append(Item("buffers", "unsharded_params", e * lay.psi))
         else:  # the root unit stays gathered (FSDP2 never reshards the root), plus a layer and its prefetch
             items.append(Item("buffers", "unsharded_params", e * (root + 2 * lay.layer_numel)))
@@ -446,19 +452,18 @@ def temporaries(lay: Layout, strategy: str, world: int, precision: str, zero: di
     return items
 
 
-def adam_temporaries(lay: Layout, strategy: str, world: int, zero: dict | None, e: int) -> Item:
+def adam_temporaries(lay: Layout, strategy: Strategy, world: int, zero: dict | None, e: int) -> Item:
     """torch's unfused AdamW (the training script fuses it only on GPUs) steps one tensor at a time and holds two
     fp32 temporaries of its size (sqrt of exp_avg_sq, and that divided by the bias correction; measured on CPU):
     the largest tensor it steps is a parameter (DDP), a local shard (FSDP), a group's flat fp32 partition
     (ZeRO-1/2) or a sub-group's (ZeRO-3). DeepSpeed's CPU Adam (offload) updates in place."""
-    strategy = ALIASES.get(strategy, strategy)
-    if "offload" in strategy and strategy != "fsdp-offload":
+    if strategy.family == "deepspeed" and strategy.offloads:
         return Item("buffers", "adam_temporaries", 0)
-    if strategy == "ddp":
+    if strategy.family == "ddp":
         largest = max(lay.numels)
-    elif strategy.startswith("fsdp"):
+    elif strategy.family == "fsdp":
         largest = max(math.ceil(rows / world) * (n // rows) for n, rows in zip(lay.numels, lay.rows, strict=True))
-    elif strategy in ("zero1", "zero2"):
+    elif strategy.zero_stage in (1, 2) and strategy.tp_size == 1:  # (AutoTP's ZeRO-1: the sub-group bound below)
         # Before the step DeepSpeed frees the partition's gradients (counted as grads) and, in bf16/fp16, their
         # flattened copy in the model dtype (part of fp32_grad_partition): Adam's temporaries take their place.
         _, part, kept = max(zero12_partitions(lay, world, 0), key=lambda g: g[1])
@@ -466,17 +471,17 @@ def adam_temporaries(lay: Layout, strategy: str, world: int, zero: dict | None, 
         return Item("buffers", "adam_temporaries", max(0, 8 * part - freed))
     else:
         largest = max(zero3_groups(lay, world, zero["sub_group_size"]))
-    return Item("buffers", "adam_temporaries", 8 * largest, "host" if strategy == "fsdp-offload" else "gpu")
+    return Item("buffers", "adam_temporaries", 8 * largest, "host" if strategy.offloads else "gpu")
 
 
 # ---------------------------------------------------------------------------------------------- prediction
 
 
-def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: str = "bf16", micro_batch: int = 1,
+def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16", micro_batch: int = 1,
             seq_len: int = 2048, activation_checkpointing: bool = False, ds_config: dict | None = None,
             rank: int | None = None, decay_embeddings: bool = False,
             bf16_gradient_reduction: bool = False, unfused_adam: bool = False) -> dict:  # fmt: skip
-    """Bytes one GPU needs, by category, for `strategy` on `world_size` GPUs.
+    """Bytes one GPU needs, by category, for `strategy` on its `world_size` GPUs.
 
     Returns params, grads, optimizer_states (fp32 master copies + Adam), activations, logits, temporary and
     total on the GPU; model_states (params + grads + optimizer_states on the GPU); host_ram and nvme per GPU
@@ -484,20 +489,22 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
     and FSDP differ slightly between ranks); default the largest over ranks. `ds_config`: a DeepSpeed JSON
     (dict) instead of the repo's ds_configs/ file for the strategy.
     """
-    strategy = ALIASES.get(strategy, strategy)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is unknown; choose one of {', '.join(STRATEGIES)} or all")
+    world_size = strategy.world_size
+    if strategy.name not in STRATEGIES:
+        raise ValueError(f"the planner does not model {strategy.name}; choose one of {', '.join(STRATEGIES)} or all")
     if precision not in BYTES:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(BYTES)}")
     if world_size < 1 or micro_batch < 1 or seq_len < 1:
         raise ValueError("world_size, micro_batch and seq_len must be at least 1")
     tp = tensor_parallel_size(strategy, ds_config)
     if world_size % tp:
-        raise ValueError(f"{strategy} splits each layer over {tp} ranks: world_size {world_size} must be a multiple")
+        raise ValueError(
+            f"{strategy.name} splits each layer over {tp} ranks: world_size {world_size} must be a multiple"
+        )
     whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp)
     dp = world_size // tp  # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks
     zero = None
-    if strategy.startswith("zero"):
+    if strategy.family == "deepspeed":
         zero = zero_config(strategy, config, dp, precision, micro_batch, ds_config, bf16_gradient_reduction)
     ranks = [rank // tp] if rank is not None else _ranks_to_check(strategy, dp)
     states = max((model_states(lay, strategy, dp, r, precision, zero) for r in ranks),
@@ -523,11 +530,11 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
     # Under DDP and ZeRO-1/2 every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves
     # it. Under ZeRO-3 (inside zero.Init) and FSDP2 (on the meta device, then sharded and initialised one tensor
     # at a time) a rank holds its partition and the one module or tensor being built (training/build.py).
-    partitioned = strategy.startswith(("zero3", "fsdp"))
+    partitioned = strategy.zero_stage == 3 or strategy.family == "fsdp"
     out["host_ram_at_start"] = 4 * (
         math.ceil(whole.psi / world_size) + whole.largest_module if partitioned else whole.psi
     )
-    if strategy.startswith("zero3") and offload_device(zero, "offload_param") == "nvme":
+    if strategy.zero_stage == 3 and offload_device(zero, "offload_param") == "nvme":
         # zero.Init swaps each partition out to NVMe as soon as it is built: the host keeps the parameter swap
         # buffers, the max_in_cpu share and the module being built.
         kept = ("partitions_in_cpu", "param_swap_buffers")
@@ -536,14 +543,14 @@ def predict(config: ShardGPTConfig, strategy: str, world_size: int, precision: s
         )
     out["nvme"] = sum(it.nbytes for it in states + temps if it.where == "nvme")
     out["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
-    out["inputs"] = dict(strategy=strategy, world_size=world_size, precision=precision, micro_batch=micro_batch,
+    out["inputs"] = dict(strategy=strategy.name, world_size=world_size, precision=precision, micro_batch=micro_batch,
                          seq_len=seq_len, activation_checkpointing=activation_checkpointing, psi=whole.psi,
                          tensor_parallel_size=tp)  # fmt: skip
     return out
 
 
-def _ranks_to_check(strategy: str, world: int) -> list[int]:
-    if strategy.removesuffix("-autotp") in ("zero1", "zero2") or strategy.startswith("fsdp"):
+def _ranks_to_check(strategy: Strategy, world: int) -> list[int]:
+    if (strategy.zero_stage in (1, 2) and not strategy.offloads) or strategy.family == "fsdp":
         return list(range(world)) if world <= 64 else [0, world - 1]  # the differences sit at the ends
     return [0]
 
