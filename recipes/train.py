@@ -106,9 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
     # tokenizer (training/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
     # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it).
-    # Under FSDP2 the model is built on the meta device and sharded, then its init replayed (or a local safetensors
-    # checkpoint read) into each rank's shards (collective: the device mesh), before the optimizer is made on them.
-    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path, accelerator)
+    # Under FSDP2 the model is built on the meta device and sharded, then initialised module by module (or a local
+    # safetensors checkpoint read) into each rank's shards (collective: the device mesh), before the optimizer is made
+    # on them. Every path draws the same weights for a seed.
+    # --torch_compile compiles each decoder layer here, after checkpointing and before any sharding.
+    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path, accelerator,
+                      cfg.torch_compile)  # fmt: skip
 
     # ------------------------------------------------------------------ optimizer
     fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step

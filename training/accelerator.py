@@ -33,7 +33,8 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to.split(","),
         project_dir=cfg.output_dir,
-        dynamo_backend="inductor" if cfg.torch_compile else None,  # None: as the accelerate config says
+        # --torch_compile compiles each decoder layer before `prepare` (training/build.py); whole-model compilation
+        # by accelerate is left to an accelerate config that asks for it (dynamo_backend).
         kwargs_handlers=handlers,
         # The loop steps the scheduler once per optimizer step; accelerate's default would step it once per
         # process, assuming a data loader that it sharded itself.

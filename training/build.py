@@ -63,13 +63,18 @@ def build_model(
     gradient_checkpointing: bool = False,
     model_name_or_path: str | None = None,
     accelerator: Accelerator | None = None,
+    torch_compile: bool = False,
 ) -> ShardGPTForCausalLM:
     """A freshly initialised model (weights drawn from torch's global RNG: seed first), or the weights of
     `model_name_or_path` (whose config `config` is, from `start_config`). `config` is updated in place: eos/bos/pad
     come from the tokenizer, and a fresh model's vocabulary is padded to a multiple of 128 (tensor-core friendly
     shapes; the extra rows are never targets). Given the launch's `accelerator` under FSDP2, a fresh model, or one
     read from a local safetensors checkpoint, comes back already sharded (collective: the device mesh), for the
-    optimizer to be made on its shards."""
+    optimizer to be made on its shards.
+
+    In torchtitan's order: activation checkpointing, then compilation (`compile_blocks`), then sharding, so that
+    what the strategy adds around a module (FSDP2's and ZeRO-3's hooks, DDP's reducer) stays outside the
+    compiled code."""
     if model_name_or_path is None:
         config.vocab_size = 128 * math.ceil(len(tokenizer) / 128)
     elif len(tokenizer) > config.vocab_size:
@@ -80,29 +85,33 @@ def build_model(
     config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
     on_meta = accelerator is not None and fsdp2_builds_on_meta(accelerator)
-    if model_name_or_path is None:
-        net = fresh_model(config, accelerator if on_meta else None)
-    elif on_meta and (files := checkpoint_covering(model_name_or_path, config)):
-        net = shard_on_meta(accelerator, empty_model(config))  # collective: the device mesh
-        load_shards(files, dict(net.named_parameters()))  # each rank reads its rows of every tensor
+    files = checkpoint_covering(model_name_or_path, config) if on_meta and model_name_or_path else []
+    if on_meta and (model_name_or_path is None or files):
+        net = empty_model(config)  # its weights are written once it is sharded, below
+    elif model_name_or_path is None:
+        net = fresh_model(config)
     else:
         # Under ZeRO-3 (accelerate's DeepSpeed plugin sets transformers' HfDeepSpeedConfig) transformers builds
         # the model inside deepspeed.zero.Init and loads the checkpoint into each rank's partitions.
         net = ShardGPTForCausalLM.from_pretrained(model_name_or_path, config=config, dtype=torch.float32)
     if gradient_checkpointing:
         net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if torch_compile:
+        compile_blocks(net)
     net.config.use_cache = False  # training never reads a KV cache
+    if on_meta and (model_name_or_path is None or files):
+        net = shard_on_meta(accelerator, net)  # collective: the device mesh
+        if files:
+            load_shards(files, dict(net.named_parameters()))  # each rank reads its rows of every tensor
+        else:
+            initialize(net, sharded_whole)
     return net
 
 
-def fresh_model(config: ShardGPTConfig, accelerator: Accelerator | None = None) -> ShardGPTForCausalLM:
-    """A new model with the weights `initialize` draws. Given an FSDP2 launch's `accelerator`, built on the meta
-    device and sharded (collective: the device mesh); under ZeRO-3 built inside `zero.Init`, partitioned module by
-    module as it is built; else whole."""
-    if accelerator is not None:
-        net = shard_on_meta(accelerator, empty_model(config))  # collective: the device mesh
-        initialize(net, sharded_whole)
-    elif is_deepspeed_zero3_enabled():  # accelerate's DeepSpeed plugin has set transformers' HfDeepSpeedConfig
+def fresh_model(config: ShardGPTConfig) -> ShardGPTForCausalLM:
+    """A new model with the weights `initialize` draws: under ZeRO-3 built inside `zero.Init`, partitioned module by
+    module as it is built, else whole. (FSDP2 builds on the meta device: `build_model`.)"""
+    if is_deepspeed_zero3_enabled():  # accelerate's DeepSpeed plugin has set transformers' HfDeepSpeedConfig
         import deepspeed
 
         with deepspeed.zero.Init(config_dict_or_path=deepspeed_config()), init.no_init_weights():
@@ -115,6 +124,18 @@ def fresh_model(config: ShardGPTConfig, accelerator: Accelerator | None = None) 
         net.tie_weights()
         initialize(net, as_is)
     return net
+
+
+def compile_blocks(net: ShardGPTForCausalLM) -> None:
+    """torch.compile each decoder layer's forward (regional compilation, as torchtitan compiles per block): the layers
+    are alike, so one graph is compiled and reused by all of them, in seconds rather than the whole model's minutes,
+    and Inductor fuses what matters most to speed at small sizes (the norms, rotary embeddings and SwiGLU's
+    elementwise work between the matmuls). Only `forward` is compiled: the hooks a strategy registers on the layer
+    (FSDP2's gathers, ZeRO-3's fetches) and activation checkpointing's wrapper around it stay eager. ZeRO-3 also
+    fetches at each linear inside the layer, where DeepSpeed keeps its hooks out of the graph (graph breaks there).
+    The chunked loss is an opaque custom operator either way."""
+    for layer in net.model.layers:
+        layer.forward = torch.compile(layer.forward)
 
 
 def empty_model(config: ShardGPTConfig) -> ShardGPTForCausalLM:

@@ -7,6 +7,8 @@ heavy work with one line naming the installed version, what needs more and the f
 Private APIs, each used because no public one does the job, checked on torch 2.11-2.14 and deepspeed 0.19.8:
 - torch's CUDA memory history and snapshot (`torch.cuda.memory._record_memory_history`, `_dump_snapshot`): the
   APIs torch's own memory-visualisation guide uses; GPU only.
+- whether a function is torch.compile's wrapper (`_torchdynamo_orig_callable`, which `torch.compile` sets on what it
+  returns for a function): to report the compiled decoder layers in strategy.json.
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
 """
@@ -41,6 +43,11 @@ def check_versions() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ private APIs
+
+
+def is_compiled_function(fn) -> bool:
+    """Whether `fn` is what `torch.compile` returned for a function or method."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
 
 
 def record_cuda_memory_history() -> None:

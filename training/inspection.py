@@ -16,6 +16,7 @@ from accelerate.utils import (
     DistributedType,
 )
 
+from training.compat import is_compiled_function
 from training.strategy import Strategy
 
 
@@ -116,9 +117,11 @@ def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
     """What the prepared objects say is in force, read from them rather than from the config that asked:
     the wrapper and optimizer classes, the ZeRO stage, where parameters and optimizer states live, and
     FSDP2's resharding and offload policy. Written to strategy.json beside the shares `StateShares` measures."""
-    # torch.compile's wrapper (accelerate compiles DDP and FSDP models), or a DeepSpeed engine that compiled itself.
-    compiled = hasattr(model, "_orig_mod") or bool(getattr(model, "is_compiled", False))
-    seen = {"compiled": compiled} | observe_precision(model)
+    # --torch_compile's compiled decoder layers (training/build.py), torch.compile's wrapper around the whole model
+    # (an accelerate config's dynamo_backend), or a DeepSpeed engine that compiled itself.
+    blocks = sum(is_compiled_function(m.__dict__.get("forward")) for m in uncompiled(model).modules())
+    whole = hasattr(model, "_orig_mod") or bool(getattr(model, "is_compiled", False))
+    seen = {"compiled": whole or blocks > 0, "compiled_blocks": blocks} | observe_precision(model)
     model = uncompiled(model)
     return seen | _observe_sharding(model, optimizer)
 

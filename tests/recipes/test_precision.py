@@ -170,9 +170,11 @@ def test_gradient_checkpointing_trains_the_same(launcher, config, corpus, refere
 @matrix
 @pytest.mark.parametrize(("launcher", "config"), MODE_CELLS)
 def test_torch_compile_trains_the_same(launcher, config, corpus, reference, tmp_path):
-    """--torch_compile (inductor) under each strategy: the strategy is verified through the compiled wrapper, the
-    losses match one eager process within FP32_RTOL, the export works, and compile time is logged apart."""
+    """--torch_compile (inductor) under each strategy: each decoder layer is compiled before the strategy wraps the
+    model (the `debug` preset's 2), the losses match one eager process within FP32_RTOL, the export works, and
+    compile time is logged apart."""
     run = launch_cell(launcher, config, ["--torch_compile"], corpus, tmp_path)
+    assert run.strategy["compiled_blocks"] == 2, run.strategy
     assert_compiled_run(run, reference("fp32"))
 
 
