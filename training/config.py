@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from data.arguments import DataArguments, flag
-from model import PRESETS, ShardGPTConfig
+from model import PRESETS, ShardGPTConfig, ShardGPTForCausalLM
 from training.profiling import parse_steps
 from training.watchdog import GPU_STEP_TIMEOUT, HUNG
 
@@ -28,6 +28,23 @@ Preset = Literal[PRESET_NAMES]
 Scheduler = Literal["cosine", "linear", "constant"]
 SCHEDULERS = get_args(Scheduler)
 TRACKERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow")  # --report_to takes several, comma-separated
+
+
+# The default peak learning rate by model size: (up to this many parameters, learning rate). GPT-3's table (Brown et
+# al. 2020, Table 2.1: 125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1.3B 2e-4, 2.7B 1.6e-4, 6.7B 1.2e-4, 13B 1e-4, 175B
+# 6e-5), each row covering the sizes nearest it; below 50M, 1e-3, as nanoGPT trains its small models. Larger models
+# need smaller steps: llama-3b diverged at 1e-3 (loss 9.6 -> 15.4 by step 3, gradient norm 765).
+LEARNING_RATES = (
+    (50e6, 1e-3), (200e6, 6e-4), (550e6, 3e-4), (1.0e9, 2.5e-4), (2.0e9, 2e-4), (4.5e9, 1.6e-4), (9e9, 1.2e-4),
+    (20e9, 1e-4), (math.inf, 6e-5),
+)  # fmt: skip
+
+
+def recipe_learning_rate(config: ShardGPTConfig) -> float:
+    """The default peak learning rate of a model of `config` (`LEARNING_RATES`), by its parameter count."""
+    with torch.device("meta"):  # shapes only
+        parameters = ShardGPTForCausalLM(config).num_parameters()
+    return next(lr for limit, lr in LEARNING_RATES if parameters <= limit)
 
 
 @dataclass(frozen=True)
@@ -56,7 +73,11 @@ class RunConfig(DataArguments):
         "Sequences per optimizer step over all ranks; sets --gradient_accumulation_steps to global / (micro x "
         "world), so a run can change its number of ranks and keep its batch.",
     )
-    learning_rate: float = flag(1e-3, "Peak learning rate of AdamW.")
+    learning_rate: float | None = flag(
+        None,
+        "Peak learning rate of AdamW. Default: by the model's size, GPT-3's (Brown et al. 2020, Table 2.1): 6e-4 "
+        "for 125M parameters down to 1.2e-4 for 6.7B; 1e-3 below 50M (docs/model.md lists each preset's).",
+    )
     min_lr_ratio: float = flag(0.1, "The cosine schedule decays to learning_rate x min_lr_ratio.")
     weight_decay: float = flag(0.1, "AdamW weight decay, applied to matrices only.")
     decay_embeddings: bool = flag(False, "Also apply weight decay to the embedding matrix.")
@@ -110,6 +131,11 @@ class RunConfig(DataArguments):
     )
     sample_max_new_tokens: int = flag(64, "Tokens of the greedy sample printed at the end (0: none).")
     local_rank: int = flag(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
+
+    def __post_init__(self):
+        # A preset's default learning rate is known as soon as the flags are; a checkpoint's once `resolve` reads it.
+        if self.learning_rate is None and not self.model_name_or_path and self.preset in PRESETS:
+            object.__setattr__(self, "learning_rate", recipe_learning_rate(self.model_config()))
 
     # ---------------------------------------------------------------- derived values
 
@@ -168,9 +194,10 @@ class RunConfig(DataArguments):
         (`launch_precision`: "no" where it sets none)."""
         self.validate(world_size)
         bf16, fp16 = self.precision(launch_precision)
+        learning_rate = self.learning_rate or recipe_learning_rate(self.model_config())  # a checkpoint's size
         return replace(
             self, gradient_accumulation_steps=self.accumulation(world_size), tokenizer_name=self.start_tokenizer(),
-            bf16=bf16, fp16=fp16,
+            bf16=bf16, fp16=fp16, learning_rate=learning_rate,
         )  # fmt: skip
 
     def accumulation(self, world_size: int) -> int:
@@ -251,7 +278,7 @@ class RunConfig(DataArguments):
         for name in ("eval_steps", "save_steps", "warmup_steps", "weight_decay", "max_grad_norm"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"--{name} {getattr(self, name)} must be 0 or more")
-        if not self.learning_rate > 0:
+        if self.learning_rate is not None and not self.learning_rate > 0:
             raise ValueError(f"--learning_rate {self.learning_rate} must be positive")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min_lr_ratio {self.min_lr_ratio} must be in [0, 1]")

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from training.config import RunConfig
 from training.deepspeed_config import check_deepspeed_keys, resolve_deepspeed
@@ -162,3 +163,23 @@ def test_autotp_batch_counts_data_parallel_ranks(monkeypatch):
     assert (strategy.name, strategy.tp_size, strategy.data_parallel_size) == ("zero1-autotp", 2, 2)
     assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert strategy.deepspeed["train_batch_size"] == 4 * 2 * 4
+
+
+def test_the_default_learning_rate_follows_the_models_size(tmp_path):
+    """Larger presets default to smaller steps (GPT-3's table by size): llama-3b, which diverged at the former
+    default 1e-3, gets GPT-3 2.7B's 1.6e-4; a flag wins; a checkpoint's default comes from its own size."""
+    from model import PRESETS, ShardGPTConfig, ShardGPTForCausalLM
+    from training.config import LEARNING_RATES, recipe_learning_rate
+
+    def size(preset: str) -> int:
+        with torch.device("meta"):
+            return ShardGPTForCausalLM(ShardGPTConfig.from_preset(preset)).num_parameters()
+
+    rates = [RunConfig(preset=p, output_dir=str(tmp_path)).learning_rate for p in sorted(PRESETS, key=size)]
+    assert rates == sorted(rates, reverse=True) and set(rates) <= {lr for _, lr in LEARNING_RATES}
+    assert RunConfig(preset="llama-3b", output_dir=str(tmp_path)).learning_rate == 1.6e-4
+    assert RunConfig(preset="llama-3b", learning_rate=3e-4, output_dir=str(tmp_path)).learning_rate == 3e-4
+    ShardGPTConfig.from_preset("llama-1b").save_pretrained(tmp_path / "ckpt")  # config.json only
+    cfg = RunConfig(model_name_or_path=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "out"))
+    assert cfg.learning_rate is None  # known once the checkpoint's config is read
+    assert cfg.resolve(1).learning_rate == recipe_learning_rate(ShardGPTConfig.from_preset("llama-1b")) == 2e-4
