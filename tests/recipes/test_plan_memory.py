@@ -283,7 +283,7 @@ def test_unfused_adam_holds_two_fp32_temporaries_of_the_largest_tensor_it_steps(
 
 
 def test_zero2_offload_keeps_a_gradient_partition_on_the_device_in_the_accumulation_dtype():
-    """Measured with recipes/measure_memory.py (llama-1b with 2 layers, 2 ranks, bf16): besides the host's fp32
+    """Measured with recipes/measure/measure_memory.py (llama-1b with 2 layers, 2 ranks, bf16): besides the host's fp32
     gradient partition, DeepSpeed's offload path reduces into a flat partition in data_types.grad_accum_dtype on
     the device (`averaged_gradients`), fp32 as the training script sets it."""
     config = ShardGPTConfig.from_preset("llama-1b", vocab_size=8192, num_hidden_layers=2)

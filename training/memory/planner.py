@@ -161,7 +161,7 @@ def offload_device(zero: dict, key: str) -> str:
 @dataclass
 class Item:
     category: str  # params, master_params, grads, optimizer_states, buffers
-    label: str  # the same labels as recipes/measure_memory.py
+    label: str  # the same labels as recipes/measure/measure_memory.py
     nbytes: int
     where: str = "gpu"  # gpu, host or nvme
 
@@ -308,7 +308,7 @@ def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
 def model_states(lay: Layout, strategy: Strategy, world: int, rank: int, precision: str,
                  zero: dict | None) -> list[Item]:  # fmt: skip
     """What rank `rank` holds for parameters, gradients and optimizer states at its model-state peak (the
-    moment recipes/measure_memory.py reports: the end of the backward for ZeRO-1, the optimizer step's start
+    moment recipes/measure/measure_memory.py reports: the end of the backward for ZeRO-1, the optimizer step's start
     otherwise). `lay`, `world`: the tensor-parallel slice's layout, the data-parallel ranks."""
     e = BYTES[precision]
     if strategy.family == "ddp":

@@ -9,10 +9,12 @@ With --separate each model runs in a fresh process of its own (one after the oth
 also measures its peak memory: the process's peak RSS on CPU (weights, Adam, activations, the loss; the
 model is built and copied once before the steps), `torch.cuda.max_memory_allocated` on a GPU.
 
-    python recipes/benchmark.py                                   # CPU: tiny preset, fp32, a quick check
-    python recipes/benchmark.py --presets gpt2-124m gpt2-350m --seq_len 1024 --steps 50 --write docs/benchmarks.md
-    python recipes/benchmark.py --presets llama-1b --seq_len 2048 --batch_size 4 --steps 50
-    python recipes/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 8 --steps 2 --warmup 1 --separate
+    python recipes/measure/benchmark.py                            # CPU: tiny preset, fp32, a quick check
+    python recipes/measure/benchmark.py --presets gpt2-124m gpt2-350m --seq_len 1024 --steps 50 \
+        --write docs/benchmarks.md
+    python recipes/measure/benchmark.py --presets llama-1b --seq_len 2048 --batch_size 4 --steps 50
+    python recipes/measure/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 8 --steps 2 --warmup 1 \
+        --separate
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def main(argv=None) -> None:
     for preset in args.presets:
         rows.append(measure_separately(preset, args) if args.separate else measure(preset, args, device, dtype))
         print(f"{preset}: {rows[-1]}", flush=True)
-    command = "python recipes/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python recipes/measure/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (
         f"**{name}**, {str(dtype).replace('torch.', '')}, batch {args.batch_size} x seq {args.seq_len}, "
         f"median of {args.steps} timed steps (forward, backward, AdamW) after {args.warmup} warm-up"
