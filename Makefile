@@ -20,7 +20,7 @@ TORCH_LATEST ?= $(LOCK_TORCH)
 # The oldest torch supported (training/compat.py, pyproject.toml), and what `make test-floor` runs on it: the model
 # (compile included), the sharded builds and a launch of each strategy family, eager and compiled.
 FLOOR_TORCH ?= torch==2.11.0
-FLOOR_TESTS ?= tests/model tests/training tests/recipes/test_sharded_construction.py \
+FLOOR_TESTS ?= tests/model tests/training/test_step.py tests/training/test_sharded_construction.py \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-ddp-ddp]" \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-fsdp-fsdp]" \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-zero3-zero3]" \
@@ -97,4 +97,4 @@ presets: setup
 	$(PY) -m model
 
 bench: setup
-	$(PY) recipes/benchmark.py $(ARGS)
+	$(PY) recipes/measure/benchmark.py $(ARGS)

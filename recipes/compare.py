@@ -57,8 +57,8 @@ from training.compare.report import (
     rel,
     write_report,
 )
+from training.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIGS = ROOT / "accelerate_configs"
 # Row order of the report: the baselines first, then by how much is sharded.

@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import json
 import sys
-from pathlib import Path
 
 from training.doctor.launch import check_launch_config, check_training
 from training.doctor.machine import (
@@ -35,9 +34,6 @@ from training.doctor.machine import (
 )
 from training.doctor.report import Report, render
 from training.ops import CPU_OPS, GPU_OPS
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # ---------------------------------------------------------------------------------------------- main
 

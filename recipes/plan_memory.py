@@ -17,7 +17,7 @@ logits and temporary buffers; for offload, host RAM and NVMe per GPU. `predict()
 Model states (parameters, gradients, optimizer states) are counted exactly as DDP, FSDP2 and DeepSpeed 0.19
 allocate them for this model, tensor by tensor: DeepSpeed's flat buffers and their alignment, the ZeRO-1/2
 gradient partition that holds every gradient touching a rank's partition whole, ZeRO-3's persistent small
-parameters, FSDP2's padded shards, DDP's gradient buckets, Adam's step counters. `recipes/measure_memory.py`
+parameters, FSDP2's padded shards, DDP's gradient buckets, Adam's step counters. `recipes/measure/measure_memory.py`
 counts the same on 2 CPU ranks, and `tests/recipes/test_memory.py` checks that both agree to the byte.
 Activations, logits and temporaries follow the formulas in docs/memory.md (GPU figures still to be measured).
 """
@@ -27,16 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from model import ShardGPTConfig
 from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.memory.planner import BYTES, STRATEGIES, GiB, layout, predict
 from training.strategy import Strategy
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # ---------------------------------------------------------------------------------------------- command line
 

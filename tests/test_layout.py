@@ -78,7 +78,7 @@ def test_no_import_circles():
             pytest.fail(" -> ".join(cycle))
 
 
-SCRIPTS = sorted(p for p in (ROOT / "recipes").glob("*.py") if p.name != "__init__.py")
+SCRIPTS = sorted(p for p in (ROOT / "recipes").rglob("*.py") if p.name != "__init__.py")
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)

@@ -26,13 +26,15 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
     faults.py        faults the tests inject (kills, signals, a stall, a full disk)
     synthetic.py     train.py's setup on random tokens, for the tools that measure it
     paths.py         the repository root
+    compat.py        the torch, transformers, accelerate and deepspeed floors, checked at start-up; the few private
+                     APIs used, each with why
 
 The parts of the other tools:
 
     compare/         recipes/compare.py: launching runs, reading what they left, the report and plots
     doctor/          recipes/doctor.py: the report, checks of the machine, checks of one launch
     memory/          the planner's model (recipes/plan_memory.py), whether a launch fits this machine and the
-                     largest size that does, the ledger of what a rank really holds (recipes/measure_memory.py),
+                     largest size that does, the ledger of what a rank really holds (recipes/measure/measure_memory.py),
                      and measured against planned
 
 Imports run one way: recipes/ -> training/ -> data/, model/.

@@ -9,6 +9,7 @@ import copy
 import difflib
 import inspect
 import json
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -114,9 +115,12 @@ def zero_config_error(error, model) -> str:
 # ---------------------------------------------------------------------------------------------- "auto" values
 
 
-def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: int, source: str) -> dict:
+def resolve_deepspeed(
+    ds: dict, cfg: RunConfig, world_size: int, hidden_size: int, source: str, cpu_ranks: bool = False
+) -> dict:
     """The JSON with every `"auto"` replaced by the value the flags give, after checking that every value
-    the JSON fixes agrees with the flags. Returns a new dict; `ds` is left as it was."""
+    the JSON fixes agrees with the flags; on `cpu_ranks` its buckets capped (`CPU_BUCKETS`). Returns a new dict;
+    `ds` is left as it was."""
     check_deepspeed_keys(ds, source)
     ds = copy.deepcopy(ds)
     resolve_batch(ds, cfg, world_size, source)
@@ -132,7 +136,7 @@ def resolve_deepspeed(ds: dict, cfg: RunConfig, world_size: int, hidden_size: in
             if params.get(key) == "auto":
                 params[key] = value
         check_deepspeed_scheduler(ds["scheduler"], source)
-    resolve_zero(ds.get("zero_optimization") or {}, cfg, hidden_size, source)
+    resolve_zero(ds.get("zero_optimization") or {}, cfg, hidden_size, source, cpu_ranks)
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ValueError(
@@ -212,8 +216,22 @@ def resolve_optimizer(params: dict, cfg: RunConfig, source: str) -> None:
         )
 
 
-def resolve_zero(zero: dict, cfg: RunConfig, hidden_size: int, source: str) -> None:
-    """`zero_optimization`: offload that the stage supports, buckets sized from the model, NVMe folders that exist."""
+# The one place CPU ranks differ from GPUs in a DeepSpeed config. The shipped JSONs size their buckets for GPUs
+# (DeepSpeed's defaults: 5e8-element reduce and all-gather buckets, a 5e7 prefetch); ZeRO-1/2 allocate their two
+# reduce buckets whole, which the memory planner then counts, and CPU ranks (the test suite's, a laptop's) have no
+# use for collectives that large: there each is capped at 1e7 elements, and the run logs the change.
+CPU_BUCKETS = {"reduce_bucket_size": 10_000_000, "allgather_bucket_size": 10_000_000,
+               "stage3_prefetch_bucket_size": 10_000_000}  # fmt: skip
+
+
+def cpu_capped(zero: dict) -> dict:
+    """The buckets of a `zero_optimization` section that CPU ranks cap, at their caps."""
+    return {key: cap for key, cap in CPU_BUCKETS.items() if float(zero.get(key, 0)) > cap}
+
+
+def resolve_zero(zero: dict, cfg: RunConfig, hidden_size: int, source: str, cpu_ranks: bool = False) -> None:
+    """`zero_optimization`: offload that the stage supports, buckets sized from the model (capped on CPU ranks),
+    NVMe folders that exist."""
     stage = int(zero.get("stage", 0))
     if (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
         raise ValueError(
@@ -229,6 +247,13 @@ def resolve_zero(zero: dict, cfg: RunConfig, hidden_size: int, source: str) -> N
     ):
         if zero.get(key) == "auto":
             zero[key] = value
+    capped = cpu_capped(zero) if cpu_ranks else {}
+    if capped:
+        logging.getLogger("shardgpt").info(
+            "CPU ranks: DeepSpeed %s",
+            ", ".join(f"{key} {float(zero[key]):.0e} -> {float(cap):.0e}" for key, cap in capped.items()),
+        )
+        zero.update(capped)
     for key in ("offload_optimizer", "offload_param"):
         section = zero.get(key) or {}
         if section.get("device") == "nvme":

@@ -257,7 +257,8 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             raw, source = load_json(ds_file), repr(ds_file)
         else:  # an accelerate YAML with inline deepspeed_config fields: the JSON accelerate would build from them
             raw, source = inline_deepspeed_config(), "from the accelerate config's deepspeed_config"
-        return deepspeed_strategy(resolve_deepspeed(raw, cfg, world, hidden_size, source), world, source)
+        ds = resolve_deepspeed(raw, cfg, world, hidden_size, source, cpu_ranks=not torch.cuda.is_available())
+        return deepspeed_strategy(ds, world, source)
     if use_fsdp:
         fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
         # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.

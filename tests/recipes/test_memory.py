@@ -1,4 +1,4 @@
-"""Model-state memory, measured on 2 CPU ranks (gloo) by recipes/measure_memory.py, against the planner and
+"""Model-state memory, measured on 2 CPU ranks (gloo) by recipes/measure/measure_memory.py, against the planner and
 the ZeRO paper.
 
 For every strategy, on every rank: the bytes of parameters, fp32 master copies, gradients and optimizer states
@@ -40,7 +40,8 @@ def bf16_reduction_config(config: str, tmp_path) -> Path:
 
 def measure(config: str | Path, args: list[str], out, nproc: int = 2) -> list[dict]:
     """`config`: a name in accelerate_configs/, or the path of a YAML."""
-    cmd = launcher_command("accelerate", str(config) if isinstance(config, str) else "ddp", script="measure_memory.py")
+    name = str(config) if isinstance(config, str) else "ddp"
+    cmd = launcher_command("accelerate", name, script="measure/measure_memory.py")
     if isinstance(config, Path):
         cmd[cmd.index("--config_file") + 1] = str(config)
     if nproc != 2:
@@ -159,7 +160,7 @@ def test_planner_exact_with_padding_on_3_ranks(config, tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("config", ["zero3", "fsdp"])
 def test_sharded_states_fall_as_one_over_n_on_4_ranks(config, tmp_path):
-    """What recipes/memory_scaling.py plots: on 4 ranks ZeRO-3 and FSDP hold a quarter of the model states,
+    """What recipes/measure/memory_scaling.py plots: on 4 ranks ZeRO-3 and FSDP hold a quarter of the model states,
     the paper's 16Ψ/4 plus exactly the named terms (ZeRO-3's fp32 master copy and whole norms, Adam's step
     counters), and the planner's count to the byte."""
     for record in measure(config, TINY, tmp_path / "out", nproc=4):

@@ -177,7 +177,10 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         report.add("DeepSpeed config", WARN, "inline deepspeed_config fields: accelerate builds the JSON at launch")
     elif ds_file:
         try:
-            ds = resolve_deepspeed(load_json(find_file(ds_file)), cfg, world, config.hidden_size, repr(str(ds_file)))
+            import torch
+
+            raw, source = load_json(find_file(ds_file)), repr(str(ds_file))
+            ds = resolve_deepspeed(raw, cfg, world, config.hidden_size, source, cpu_ranks=not torch.cuda.is_available())
         except Exception as e:
             report.add("DeepSpeed config", FAIL, str(e))
             return  # what follows (strategy, NVMe need, memory plan) depends on the resolved JSON

@@ -99,7 +99,7 @@ def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
 
     pred = predict(config, launch.strategy, launch.precision, launch.micro_batch, launch.seq_len,
                    launch.checkpointing, ds_config=launch.ds_config,
-                   bf16_gradient_reduction=launch.bf16_gradient_reduction, unfused_adam=not on_gpu)  # fmt: skip
+                   bf16_gradient_reduction=launch.bf16_gradient_reduction, cpu_ranks=not on_gpu)  # fmt: skip
     # On CPU ranks the "GPU" figures live in host RAM too. The full fp32 model a rank builds before `prepare`
     # shards it is the peak when it exceeds what the rank keeps afterwards.
     resident = pred["host_ram"] + (0 if on_gpu else pred["total"])

@@ -1,4 +1,4 @@
-"""Measured model-state memory beside its predictions: the launches of `recipes/measure_memory.py`,
+"""Measured model-state memory beside its predictions: the launches of `recipes/measure/measure_memory.py`,
 their per-rank records, and each set against the planner and the ZeRO paper's formulas, term by term.
 """
 
@@ -25,7 +25,8 @@ def launch_command(config: str, precision: str, preset: str, output_dir: Path) -
         port = s.getsockname()[1]
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
-           "--main_process_port", str(port), str(ROOT / "recipes" / "measure_memory.py"), f"--preset={preset}",
+           "--main_process_port", str(port), str(ROOT / "recipes" / "measure" / "measure_memory.py"),
+           f"--preset={preset}",
            "--per_device_train_batch_size=1", "--block_size=64", f"--output_dir={output_dir}"]  # fmt: skip
     return cmd + (["--bf16"] if precision == "bf16" else [])
 
@@ -34,7 +35,7 @@ def load(run_dir: Path) -> list[dict]:
     """Every rank's record of one launch, by rank."""
     records = [json.loads(p.read_text()) for p in sorted(run_dir.glob("memory_rank*.json"))]
     if not records:
-        raise FileNotFoundError(f"no memory_rank*.json in {run_dir}: run recipes/measure_memory.py there first")
+        raise FileNotFoundError(f"no memory_rank*.json in {run_dir}: run recipes/measure/measure_memory.py there first")
     return sorted(records, key=lambda r: r["rank"])
 
 

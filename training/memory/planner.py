@@ -28,7 +28,7 @@ import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.config import RunConfig
-from training.deepspeed_config import autotp_size, gradient_reduction_dtype, load_json, resolve_deepspeed
+from training.deepspeed_config import autotp_size, cpu_capped, gradient_reduction_dtype, load_json, resolve_deepspeed
 from training.optim import param_groups
 from training.paths import ROOT
 from training.strategy import Strategy
@@ -119,13 +119,17 @@ def repo_json(strategy: Strategy) -> dict:
 
 
 def zero_config(strategy: Strategy, config: ShardGPTConfig, world: int, precision: str, micro_batch: int,
-                ds_config: dict | None = None, bf16_gradient_reduction: bool = False) -> dict:  # fmt: skip
+                ds_config: dict | None = None, bf16_gradient_reduction: bool = False,
+                cpu_ranks: bool = False) -> dict:  # fmt: skip
     """The `zero_optimization` section in force: `ds_config` (the repo's JSON for `strategy` when None) with
-    its "auto" values filled exactly as the training script fills them (`recipes/config.resolve_deepspeed`),
+    its "auto" values filled exactly as the training script fills them (`training/deepspeed_config.resolve_deepspeed`),
     plus `grad_accum_bytes`: the bytes per element of `data_types.grad_accum_dtype`, in which ZeRO-3 keeps its
     gradient partitions (the training script sets it to fp32, or bf16 under --bf16_gradient_reduction)."""
-    if ds_config is None:
+    if ds_config is None:  # the repo's JSON, as a launch would resolve it (a launch's own is resolved already)
         ds_config = repo_json(strategy)
+        if cpu_ranks:
+            zero = ds_config["zero_optimization"]
+            zero.update(cpu_capped(zero))
     accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype", "auto")
     if accum == "auto":
         accum = gradient_reduction_dtype(precision == "bf16", bf16_gradient_reduction)
@@ -161,7 +165,7 @@ def offload_device(zero: dict, key: str) -> str:
 @dataclass
 class Item:
     category: str  # params, master_params, grads, optimizer_states, buffers
-    label: str  # the same labels as recipes/measure_memory.py
+    label: str  # the same labels as recipes/measure/measure_memory.py
     nbytes: int
     where: str = "gpu"  # gpu, host or nvme
 
@@ -308,7 +312,7 @@ def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
 def model_states(lay: Layout, strategy: Strategy, world: int, rank: int, precision: str,
                  zero: dict | None) -> list[Item]:  # fmt: skip
     """What rank `rank` holds for parameters, gradients and optimizer states at its model-state peak (the
-    moment recipes/measure_memory.py reports: the end of the backward for ZeRO-1, the optimizer step's start
+    moment recipes/measure/measure_memory.py reports: the end of the backward for ZeRO-1, the optimizer step's start
     otherwise). `lay`, `world`: the tensor-parallel slice's layout, the data-parallel ranks."""
     e = BYTES[precision]
     if strategy.family == "ddp":
@@ -480,14 +484,16 @@ def adam_temporaries(lay: Layout, strategy: Strategy, world: int, zero: dict | N
 def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16", micro_batch: int = 1,
             seq_len: int = 2048, activation_checkpointing: bool = False, ds_config: dict | None = None,
             rank: int | None = None, decay_embeddings: bool = False,
-            bf16_gradient_reduction: bool = False, unfused_adam: bool = False) -> dict:  # fmt: skip
+            bf16_gradient_reduction: bool = False, cpu_ranks: bool = False) -> dict:  # fmt: skip
     """Bytes one GPU needs, by category, for `strategy` on its `world_size` GPUs.
 
     Returns params, grads, optimizer_states (fp32 master copies + Adam), activations, logits, temporary and
     total on the GPU; model_states (params + grads + optimizer_states on the GPU); host_ram and nvme per GPU
     (offload); detail (every item, by label and place) and the inputs. `rank`: one rank's figures (ZeRO-1/2
     and FSDP differ slightly between ranks); default the largest over ranks. `ds_config`: a DeepSpeed JSON
-    (dict) instead of the repo's ds_configs/ file for the strategy.
+    (dict) instead of the repo's ds_configs/ file for the strategy. `cpu_ranks`: the ranks are CPU processes, as
+    in the test suite (torch's unfused AdamW steps there, and the repo's JSONs have their buckets capped, as
+    training caps them: `training/deepspeed_config.py`'s CPU_BUCKETS).
     """
     world_size = strategy.world_size
     if strategy.name not in STRATEGIES:
@@ -505,12 +511,12 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     dp = world_size // tp  # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks
     zero = None
     if strategy.family == "deepspeed":
-        zero = zero_config(strategy, config, dp, precision, micro_batch, ds_config, bf16_gradient_reduction)
+        zero = zero_config(strategy, config, dp, precision, micro_batch, ds_config, bf16_gradient_reduction, cpu_ranks)
     ranks = [rank // tp] if rank is not None else _ranks_to_check(strategy, dp)
     states = max((model_states(lay, strategy, dp, r, precision, zero) for r in ranks),
                  key=lambda items: sum(it.nbytes for it in items if it.where == "gpu"))  # fmt: skip
     temps = temporaries(lay, strategy, dp, precision, zero)
-    if unfused_adam:  # CPU ranks
+    if cpu_ranks:  # torch's unfused AdamW
         temps.append(adam_temporaries(lay, strategy, dp, zero, BYTES[precision]))
     e = BYTES[precision]
     gpu = bytes_by_category(states)

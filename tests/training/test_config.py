@@ -183,3 +183,20 @@ def test_the_default_learning_rate_follows_the_models_size(tmp_path):
     cfg = RunConfig(model_name_or_path=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "out"))
     assert cfg.learning_rate is None  # known once the checkpoint's config is read
     assert cfg.resolve(1).learning_rate == recipe_learning_rate(ShardGPTConfig.from_preset("llama-1b")) == 2e-4
+
+
+def test_cpu_ranks_cap_the_gpu_sized_buckets(caplog):
+    """The shipped JSONs size DeepSpeed's buckets for GPUs; on CPU ranks each bucket is capped (CPU_BUCKETS), in
+    one place, and the run says so; a GPU launch keeps the JSON's sizes."""
+    from training.deepspeed_config import CPU_BUCKETS, load_json
+
+    for name in ("zero2", "zero3"):
+        raw = load_json(ROOT / "ds_configs" / f"{name}.json")
+        gpu = resolve_deepspeed(raw, RunConfig(output_dir="unused"), 2, 64, name)["zero_optimization"]
+        with caplog.at_level("INFO", logger="shardgpt"):
+            cpu = resolve_deepspeed(raw, RunConfig(output_dir="unused"), 2, 64, name, cpu_ranks=True)
+        for key, cap in CPU_BUCKETS.items():
+            if key in raw["zero_optimization"]:
+                assert gpu[key] == raw["zero_optimization"][key] > cap  # as shipped
+                assert cpu["zero_optimization"][key] == cap
+        assert "CPU ranks: DeepSpeed reduce_bucket_size 5e+08 -> 1e+07" in caplog.text

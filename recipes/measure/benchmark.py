@@ -2,17 +2,21 @@
 
 Both models live in one process with the same weights, the same fused AdamW and the same batch, and are
 timed in alternation (A, B, A, B, ...) so that drift in the machine's speed hits both alike. A step is
-forward, backward and optimizer step; warm-up steps are excluded; on GPUs each step is timed with CUDA
-events. MFU uses PaLM's FLOPs per token, `6 N + 12 L H Q T` (training/metrics.py), against the device's peak.
+forward, backward and optimizer step; warm-up steps are excluded (under --torch_compile they include the
+compilation); on GPUs each step is timed with CUDA events. MFU uses PaLM's FLOPs per token, `6 N + 12 L H Q T`
+(training/metrics.py), against the device's peak.
 
 With --separate each model runs in a fresh process of its own (one after the other: no alternation), which
 also measures its peak memory: the process's peak RSS on CPU (weights, Adam, activations, the loss; the
 model is built and copied once before the steps), `torch.cuda.max_memory_allocated` on a GPU.
 
-    python recipes/benchmark.py                                   # CPU: tiny preset, fp32, a quick check
-    python recipes/benchmark.py --presets gpt2-124m gpt2-350m --seq_len 1024 --steps 50 --write docs/benchmarks.md
-    python recipes/benchmark.py --presets llama-1b --seq_len 2048 --batch_size 4 --steps 50
-    python recipes/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 8 --steps 2 --warmup 1 --separate
+    python recipes/measure/benchmark.py                            # CPU: tiny preset, fp32, a quick check
+    python recipes/measure/benchmark.py --presets gpt2-124m gpt2-350m --seq_len 1024 --steps 50 \
+        --write docs/benchmarks.md
+    python recipes/measure/benchmark.py --presets llama-1b --seq_len 2048 --batch_size 4 --steps 50
+    python recipes/measure/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 16 --steps 30 --torch_compile
+    python recipes/measure/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 8 --steps 2 --warmup 1 \
+        --separate
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import transformers
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from model.export import to_llama
+from training.build import compile_blocks
 from training.metrics import flops_per_token, peak_flops
 
 
@@ -72,6 +77,9 @@ def measure(preset: str, args, device: torch.device, dtype: torch.dtype) -> dict
     ours = ShardGPTForCausalLM(ShardGPTConfig.from_preset(preset)).to(device, dtype).train()
     llama = to_llama(ours).to(device, dtype).train()
     llama.config._attn_implementation = "sdpa"
+    if args.torch_compile:  # both the same way: each decoder layer, as train.py --torch_compile does
+        compile_blocks(ours)
+        compile_blocks(llama)
     fused = device.type == "cuda"
     x = torch.randint(0, ours.config.vocab_size, (args.batch_size, args.seq_len), device=device)
     nets = {"shardgpt": ours, "llama": llama}
@@ -116,6 +124,7 @@ def measure_separately(preset: str, args) -> dict:
     for name in ("shardgpt", "llama"):
         flags = [f"--{k}={v}" for k in ("batch_size", "seq_len", "steps", "warmup", "device", "dtype", "peak_flops")
                  if (v := getattr(args, k)) is not None]  # fmt: skip
+        flags += ["--torch_compile"] if args.torch_compile else []
         cmd = [sys.executable, __file__, "--presets", preset, "--only", name, *flags]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         row.update(json.loads(done.stdout.splitlines()[-1]))
@@ -159,6 +168,9 @@ def main(argv=None) -> None:
     p.add_argument("--peak_flops", type=float, default=None, help="peak FLOP/s of the device, for MFU")
     p.add_argument("--write", default=None, help="append the table to this markdown file")
     p.add_argument("--separate", action="store_true", help="each model in a fresh process; measures peak memory")
+    p.add_argument(
+        "--torch_compile", action="store_true", help="compile each decoder layer of both models (as train.py does)"
+    )
     p.add_argument("--only", choices=["shardgpt", "llama"], help=argparse.SUPPRESS)  # set by --separate
     args = p.parse_args(argv)
 
@@ -172,10 +184,11 @@ def main(argv=None) -> None:
     for preset in args.presets:
         rows.append(measure_separately(preset, args) if args.separate else measure(preset, args, device, dtype))
         print(f"{preset}: {rows[-1]}", flush=True)
-    command = "python recipes/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python recipes/measure/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (
         f"**{name}**, {str(dtype).replace('torch.', '')}, batch {args.batch_size} x seq {args.seq_len}, "
         f"median of {args.steps} timed steps (forward, backward, AdamW) after {args.warmup} warm-up"
+        f"{', each decoder layer compiled (inductor)' if args.torch_compile else ''}"
         f"{', each model in its own process' if args.separate else ''}; torch "
         f"{torch.__version__}, transformers {transformers.__version__}. Command: `{command.strip()}`"
     )

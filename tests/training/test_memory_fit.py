@@ -37,7 +37,7 @@ def on_gpu(launch: Launch) -> dict[str, int]:
 
 def test_host_ram_need_is_ranks_per_host_times_what_a_rank_keeps_in_host_memory():
     launch = Launch(named("zero3", 2), 2, "fp32", 1, 128, False)
-    pred = predict(LLAMA_1B, named("zero3", 2), "fp32", 1, 128, unfused_adam=True)
+    pred = predict(LLAMA_1B, named("zero3", 2), "fp32", 1, 128, cpu_ranks=True)
     # CPU ranks: the process and the whole prediction (with unfused AdamW's temporaries: the training script
     # fuses AdamW only on GPUs) live in host memory, for both ranks of the host.
     per_rank = PROCESS_BYTES + pred["total"] + pred["host_ram"]

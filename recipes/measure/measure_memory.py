@@ -2,7 +2,7 @@
 
 Launched exactly like `recipes/train.py`, with the same flags; the launcher's config picks the strategy:
 
-    accelerate launch --config_file accelerate_configs/zero2.yaml recipes/measure_memory.py \\
+    accelerate launch --config_file accelerate_configs/zero2.yaml recipes/measure/measure_memory.py \\
         --preset tiny --per_device_train_batch_size 1 --block_size 64 --output_dir runs/memory/zero2
 
 The run is the training setup of `recipes/train.py` (strategy, Accelerator, model, AdamW with its parameter
@@ -28,7 +28,7 @@ counts each storage once (`untyped_storage().data_ptr()`: views of one flat buff
 
 A sweep of every tensor the garbage collector can see reports what the walk did not attribute
 (`unattributed`), so nothing large is missed. Each rank writes `memory_rank{R}.json` into --output_dir (the
-only per-rank action; the training steps are collectives on every rank). `recipes/memory_table.py` launches
+only per-rank action; the training steps are collectives on every rank). `recipes/measure/memory_table.py` launches
 this for every strategy and prints the table against the ZeRO paper and `recipes/plan_memory.py`.
 """
 

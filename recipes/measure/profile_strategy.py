@@ -1,11 +1,11 @@
 """Profile a few training steps under any strategy: where a step's time goes, per rank, with torch.profiler.
 
 Launched exactly like `recipes/train.py` (the launcher's config picks the strategy), on random tokens through
-the real loader (the setup of `recipes/measure_memory.py`):
+the real loader (the setup of `recipes/measure/measure_memory.py`):
 
-    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/profile_strategy.py \\
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/measure/profile_strategy.py \\
         --preset tiny --per_device_train_batch_size 4 --block_size 256 --output_dir runs/profile/zero3
-    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/profile_strategy.py \\
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/measure/profile_strategy.py \\
         --preset tiny --per_device_train_batch_size 4 --block_size 256 --output_dir runs/profile/ddp
 
 --max_steps steps are run (default here: 2 warm-up steps, then the profiled ones); each rank writes

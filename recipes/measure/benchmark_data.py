@@ -5,8 +5,8 @@
 - loader: optimizer steps/s and tokens/s of `ShardedLoader` over the packed blocks (one rank, no
   accumulation), which is what a training step has to stay above.
 
-    python recipes/benchmark_data.py
-    python recipes/benchmark_data.py --micro_batch_size 8 --block_size 256 --num_proc 1 2 --steps 2000
+    python recipes/measure/benchmark_data.py
+    python recipes/measure/benchmark_data.py --micro_batch_size 8 --block_size 256 --num_proc 1 2 --steps 2000
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 import torch
 from launching import ROOT, launch, launcher_command
 
-WORKER = ROOT / "tests" / "recipes" / "ga_worker.py"
+WORKER = ROOT / "tests" / "training" / "ga_worker.py"
 ARGS = ["--preset=debug", "--learning_rate=3e-3", "--warmup_steps=1", "--max_steps=6"]
 
 

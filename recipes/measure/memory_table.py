@@ -1,9 +1,9 @@
 """Measure model-state memory under every strategy and print it against the ZeRO paper and the planner.
 
-    python recipes/memory_table.py --output_dir runs/memory                 # launch, measure, print
-    python recipes/memory_table.py --output_dir runs/memory --no_launch     # print what is there
+    python recipes/measure/memory_table.py --output_dir runs/memory                 # launch, measure, print
+    python recipes/measure/memory_table.py --output_dir runs/memory --no_launch     # print what is there
 
-Each row is one `accelerate launch --config_file accelerate_configs/<launch>.yaml recipes/measure_memory.py`
+Each row is one `accelerate launch --config_file accelerate_configs/<launch>.yaml recipes/measure/measure_memory.py`
 on 2 ranks (see that script for what is counted and when). Columns, per rank (the larger of the ranks):
 bytes per parameter of params, fp32 master copies, gradients and optimizer states (Adam's moments and step
 counters) as measured; their total in bytes; the ZeRO paper's figure; what `recipes/plan_memory.py`
@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 
 from training.memory.measured import LAUNCHES, format_table, launch_command, rows
-
-ROOT = Path(__file__).resolve().parents[1]
+from training.paths import ROOT
 
 
 def main(argv: list[str] | None = None) -> None:

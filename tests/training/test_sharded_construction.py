@@ -11,9 +11,9 @@ from launching import ROOT, launch, launcher_command
 
 
 def worker_ranks(tmp_path, config: str, worker: str) -> list[dict]:
-    """Launch tests/recipes/<worker>_worker.py on 2 ranks with accelerate's `config`; each rank's record."""
+    """Launch tests/training/<worker>_worker.py on 2 ranks with accelerate's `config`; each rank's record."""
     cmd = launcher_command("accelerate", config)
-    cmd[-1] = str(ROOT / "tests" / "recipes" / f"{worker}_worker.py")
+    cmd[-1] = str(ROOT / "tests" / "training" / f"{worker}_worker.py")
     launch(cmd, ["--preset=debug"], tmp_path / "out")
     ranks = json.loads((tmp_path / "out" / f"{worker}.json").read_text())
     assert len(ranks) == 2

@@ -2,8 +2,8 @@
 
 Launched like `recipes/train.py`, with its flags; the launcher's config picks the strategy:
 
-    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/measure_startup.py \\
-        --preset llama-1b --per_device_train_batch_size 1 --block_size 128
+    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 \\
+        recipes/measure/measure_startup.py --preset llama-1b --per_device_train_batch_size 1 --block_size 128
 
 The start of `recipes/train.py` (strategy, Accelerator, `build_model`, AdamW with its groups, schedule,
 `prepare`) without data: the vocabulary is the preset's. No step is taken, so Adam's moments do not exist yet.

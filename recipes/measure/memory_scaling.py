@@ -1,12 +1,12 @@
 """Model-state bytes per rank at 1, 2 and 4 ranks for every strategy, plotted against the ZeRO paper's formulas.
 
-    python recipes/memory_scaling.py --output_dir runs/memory_scaling                # launch, measure, plot
-    python recipes/memory_scaling.py --output_dir runs/memory_scaling --no_launch    # plot what is there
-    python recipes/memory_scaling.py --world_sizes 1 2 4 8 --plot docs/img/memory_scaling.png
+    python recipes/measure/memory_scaling.py --output_dir runs/memory_scaling                # launch, measure, plot
+    python recipes/measure/memory_scaling.py --output_dir runs/memory_scaling --no_launch    # plot what is there
+    python recipes/measure/memory_scaling.py --world_sizes 1 2 4 8 --plot docs/img/memory_scaling.png
 
 Each point is one `accelerate launch --config_file accelerate_configs/<launch>.yaml --num_processes N
-recipes/measure_memory.py --preset=tiny ...` in fp32 (see recipes/memory_table.py; more ranks than cores is
-fine, only bytes are measured). Plotted per rank (the larger of the ranks), in bytes per parameter: the
+recipes/measure/measure_memory.py --preset=tiny ...` in fp32 (see recipes/measure/memory_table.py; more ranks than
+cores is fine, only bytes are measured). Plotted per rank (the larger of the ranks), in bytes per parameter: the
 measured model states (params + fp32 master + grads + Adam), the paper's formula (16, 8 + 8/N, 4 + 12/N, 16/N)
 and the planner's count (recipes/plan_memory.py) for the same launch. One rank runs without a process group:
 DDP is then the plain model (no bucket copies) and DeepSpeed/FSDP hold everything on the one rank.

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU figures docs/benchmarks.md asks for, one part per call (each part fits in about ten minutes on one H100):
+#
+#   recipes/measure/gpu_tables.sh tests        # make test-gpu: every one-GPU config, compile, fp16, profiler, resume
+#   recipes/measure/gpu_tables.sh speed        # tokens/s and MFU against LlamaForCausalLM, eager and compiled
+#   recipes/measure/gpu_tables.sh memory       # peak memory of each model at 16 x 1024, each in its own process
+#   recipes/measure/gpu_tables.sh strategies   # one process, FSDP2, ZeRO-2, ZeRO-3 on one GPU, eager and compiled
+#
+# Run from the repository root in an environment with the GPU's torch (make setup TORCH=...). Logs and tables go to
+# $OUT (default runs/gpu); every command is printed before it runs, for the docs to name it.
+set -u
+OUT=${OUT:-runs/gpu}
+PY=${PYTHON:-python}
+mkdir -p "$OUT"
+run() { echo "+ $*" | tee -a "$OUT/commands.txt"; "$@"; }
+
+case "${1:-}" in
+tests)
+    run "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 580 2>&1 | tee "$OUT/test_gpu.log"
+    ;;
+speed)
+    for compile in "" "--torch_compile"; do
+        run "$PY" recipes/measure/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 16 --steps 20 --warmup 5 \
+            $compile --write "$OUT/speed.md" 2>&1 | tee -a "$OUT/speed.log"
+        run "$PY" recipes/measure/benchmark.py --presets llama-1b --seq_len 2048 --batch_size 4 --steps 20 --warmup 5 \
+            $compile --write "$OUT/speed.md" 2>&1 | tee -a "$OUT/speed.log"
+    done
+    ;;
+memory)
+    for compile in "" "--torch_compile"; do
+        run "$PY" recipes/measure/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 16 --steps 5 --warmup 3 \
+            --separate $compile --write "$OUT/memory.md" 2>&1 | tee -a "$OUT/memory.log"
+    done
+    ;;
+strategies)
+    for compile in "" "--torch_compile"; do
+        run "$PY" recipes/compare.py --preset gpt2-124m --strategies single,fsdp,zero2,zero3 --nproc 1 --steps 30 \
+            --per_device_train_batch_size 16 --no_save --no_trainer --output_dir "$OUT/strategies${compile:+-compiled}" \
+            --block_size 1024 --bf16 $compile 2>&1 | tee -a "$OUT/strategies.log"
+    done
+    ;;
+*)
+    echo "usage: $0 tests|speed|memory|strategies" >&2
+    exit 2
+    ;;
+esac
