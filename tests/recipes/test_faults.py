@@ -306,6 +306,7 @@ def test_no_room_for_the_next_checkpoint_is_said_before_writing(corpus, small_di
                      r"([\d,]+) are free; .*--save_total_limit.*another --output_dir", run.stderr)  # fmt: skip
     assert line and line[1] == str(out), run.stderr[-4000:]
     assert run.stderr.count("error: --output_dir") == 1  # rank 0 says it for every rank
+    assert re.search(r"^error: --output_dir", run.stderr, re.M), "the error line is glued to the progress bar"
     needed, free = (int(v.replace(",", "")) for v in line.groups()[1:])
     assert needed > free and needed == expected_size(out, 0)  # the size of checkpoint-2, as measured by its marker
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"] and latest_checkpoint(out)
@@ -327,6 +328,7 @@ def test_disk_filling_during_a_save_is_said_and_every_rank_exits(config, corpus,
     assert run.returncode != 0
     assert f"error: --output_dir '{out}' ran out of space while saving checkpoint-4: it needs about " in run.stderr
     assert run.stderr.count("error: --output_dir") == 1
+    assert re.search(r"^error: --output_dir", run.stderr, re.M), "the error line is glued to the progress bar"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert latest_checkpoint(out) == out / "checkpoint-2" and max(run.losses) == 4
 

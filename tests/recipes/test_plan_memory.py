@@ -160,7 +160,8 @@ def test_zero3_persistence_and_sub_groups_follow_the_json():
     lay = pm.layout(config)
     zero = pm.zero_config(named("zero3"), config, 8, "bf16", 1)
     shipped = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())["zero_optimization"]
-    for key in ("stage3_param_persistence_threshold", "reduce_bucket_size", "stage3_prefetch_bucket_size"):
+    assert zero["stage3_param_persistence_threshold"] == 10 * config.hidden_size  # "auto" resolved as training
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size"):
         assert zero[key] == shipped[key]  # GPU-sized in the JSON; the planner plans GPUs, uncapped
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
     assert sum(lay.numels[i] for i in pm.persistent(lay, zero)) == norms
