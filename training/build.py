@@ -153,17 +153,17 @@ def empty_model(config: ShardGPTConfig) -> ShardGPTForCausalLM:
 def initialize(net: ShardGPTForCausalLM, whole: Callable[[nn.Module, list[str]], object]) -> None:
     """The model's `_init_weights` on every module that owns parameters, children before parents as transformers'
     `initialize_weights` runs it, drawing from the global RNG. `whole(module, names)` is a context in which those
-    parameters of the module are whole tensors: the parameters themselves (`nullcontext`), each ZeRO-3 partition
+    parameters of the module are whole tensors: the parameters themselves (`as_is`), each ZeRO-3 partition
     gathered (`gathered_whole`), or a full-size temporary per FSDP2 shard whose rows are then copied into the shard
     (`sharded_whole`). A parameter shared with an earlier module (the tied head) keeps that module's values: the later
     module draws into a throwaway tensor of its shape, so that the RNG moves as in every other build."""
     done: set[int] = set()
     for module in post_order(net):
         params = dict(module.named_parameters(recurse=False))
-        own = [name for name, p in params.items() if id(p) not in done]
-        shared = [name for name, p in params.items() if id(p) in done]
         if not params:
             continue
+        own = [name for name, p in params.items() if id(p) not in done]
+        shared = [name for name, p in params.items() if id(p) in done]
         with whole(module, own), temporaries(module, shared):
             net._init_weights(module)
         done |= {id(params[name]) for name in own}
