@@ -63,8 +63,9 @@ lock: setup
 # venv, torch held at TORCH_LATEST (TORCH_LATEST=torch: the newest torch too). Prints what it installed.
 test-latest:
 	rm -rf .venv-latest && python3 -m venv .venv-latest
-	.venv-latest/bin/python -m pip install -q $(TORCH_LATEST)
-	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,tracking]"
+	@# One resolution: TORCH_LATEST named beside the package holds torch where it pins one (an eager upgrade of the
+	@# package alone would move torch to its newest release too).
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,tracking]" $(TORCH_LATEST)
 	@.venv-latest/bin/python -c "import importlib.metadata as m; print('newest releases:', ', '.join(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'accelerate', 'deepspeed', 'datasets', 'tokenizers', 'huggingface_hub', 'safetensors')))"
 	.venv-latest/bin/python -m pytest -m "not slow" $(ARGS)
 
