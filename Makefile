@@ -85,7 +85,7 @@ train: setup
 test: setup
 	$(PY) -m pytest $(ARGS)
 
-test-matrix: setup  # the widest cells of tests/recipes/test_precision.py (every config x bf16, compile)
+test-matrix: setup  # the widest cells: every config x bf16 and compile, a second launcher of a config
 	$(PY) -m pytest -m matrix $(ARGS)
 
 test-quick: setup

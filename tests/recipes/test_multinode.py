@@ -59,10 +59,11 @@ def launch_two_nodes(config: str, args: list[str], out, per_node: int = 1, extra
 
 # (one-node config, two-node config as in accelerate_configs/, ranks per node, extra launch flags)
 NODES = [
-    ("ddp", "ddp", 1, ()),
     ("fsdp", "fsdp", 1, ()),
-    ("zero3", "zero3", 1, ("--deepspeed_multinode_launcher", "standard")),
     ("zero3", "multinode_zero3", 1, ()),
+    # DDP, and the single-node ZeRO-3 YAML with the standard launcher named on the command line: `make test-matrix`.
+    pytest.param("ddp", "ddp", 1, (), marks=pytest.mark.matrix),
+    pytest.param("zero3", "zero3", 1, ("--deepspeed_multinode_launcher", "standard"), marks=pytest.mark.matrix),
     # Hybrid shard: shards within a node (2 ranks), replicas across the 2 nodes: 4 ranks, micro batch 2.
     ("fsdp", "fsdp_hybrid_multinode", 2, ("--parallelism_config_dp_shard_size", "2")),
 ]
