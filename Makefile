@@ -24,7 +24,8 @@ FLOOR_TESTS ?= tests/model tests/training/test_step.py tests/training/test_shard
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-ddp-ddp]" \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-fsdp-fsdp]" \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-zero3-zero3]" \
-	tests/recipes/test_precision.py::test_torch_compile_trains_the_same
+	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[fsdp]" \
+	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[zero3]"
 ARGS   ?=
 
 .PHONY: setup train test test-matrix test-quick test-latest test-floor test-gpu lock lint presets bench
@@ -72,7 +73,7 @@ test-latest:
 # The lock's packages with the oldest supported torch (FLOOR_TORCH) in .venv-floor, and FLOOR_TESTS on it.
 test-floor:
 	$(MAKE) setup VENV=.venv-floor TORCH="$(FLOOR_TORCH)"
-	.venv-floor/bin/python -m pytest $(FLOOR_TESTS) $(ARGS)
+	.venv-floor/bin/python -m pytest -m "" $(FLOOR_TESTS) $(ARGS)  # -m "": the compiled launches are matrix cells
 
 # On a CUDA machine: every config one GPU can run, compile, fp16 loss scaling, the profiler, a resume under another
 # strategy (tests marked gpu; they skip without a GPU). Run with the GPU's own torch: make setup TORCH=... first.
