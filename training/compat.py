@@ -9,6 +9,8 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   APIs torch's own memory-visualisation guide uses; GPU only.
 - whether a function is torch.compile's wrapper (`_torchdynamo_orig_callable`, which `torch.compile` sets on what it
   returns for a function): to report the compiled decoder layers in strategy.json.
+- how torch's JIT extension build locks its directory (whether `torch.utils.cpp_extension` still uses `FileBaton`):
+  see `build_lock_blocks`.
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
 """
@@ -43,6 +45,17 @@ def check_versions() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ private APIs
+
+
+def build_lock_blocks() -> bool:
+    """Whether torch's JIT extension build (DeepSpeed's ops) locks with a file whose mere existence blocks.
+
+    Up to torch 2.13 the build holds `<op>/lock` as a file (`FileBaton`): every other process waits for as long as
+    it exists, and a killed build leaves it behind. From 2.14 it holds an OS advisory lock on that file (filelock),
+    which the kernel releases when its holder dies; the file stays and blocks nothing (pytorch issue 189245)."""
+    from torch.utils import cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
 
 
 def is_compiled_function(fn) -> bool:

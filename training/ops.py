@@ -2,8 +2,10 @@
 
 DeepSpeed compiles an op the first time a process loads it (minutes, printing nothing), caching it in torch's
 extension directory (`~/.cache/torch_extensions/<python>_<accelerator>/<op>/`). While it compiles, torch holds
-`<op>/lock`, and every other process that loads the op waits for as long as that file exists: a build killed
-midway (a rank killed by a timeout, a cut-off job) leaves it behind, and every later launch hangs silently.
+`<op>/lock`. Up to torch 2.13 every other process that loads the op waits for as long as that file exists: a build
+killed midway (a rank killed by a timeout, a cut-off job) leaves it behind, and every later launch hangs silently.
+From torch 2.14 the lock is an OS lock on that file, released when its holder dies: the file stays after every
+build and blocks nothing (`training.compat.build_lock_blocks`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import time
 from pathlib import Path
 
+from training.compat import build_lock_blocks
 from training.deepspeed_config import offload_devices
 
 # The ops a launch of this project can JIT-compile: the optimizer (fused Adam on GPUs, CPU Adam under offload),
@@ -55,6 +58,8 @@ def stale_lock(directory: Path) -> Path | None:
     """The lock file of an extension build that nobody is running any more, else None.
 
     torch's JIT build holds `<directory>/lock` while ninja compiles in that directory."""
+    if not build_lock_blocks():  # torch >= 2.14: an OS lock, released when its holder dies; the file blocks nothing
+        return None
     lock = directory / "lock"
     try:
         age = time.time() - lock.stat().st_mtime

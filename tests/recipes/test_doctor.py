@@ -13,6 +13,7 @@ import pytest
 
 from recipes import doctor
 from training import ops
+from training.compat import build_lock_blocks
 from training.doctor import launch as launches
 from training.doctor import machine
 from training.doctor.report import Report
@@ -141,6 +142,9 @@ def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, 
     assert ops.stale_lock(build_dir) is None  # just taken: a build may be starting
     old = time.time() - 120
     os.utime(lock, (old, old))
+    if not build_lock_blocks():  # torch >= 2.14: an OS lock on the file, released by a killed build
+        assert ops.stale_lock(build_dir) is None  # the file every build leaves behind blocks nothing
+        return
     with subprocess.Popen(["sleep", "30"], cwd=build_dir) as compiler:  # a build is running in the directory
         try:
             assert ops.stale_lock(build_dir) is None

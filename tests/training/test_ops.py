@@ -9,6 +9,7 @@ import time
 import pytest
 from launching import ROOT
 
+from training.compat import build_lock_blocks
 from training.ops import check_op_cache, launch_ops
 
 
@@ -50,5 +51,8 @@ def test_the_op_cache_says_what_compiles_and_refuses_a_stale_lock(tmp_path, monk
     assert check_op_cache(("async_io",)) == ["async_io"]  # just taken: a build may be starting
     old = time.time() - 2 * 3600
     os.utime(lock, (old, old))
-    with pytest.raises(ValueError, match=f"rm {lock}"):
-        check_op_cache(("cpu_adam", "async_io"))
+    if build_lock_blocks():  # torch <= 2.13: the file itself is the lock, and nobody will remove it
+        with pytest.raises(ValueError, match=f"rm {lock}"):
+            check_op_cache(("cpu_adam", "async_io"))
+    else:  # torch >= 2.14: an OS lock on the file, released by a killed build; the file left behind blocks nothing
+        assert check_op_cache(("cpu_adam", "async_io")) == ["async_io"]
