@@ -52,6 +52,7 @@ from training.strategy import (
     check_deepspeed_ops,
     check_fsdp_wrap,
     launch_precision,
+    launched_data_parallel_size,
     launched_world_size,
     requested_strategy,
 )
@@ -66,9 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
-    # The run's final config: every flag checked; the accumulation --global_batch_size gives, the checkpoint's own
-    # tokenizer and the accelerate config's precision filled in. Nothing changes it afterwards.
-    cfg = cfg.resolve(world, launch_precision())
+    # The run's final config: every flag checked; the accumulation --global_batch_size gives over the data-parallel
+    # ranks (world / tensor-parallel degree), the checkpoint's own tokenizer and the accelerate config's precision
+    # filled in. Nothing changes it afterwards.
+    cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
     check_resume(cfg, strategy)  # the global batch, and a checkpoint of another strategy converts

@@ -37,14 +37,18 @@ from training.metrics import flops_per_token, peak_flops
 from training.preemption import Preempted, stop_message
 from training.profiling import make_profiler
 from training.ranks import run_rank
-from training.strategy import check_deepspeed_ops, launch_precision, launched_world_size, requested_strategy
+from training.strategy import (
+    check_deepspeed_ops,
+    launch_precision,
+    launched_data_parallel_size,
+    requested_strategy,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
-    world = launched_world_size()
-    cfg = cfg.resolve(world, launch_precision())  # the run's final config, as recipes/train.py's
+    cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())  # the final config, as train.py's
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
     if cfg.step_timeout:

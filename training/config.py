@@ -2,10 +2,11 @@
 
 `RunConfig` holds every flag of `recipes/train.py` (names as in transformers' `run_clm.py` and
 `TrainingArguments`; choices are `Literal`s, which the argument parser enforces) and owns the batch arithmetic
-(global batch = micro batch x accumulation x world size). `RunConfig.resolve` turns the parsed flags into the
-run's final config once, before any process group: every flag checked, then the accumulation --global_batch_size
-gives, the checkpoint's own tokenizer and the launch's precision filled in. The config is frozen: nothing changes
-it afterwards. The DeepSpeed JSON's `"auto"` values are resolved from it in `training/deepspeed_config.py`.
+(global batch = micro batch x accumulation x data-parallel ranks, the world over the tensor-parallel degree).
+`RunConfig.resolve` turns the parsed flags into the run's final config once, before any process group: every flag
+checked, then the accumulation --global_batch_size gives, the checkpoint's own tokenizer and the launch's precision
+filled in. The config is frozen: nothing changes it afterwards. The DeepSpeed JSON's `"auto"` values are resolved
+from it in `training/deepspeed_config.py`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class RunConfig(DataArguments):
     global_batch_size: int | None = flag(
         None,
         "Sequences per optimizer step over all ranks; sets --gradient_accumulation_steps to global / (micro x "
-        "world), so a run can change its number of ranks and keep its batch.",
+        "data-parallel ranks), so a run can change its number of ranks and keep its batch. The ranks of a "
+        "tensor-parallel group train on one batch: data-parallel ranks = world / autotp_size.",
     )
     learning_rate: float | None = flag(
         None,
@@ -156,8 +158,9 @@ class RunConfig(DataArguments):
     def mixed_precision(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
 
-    def global_batch(self, world_size: int) -> int:
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
+    def global_batch(self, data_parallel_size: int) -> int:
+        """Sequences per optimizer step: micro x accumulation x the ranks that train on different data."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * data_parallel_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,36 +189,37 @@ class RunConfig(DataArguments):
 
     # ---------------------------------------------------------------- the run's final config
 
-    def resolve(self, world_size: int, launch_precision: str = "no") -> RunConfig:
+    def resolve(self, data_parallel_size: int, launch_precision: str = "no") -> RunConfig:
         """The run's final config, made once before any process group: every flag checked (`validate`), then
         what the flags and the launch settle, in a new RunConfig that nothing changes afterwards: the
-        accumulation --global_batch_size gives on `world_size` ranks, the tokenizer of --model_name_or_path's
-        folder (unless --tokenizer_name), and the precision of the accelerate config's mixed_precision
-        (`launch_precision`: "no" where it sets none)."""
-        self.validate(world_size)
+        accumulation --global_batch_size gives over `data_parallel_size` ranks (the launch's world over its
+        tensor-parallel degree: `training.strategy.launched_data_parallel_size`), the tokenizer of
+        --model_name_or_path's folder (unless --tokenizer_name), and the precision of the accelerate config's
+        mixed_precision (`launch_precision`: "no" where it sets none)."""
+        self.validate(data_parallel_size)
         bf16, fp16 = self.precision(launch_precision)
         learning_rate = self.learning_rate or recipe_learning_rate(self.model_config())  # a checkpoint's size
         return replace(
-            self, gradient_accumulation_steps=self.accumulation(world_size), tokenizer_name=self.start_tokenizer(),
-            bf16=bf16, fp16=fp16, learning_rate=learning_rate,
+            self, gradient_accumulation_steps=self.accumulation(data_parallel_size),
+            tokenizer_name=self.start_tokenizer(), bf16=bf16, fp16=fp16, learning_rate=learning_rate,
         )  # fmt: skip
 
-    def accumulation(self, world_size: int) -> int:
-        """--gradient_accumulation_steps, or what --global_batch_size fixes: global / (micro x world), which must be
-        a whole number."""
+    def accumulation(self, data_parallel_size: int) -> int:
+        """--gradient_accumulation_steps, or what --global_batch_size fixes: global / (micro x data-parallel ranks),
+        which must be a whole number."""
         if self.global_batch_size is None:
             return self.gradient_accumulation_steps
-        micro, g = self.per_device_train_batch_size, self.global_batch_size
-        if micro < 1 or world_size < 1 or g < 1 or g % (micro * world_size):
+        micro, g, dp = self.per_device_train_batch_size, self.global_batch_size, data_parallel_size
+        if micro < 1 or dp < 1 or g < 1 or g % (micro * dp):
             raise ValueError(
-                f"--global_batch_size {g} is not a multiple of micro {micro} x world {world_size} = "
-                f"{micro * world_size}: pass a --global_batch_size that is, or another --per_device_train_batch_size"
+                f"--global_batch_size {g} is not a multiple of micro {micro} x data-parallel ranks {dp} = "
+                f"{micro * dp}: pass a --global_batch_size that is, or another --per_device_train_batch_size"
             )
-        accum = g // (micro * world_size)
+        accum = g // (micro * dp)
         if self.gradient_accumulation_steps not in (1, accum):
             raise ValueError(
                 f"--gradient_accumulation_steps {self.gradient_accumulation_steps} contradicts --global_batch_size "
-                f"{g} (micro {micro} x world {world_size} gives accumulation {accum}): pass only one of them"
+                f"{g} (micro {micro} x data-parallel ranks {dp} gives accumulation {accum}): pass only one of them"
             )
         return accum
 
@@ -256,7 +260,7 @@ class RunConfig(DataArguments):
 
     # ---------------------------------------------------------------- validation
 
-    def validate(self, world_size: int) -> None:
+    def validate(self, data_parallel_size: int) -> None:
         """Every flag-level check, before any process group, model or data exists. Choices the argument parser
         enforces (`Literal`) are checked here too, for a config made in code."""
         if self.preset not in PRESET_NAMES:
@@ -267,7 +271,7 @@ class RunConfig(DataArguments):
                 "model's shape; drop --config_overrides"
             )
         self.model_config()  # a bad --config_overrides or checkpoint fails here, naming the field
-        self.accumulation(world_size)  # a --global_batch_size the world does not divide fails here
+        self.accumulation(data_parallel_size)  # a --global_batch_size the ranks do not divide fails here
         positive = (
             "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
             "max_steps", "logging_steps",
@@ -305,8 +309,8 @@ class RunConfig(DataArguments):
         unknown = set(self.report_to.split(",")) - set(TRACKERS)
         if unknown:
             raise ValueError(f"--report_to {self.report_to!r}: unknown {sorted(unknown)}; choose from {TRACKERS}")
-        if world_size < 1:
-            raise ValueError(f"world size {world_size} must be at least 1")
+        if data_parallel_size < 1:
+            raise ValueError(f"data-parallel ranks {data_parallel_size} must be at least 1")
         if self.deepspeed and not Path(self.deepspeed).is_file():
             raise FileNotFoundError(f"--deepspeed {self.deepspeed!r}: no such file; pick one of ds_configs/*.json")
         if self.nvme_path is not None and not Path(self.nvme_path).is_dir():
@@ -344,12 +348,12 @@ class RunConfig(DataArguments):
                 "new ones are saved), or choose another --output_dir"
             )
 
-    def check_data_size(self, num_train_blocks: int, world_size: int) -> None:
-        g = self.global_batch(world_size)
+    def check_data_size(self, num_train_blocks: int, data_parallel_size: int) -> None:
+        g = self.global_batch(data_parallel_size)
         if num_train_blocks < g:
             raise ValueError(
                 f"the training data has {num_train_blocks} blocks of {self.block_size} tokens, fewer than one "
                 f"global batch of {g} (= micro {self.per_device_train_batch_size} x accumulation "
-                f"{self.gradient_accumulation_steps} x world {world_size}): use more data, a smaller "
-                "--per_device_train_batch_size or --block_size, or fewer ranks"
+                f"{self.gradient_accumulation_steps} x data-parallel ranks {data_parallel_size}): use more data, a "
+                "smaller --per_device_train_batch_size or --block_size, or fewer ranks"
             )

@@ -24,7 +24,14 @@ from accelerate.utils import (
 )
 
 from training.config import RunConfig
-from training.deepspeed_config import autotp_size, load_json, offload_devices, resolve_deepspeed, zero_stage
+from training.deepspeed_config import (
+    autotp_size,
+    data_parallel_size,
+    load_json,
+    offload_devices,
+    resolve_deepspeed,
+    zero_stage,
+)
 from training.ops import check_op_cache, launch_ops
 
 Family = Literal["single", "ddp", "fsdp", "deepspeed"]
@@ -244,19 +251,17 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
     values resolved from `cfg`, the run's final config), after the checks that refuse what could not run. No
     process group is created."""
     world = launched_world_size()
-    ds_file = cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    launched = launched_deepspeed_config(cfg)
     use_fsdp = env_flag("ACCELERATE_USE_FSDP")
-    if (ds_file or env_flag("ACCELERATE_USE_DEEPSPEED")) and use_fsdp:
+    if launched is not None and use_fsdp:
         raise ValueError(
             "both DeepSpeed and FSDP are requested (--deepspeed or a DeepSpeed accelerate config, and an FSDP "
             "accelerate config): launch with one of them"
         )
     check_parallelism_config_tp()
-    if ds_file or env_flag("ACCELERATE_USE_DEEPSPEED"):
-        if ds_file:
-            raw, source = load_json(ds_file), repr(ds_file)
-        else:  # an accelerate YAML with inline deepspeed_config fields: the JSON accelerate would build from them
-            raw, source = inline_deepspeed_config(), "from the accelerate config's deepspeed_config"
+    check_parallelism_config_sp_cp()
+    if launched is not None:
+        raw, source = launched
         ds = resolve_deepspeed(raw, cfg, world, hidden_size, source, cpu_ranks=not torch.cuda.is_available())
         return deepspeed_strategy(ds, world, source)
     if use_fsdp:
@@ -268,6 +273,31 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             check_fsdp1(fsdp_env)
         return fsdp_strategy(fsdp_env, world, shard_size)
     return Strategy("ddp" if world > 1 else "single", world)
+
+
+def launched_deepspeed_config(cfg: RunConfig) -> tuple[dict, str] | None:
+    """The DeepSpeed config this launch names, as written ("auto" unresolved), and how messages name it:
+    --deepspeed's JSON, the accelerate config's deepspeed_config_file, or its inline deepspeed_config fields; None
+    outside DeepSpeed."""
+    ds_file = cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    if ds_file:
+        return load_json(ds_file), repr(ds_file)
+    if env_flag("ACCELERATE_USE_DEEPSPEED"):  # inline fields: the JSON accelerate would build from them
+        return inline_deepspeed_config(), "from the accelerate config's deepspeed_config"
+    return None
+
+
+def launched_data_parallel_size(cfg: RunConfig) -> int:
+    """Ranks of this launch that train on different data: the world over the tensor-parallel degree (DeepSpeed
+    AutoTP's `tensor_parallel.autotp_size`), read before `RunConfig.resolve`, which fixes the accumulation that
+    --global_batch_size gives from it (the DeepSpeed JSON's "auto" values are resolved afterwards, from the resolved
+    config). The same count as `Strategy.data_parallel_size`, which the loader, DeepSpeed and the resume check use."""
+    world = launched_world_size()
+    launched = launched_deepspeed_config(cfg)
+    if launched is None:
+        return world
+    raw, source = launched
+    return data_parallel_size(raw, world, source)  # refuses an autotp_size that does not divide the world
 
 
 def inline_deepspeed_config() -> dict:
@@ -352,6 +382,33 @@ def check_parallelism_config_tp() -> None:
             f"the accelerate config's parallelism_config sets tp_size: {tp}, which accelerate 1.15 cannot prepare with "
             f"transformers 5.23 ({blocker}): for tensor parallelism launch accelerate_configs/autotp.yaml or "
             "--deepspeed ds_configs/autotp.json (DeepSpeed AutoTP), or remove parallelism_config_tp_size"
+        )
+
+
+def check_parallelism_config_sp_cp() -> None:
+    """Sequence and context parallelism from an accelerate config's parallelism_config (`sp_size`, `cp_size`) are
+    refused before the process group. With `sp_backend: deepspeed` accelerate 1.15 registers DeepSpeed's Ulysses
+    attention and hands the engine its sequence-parallel groups, but this script's loader gives every rank whole
+    sequences and its loss is not reduced over the sequence-parallel group: the run trained without a word and
+    trained something else (debug preset, 2 ranks, step 1: one process's loss 9.0276 and gradient norm 0.915, the
+    ZeRO-2 sp YAML 9.0179 and 1.259, the ZeRO-3 one 9.0179 and 0.630). torch's ring context parallelism (`cp_size`)
+    needs FSDP2 and CUDA's flash or efficient attention kernels."""
+    if not parallelism_config():
+        return
+    sp = int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
+    cp = int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1"))
+    if sp > 1:
+        raise ValueError(
+            f"the accelerate config's parallelism_config sets sp_size: {sp} (Ulysses sequence parallelism), which "
+            "this training script does not run: its loader does not split sequences over the sequence-parallel "
+            "ranks nor its loss reduce over them, so the run would train a different model without a word; "
+            "remove parallelism_config_sp_size (and parallelism_config_sp_backend) from the YAML"
+        )
+    if cp > 1:
+        raise ValueError(
+            f"the accelerate config's parallelism_config sets cp_size: {cp} (torch's ring context parallelism), "
+            "which this training script does not run (it needs FSDP2 with CUDA's flash or efficient attention "
+            "kernels, and sequences split by the loader): remove parallelism_config_cp_size from the YAML"
         )
 
 

@@ -21,7 +21,13 @@ from training.config import RunConfig
 from training.inspection import verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.step import train_step
-from training.strategy import Strategy, launch_precision, launched_world_size, requested_strategy
+from training.strategy import (
+    Strategy,
+    launch_precision,
+    launched_data_parallel_size,
+    launched_world_size,
+    requested_strategy,
+)
 
 
 class StandInTokenizer:
@@ -41,7 +47,7 @@ def set_up(argv: list[str] | None):
     (collective: initialises the process group), the seed set. Returns (cfg, world, config, strategy, accelerator)."""
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
     world = launched_world_size()
-    cfg = cfg.resolve(world, launch_precision())  # the run's final config
+    cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())  # the run's final config
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group

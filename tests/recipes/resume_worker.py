@@ -17,14 +17,13 @@ from training.config import RunConfig
 from training.optim import make_optimizer, make_scheduler
 from training.portable import gather_neutral
 from training.ranks import run_rank
-from training.strategy import launch_precision, launched_world_size, requested_strategy
+from training.strategy import launch_precision, launched_data_parallel_size, requested_strategy
 from training.synthetic import StandInTokenizer
 
 
 def main() -> None:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
-    world = launched_world_size()
-    cfg = cfg.resolve(world, launch_precision())
+    cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)
     check_resume(cfg, strategy)

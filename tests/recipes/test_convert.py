@@ -174,7 +174,7 @@ def test_global_batch_size_derives_the_accumulation(tmp_path):
     cfg = parsed.resolve(2)
     assert cfg.gradient_accumulation_steps == 4 and cfg.global_batch(2) == 32
     assert parsed.gradient_accumulation_steps == 1  # the parsed flags are left as they were
-    with pytest.raises(ValueError, match=r"--global_batch_size 30 is not a multiple of micro 4 x world 2 = 8"):
+    with pytest.raises(ValueError, match=r"30 is not a multiple of micro 4 x data-parallel ranks 2 = 8"):
         RunConfig(per_device_train_batch_size=4, global_batch_size=30).accumulation(2)
     with pytest.raises(ValueError, match="--gradient_accumulation_steps 3 contradicts --global_batch_size 32"):
         RunConfig(per_device_train_batch_size=4, gradient_accumulation_steps=3, global_batch_size=32).validate(2)

@@ -101,7 +101,7 @@ BAD_FLAGS = [
 @pytest.mark.parametrize(("kw", "field", "fix"), BAD_FLAGS, ids=[m[:30] for _, m, _ in BAD_FLAGS])
 def test_bad_flags_fail_before_anything_starts(kw, field, fix):
     with pytest.raises((ValueError, FileNotFoundError)) as err:
-        cfg(**kw).validate(world_size=2)
+        cfg(**kw).validate(data_parallel_size=2)
     assert field in str(err.value) and fix in str(err.value), str(err.value)
 
 
@@ -113,14 +113,14 @@ def test_config_overrides_replace_fields_of_the_preset():
 def test_existing_checkpoints_are_not_trained_over(tmp_path):
     (tmp_path / "checkpoint-10").mkdir()
     with pytest.raises(FileExistsError, match="already holds checkpoints: pass --resume_from_checkpoint auto"):
-        cfg(output_dir=str(tmp_path)).validate(world_size=1)
-    cfg(output_dir=str(tmp_path), resume_from_checkpoint="auto").validate(world_size=1)
+        cfg(output_dir=str(tmp_path)).validate(data_parallel_size=1)
+    cfg(output_dir=str(tmp_path), resume_from_checkpoint="auto").validate(data_parallel_size=1)
     assert (tmp_path / "checkpoint-10").is_dir()
 
 
 def test_too_little_data_for_one_global_batch():
-    with pytest.raises(ValueError, match=r"fewer than one global batch of 16 \(= micro 4 x accumulation 2 x world 2\)"):
-        cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2).check_data_size(10, world_size=2)
+    with pytest.raises(ValueError, match=r"global batch of 16 \(= micro 4 x accumulation 2 x data-parallel ranks 2\)"):
+        cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2).check_data_size(10, data_parallel_size=2)
 
 
 def test_check_keys_accepts_comments():
@@ -163,6 +163,56 @@ def test_autotp_batch_counts_data_parallel_ranks(monkeypatch):
     assert (strategy.name, strategy.tp_size, strategy.data_parallel_size) == ("zero1-autotp", 2, 2)
     assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert strategy.deepspeed["train_batch_size"] == 4 * 2 * 4
+
+
+@pytest.mark.parametrize(("world", "flags", "accumulation"), [
+    (2, ["--global_batch_size", "16", "--per_device_train_batch_size", "8"], 2),  # 1 data-parallel rank: 16 = 8 x 2
+    (4, ["--global_batch_size", "16", "--per_device_train_batch_size", "4"], 2),  # 2 data-parallel ranks
+])  # fmt: skip
+def test_autotp_global_batch_counts_data_parallel_ranks(monkeypatch, world, flags, accumulation):
+    """--global_batch_size under AutoTP: the accumulation is the global batch over micro x data-parallel ranks
+    (world / autotp_size), so the loader, DeepSpeed and the resume check train the global batch asked for (a global
+    batch of 16 with micro 8 on 2 ranks once trained 8 sequences a step: the accumulation counted the world)."""
+    from transformers import HfArgumentParser
+
+    from training.strategy import launched_data_parallel_size, requested_strategy
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    autotp = str(ROOT / "ds_configs" / "autotp.json")
+    (parsed,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(
+        args=[*flags, "--deepspeed", autotp, "--output_dir", "/nonexistent/shardgpt-test"]
+    )
+    resolved = parsed.resolve(launched_data_parallel_size(parsed))
+    strategy = requested_strategy(resolved, hidden_size=64)
+    assert resolved.gradient_accumulation_steps == accumulation
+    assert resolved.global_batch(strategy.data_parallel_size) == 16 == parsed.global_batch_size
+    ds = strategy.deepspeed  # DeepSpeed's own check counts every rank (see resolve_batch)
+    assert ds["gradient_accumulation_steps"] == accumulation and ds["train_batch_size"] == 16 * strategy.tp_size
+
+
+@pytest.mark.parametrize(("variables", "refusal"), [
+    ({"PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"},
+     "parallelism_config sets sp_size: 2 (Ulysses sequence parallelism)"),
+    ({"PARALLELISM_CONFIG_CP_SIZE": "2"}, "parallelism_config sets cp_size: 2 (torch's ring context parallelism)"),
+])  # fmt: skip
+@pytest.mark.parametrize("yaml", ["zero2", "zero3"])
+def test_sequence_parallel_accelerate_yamls_are_refused(monkeypatch, variables, refusal, yaml):
+    """A ZeRO-2 or ZeRO-3 accelerate YAML with a parallelism_config block (sp_size 2, sp_backend deepspeed) trained
+    without a word and trained something else (its loss and gradient norm were not one process's): refused before
+    the process group, in one line naming the key and the fix. The variables are those `accelerate launch` exports
+    from the YAML."""
+    from training.strategy import requested_strategy
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs" / f"{yaml}.json"))
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError) as err:
+        requested_strategy(cfg(), hidden_size=64)
+    assert refusal in str(err.value) and "remove parallelism_config_" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_default_learning_rate_follows_the_models_size(tmp_path):

@@ -128,7 +128,7 @@ def launched_strategy(launch: dict | None, ds: dict | None, world: int) -> Strat
 def check_training(report: Report, args, launch: dict | None, found: list[dict], bf16_ok: bool) -> None:
     """RunConfig.resolve and resolve_deepspeed exactly as the training script runs them at start-up."""
     from training.config import RunConfig
-    from training.deepspeed_config import load_json, resolve_deepspeed
+    from training.deepspeed_config import data_parallel_size, load_json, resolve_deepspeed
 
     flags = list(args.train_flags)
     if args.deepspeed:
@@ -139,8 +139,13 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     if cfg is None:
         return
     world = launch["_world"] if launch else args.num_processes or max(len(found), 1)
+    ds_file = cfg.deepspeed or ((launch or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
     try:
-        cfg = cfg.resolve(world)  # the accelerate config's precision is checked below, against the flags
+        # The ranks that train on different data: the world over AutoTP's degree, as the training script counts them.
+        dp = world  # a missing or broken JSON is reported under "DeepSpeed config" below
+        if ds_file and find_file(ds_file).is_file():
+            dp = data_parallel_size(load_json(find_file(ds_file)), world, repr(str(ds_file)))
+        cfg = cfg.resolve(dp)  # the accelerate config's precision is checked below, against the flags
     except Exception as e:
         report.add("training flags", FAIL, str(e))
         return
@@ -153,15 +158,14 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         "training flags",
         OK,
         f"preset {cfg.preset} ({params / 1e6:,.1f}M parameters before the tokenizer's vocabulary), {precision}, "
-        f"global batch {cfg.global_batch(world)} = micro {cfg.per_device_train_batch_size} x accumulation "
-        f"{cfg.gradient_accumulation_steps} x world {world}",
+        f"global batch {cfg.global_batch(dp)} = micro {cfg.per_device_train_batch_size} x accumulation "
+        f"{cfg.gradient_accumulation_steps} x {f'world {world}' if dp == world else f'data-parallel ranks {dp}'}",
     )
     if cfg.bf16 and not bf16_ok:
         report.add("precision", FAIL, "--bf16 is set but bf16 does not work here (see the bf16 check): drop --bf16")
 
     launch = launch or {}
     ds_section = launch.get("deepspeed_config") or {}
-    ds_file = cfg.deepspeed or ds_section.get("deepspeed_config_file")
     if launch.get("distributed_type") == "FSDP" and ds_file:
         report.add("strategy", FAIL, "both FSDP (the accelerate config) and DeepSpeed (--deepspeed) are requested")
         return
@@ -217,6 +221,18 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     plan(report, config, strategy, per_node, cfg, ds)
 
 
+def global_batch_line(ds: dict, world: int) -> str:
+    """The global batch of a resolved DeepSpeed config: micro x accumulation x data-parallel ranks (a tensor-parallel
+    group trains on one batch; DeepSpeed's own `train_batch_size` counts every rank)."""
+    from training.deepspeed_config import autotp_size
+
+    tp = autotp_size(ds)
+    batch = ds["train_batch_size"] // tp
+    if tp == 1:
+        return f"{batch} (= micro x accumulation x world {world})"
+    return f"{batch} (= micro x accumulation x data-parallel ranks {world // tp}: world {world} / autotp_size {tp})"
+
+
 def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
     """The resolved DeepSpeed values that decide memory and speed."""
     from training.deepspeed_config import offload_devices, zero_stage
@@ -229,7 +245,7 @@ def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
         "offload params": devices["offload_param"],
         "micro batch per rank": ds["train_micro_batch_size_per_gpu"],
         "gradient accumulation": ds["gradient_accumulation_steps"],
-        "global batch": f"{ds['train_batch_size']} (= micro x accumulation x world {world})",
+        "global batch": global_batch_line(ds, world),
         "precision": "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32",
         "gradient clipping": ds.get("gradient_clipping"),
         "optimizer": (ds.get("optimizer") or {}).get("type", "torch AdamW from the script"),
