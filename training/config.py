@@ -21,12 +21,14 @@ import torch
 
 from data.arguments import DataArguments, flag
 from model import PRESETS, ShardGPTConfig, ShardGPTForCausalLM
+from training.pipeline import ALL_SCHEDULES, check_pipeline, stages_per_rank
 from training.profiling import parse_steps
 from training.watchdog import GPU_STEP_TIMEOUT, HUNG
 
 PRESET_NAMES = tuple(PRESETS)
 Preset = Literal[PRESET_NAMES]
 Scheduler = Literal["cosine", "linear", "constant"]
+PipelineSchedule = Literal[ALL_SCHEDULES]
 SCHEDULERS = get_args(Scheduler)
 TRACKERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow")  # --report_to takes several, comma-separated
 
@@ -105,6 +107,22 @@ class RunConfig(DataArguments):
     )
     gradient_checkpointing: bool = flag(False, "Recompute each decoder layer's activations in the backward.")
     torch_compile: bool = flag(False, "Compile the model with torch.compile (inductor).")
+    pipeline_parallel_degree: int = flag(
+        1,
+        "Pipeline parallelism: split the decoder's layers into stages over this many ranks "
+        "(torch.distributed.pipelining); a step's micro batches are --gradient_accumulation_steps. The other "
+        "ranks' degree is data parallelism: DDP, or FSDP2 with accelerate_configs/fsdp.yaml.",
+    )
+    pipeline_parallel_schedule: PipelineSchedule = flag(
+        "1F1B",
+        "The pipeline schedule, by torch's name: GPipe, 1F1B, or the multi-stage Interleaved1F1B, LoopedBFS, "
+        "InterleavedZeroBubble, ZBVZeroBubble.",
+    )
+    pipeline_parallel_virtual_stages: int | None = flag(
+        None,
+        "Stages each pipeline rank holds under a multi-stage schedule (ZBVZeroBubble: 2). Default: 2 under those, "
+        "1 under GPipe and 1F1B.",
+    )
     logging_steps: int = flag(10, "Log loss, lr, grad norm, tokens/s, MFU and memory every N steps.")
     eval_steps: int = flag(100, "Evaluate on the validation blocks every N steps (0: only at the end).")
     max_eval_batches: int | None = flag(50, "Cap on evaluation batches per rank (None: every validation block).")
@@ -153,6 +171,11 @@ class RunConfig(DataArguments):
         if self.warmup_steps is not None:
             return self.warmup_steps
         return math.ceil(self.warmup_ratio * self.max_steps)
+
+    @property
+    def pipeline_stages_per_rank(self) -> int:
+        """Stages each pipeline rank holds: --pipeline_parallel_virtual_stages, or the schedule's default."""
+        return stages_per_rank(self.pipeline_parallel_schedule, self.pipeline_parallel_virtual_stages)
 
     @property
     def mixed_precision(self) -> str:
@@ -304,6 +327,8 @@ class RunConfig(DataArguments):
             raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or unset to keep all)")
         if self.profile:
             self.check_profile_steps()
+        if self.pipeline_parallel_degree != 1 or self.pipeline_parallel_virtual_stages is not None:
+            self.check_pipeline(self.accumulation(data_parallel_size))
         if (self.step_timeout or 0) < 0:
             raise ValueError(f"--step_timeout {self.step_timeout} must be 0 (off) or more seconds")
         unknown = set(self.report_to.split(",")) - set(TRACKERS)
@@ -319,6 +344,29 @@ class RunConfig(DataArguments):
                 f"(mkdir -p {self.nvme_path})"
             )
         self.validate_output_dir()
+
+    def check_pipeline(self, micro_batches: int) -> None:
+        """The pipeline flags against torch's schedules (`micro_batches`: the accumulation in force) and the model's
+        depth (training/pipeline.py), and what a pipeline run cannot do yet: checkpoints (its stages would need a
+        format of their own to resume across layouts)."""
+        if self.pipeline_parallel_degree < 1:
+            raise ValueError(f"--pipeline_parallel_degree {self.pipeline_parallel_degree} must be at least 1")
+        if self.pipeline_parallel_degree == 1:
+            raise ValueError(
+                f"--pipeline_parallel_virtual_stages {self.pipeline_parallel_virtual_stages} without pipeline "
+                "parallelism: pass --pipeline_parallel_degree 2 or more, or drop it"
+            )
+        check_pipeline(self.pipeline_parallel_schedule, self.pipeline_parallel_degree, self.pipeline_stages_per_rank,
+                       micro_batches, self.model_config().num_hidden_layers)  # fmt: skip
+        for name, value, fix in (
+            ("save_steps", self.save_steps, "--save_steps 0 (the trained model is still exported at the end)"),
+            ("resume_from_checkpoint", self.resume_from_checkpoint, "no --resume_from_checkpoint"),
+        ):
+            if value:
+                raise ValueError(
+                    f"--{name} {value} with --pipeline_parallel_degree {self.pipeline_parallel_degree}: pipeline "
+                    f"runs do not write or read checkpoints yet; pass {fix}"
+                )
 
     def check_profile_steps(self) -> None:
         first, last = parse_steps(self.profile_steps)

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 import torch
@@ -70,6 +70,15 @@ class Strategy:
     tp_size: int = 1
     """Ranks each layer is split over (DeepSpeed AutoTP); the ranks of a tensor-parallel group train on the same
     batch."""
+    pp_size: int = 1
+    """Pipeline stages' ranks: the decoder's layers split over this many ranks (--pipeline_parallel_degree), which
+    train on the same batch, one micro batch after another (training/pipeline.py). The outermost degree: ranks
+    r and r + world / pp_size hold neighbouring stages of one pipeline."""
+    pp_schedule: str = "1F1B"
+    """The pipeline schedule (torch.distributed.pipelining's name: GPipe, 1F1B, Interleaved1F1B, ...); unused
+    without pipeline parallelism."""
+    pp_stages_per_rank: int = 1
+    """Stages each pipeline rank holds: 1, or more under the interleaved and V-shaped schedules."""
     deepspeed: dict | None = field(default=None, compare=False)
     """The DeepSpeed config with every "auto" resolved from the flags; None outside DeepSpeed."""
     deepspeed_source: str | None = field(default=None, compare=False)
@@ -82,6 +91,11 @@ class Strategy:
             raise ValueError(
                 f"Strategy: {self.world_size} ranks cannot hold {self.replicas} replicas or split layers over "
                 f"{self.tp_size}"
+            )
+        if self.pp_size < 1 or self.pp_stages_per_rank < 1 or self.world_size % (self.pp_size * self.tp_size):
+            raise ValueError(
+                f"Strategy: {self.world_size} ranks cannot hold {self.pp_size} pipeline stages' ranks of "
+                f"{self.tp_size} tensor-parallel ranks each"
             )
         if self.replicas > 1 and self.fsdp_version != 2:
             raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
@@ -96,15 +110,16 @@ class Strategy:
     def name(self) -> str:
         """How people and records spell the strategy: single, ddp, fsdp[-hybrid][-shard-grad-op][-offload],
         fsdp1[-shard-grad-op|-no-shard][-offload], zero{0-3}[-offload-cpu|-offload-nvme][-autotp]."""
+        pipeline = f"-pp{self.pp_size}" if self.pp_size > 1 else ""
         if self.family == "deepspeed":
             offload = f"-offload-{self.offload_device}" if self.offloads else ""
-            return f"zero{self.zero_stage}{offload}" + ("-autotp" if self.tp_size > 1 else "")
+            return f"zero{self.zero_stage}{offload}" + ("-autotp" if self.tp_size > 1 else "") + pipeline
         if self.family == "fsdp":
             version = "1" if self.fsdp_version == 1 else ""
             hybrid = "-hybrid" if self.replicas > 1 else ""
             offload = "-offload" if self.offloads else ""
-            return f"fsdp{version}{hybrid}{SHARDING_SUFFIX[self.fsdp_sharding]}{offload}"
-        return self.family
+            return f"fsdp{version}{hybrid}{SHARDING_SUFFIX[self.fsdp_sharding]}{offload}{pipeline}"
+        return self.family + pipeline
 
     @classmethod
     def from_name(cls, name: str, world_size: int = 1) -> Strategy:
@@ -143,23 +158,29 @@ class Strategy:
         sharding, 1 under NO_SHARD; 1 outside FSDP."""
         if self.family != "fsdp" or self.fsdp_sharding == "NO_SHARD":
             return 1
-        return self.world_size // self.replicas
+        return self.data_parallel_size // self.replicas
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that train on different data: the global batch is micro x accumulation x this."""
-        return self.world_size // self.tp_size
+        """Ranks that train on different data: the global batch is micro x accumulation x this. The world over the
+        pipeline and tensor-parallel degrees."""
+        return self.world_size // (self.tp_size * self.pp_size)
 
     def data_parallel_rank(self, rank: int) -> int:
-        """Which share of the global batch `rank` trains on. Tensor-parallel groups are consecutive ranks
-        (DeepSpeed's and accelerate's meshes put the `tp` dimension innermost), so ranks 0..tp-1 share one."""
-        return rank // self.tp_size
+        """Which share of the global batch `rank` trains on. The mesh is (pp, dp, tp), tp innermost as in
+        DeepSpeed's and accelerate's meshes and pp outermost as in torchtitan's: ranks 0..tp-1 share one share, and
+        so do the ranks of one pipeline (rank, rank + world / pp, ...)."""
+        return (rank // self.tp_size) % self.data_parallel_size
+
+    def pipeline_rank(self, rank: int) -> int:
+        """Which of the pipeline's ranks `rank` is (0 holds the first stage); 0 without pipeline parallelism."""
+        return rank // (self.world_size // self.pp_size)
 
 
 # A name as `Strategy.name` spells it; `from_name` builds from its parts and checks that the name reads back.
 NAME = re.compile(
     r"(?P<family>single|ddp|fsdp|zero)(?P<number>[0-3])?(?P<hybrid>-hybrid)?(?P<sharding>-shard-grad-op|-no-shard)?"
-    r"(?P<offload>-offload(?:-(?P<device>cpu|nvme))?)?(?P<autotp>-autotp)?"
+    r"(?P<offload>-offload(?:-(?P<device>cpu|nvme))?)?(?P<autotp>-autotp)?(?:-pp(?P<pp>[2-9]|[1-9][0-9]+))?"
 )
 
 
@@ -167,17 +188,18 @@ def spelled(match: re.Match, world: int) -> Strategy:
     """The strategy of a `NAME` match on `world` ranks."""
     part = match.groupdict()
     device = part["device"] or ("cpu" if part["offload"] else "none")
+    pp = int(part["pp"] or 1)
     if part["family"] == "zero":
         stage = int(part["number"] or 0)
         return Strategy("deepspeed", world, zero_stage=stage, offload_param=device if stage == 3 else "none",
-                        offload_optimizer=device, tp_size=2 if part["autotp"] else 1)  # fmt: skip
+                        offload_optimizer=device, tp_size=2 if part["autotp"] else 1, pp_size=pp)  # fmt: skip
     if part["family"] == "fsdp":
         return Strategy(
             "fsdp", world, offload_param=device, offload_optimizer=device, fsdp_version=int(part["number"] or 2),
             fsdp_sharding=next(s for s, suffix in SHARDING_SUFFIX.items() if suffix == (part["sharding"] or "")),
-            replicas=2 if part["hybrid"] else 1,
+            replicas=2 if part["hybrid"] else 1, pp_size=pp,
         )  # fmt: skip
-    return Strategy(part["family"], world)
+    return Strategy(part["family"], world, pp_size=pp)
 
 
 def deepspeed_strategy(ds: dict, world: int, source: str | None = None) -> Strategy:
@@ -262,8 +284,11 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
     check_parallelism_config_sp_cp()
     if launched is not None:
         raw, source = launched
+        check_pipeline_with_deepspeed(cfg, raw, source)
         ds = resolve_deepspeed(raw, cfg, world, hidden_size, source, cpu_ranks=not torch.cuda.is_available())
         return deepspeed_strategy(ds, world, source)
+    pipeline = {"pp_size": cfg.pipeline_parallel_degree, "pp_schedule": cfg.pipeline_parallel_schedule,
+                "pp_stages_per_rank": cfg.pipeline_stages_per_rank}  # fmt: skip
     if use_fsdp:
         fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
         # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.
@@ -271,8 +296,45 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         if fsdp_version(fsdp_env) == 1:
             check_fsdp1_checkpoints(cfg, fsdp_env)
             check_fsdp1(fsdp_env)
-        return fsdp_strategy(fsdp_env, world, shard_size)
-    return Strategy("ddp" if world > 1 else "single", world)
+        strategy = fsdp_strategy(fsdp_env, world, shard_size)
+        check_pipeline_with_fsdp(cfg, strategy)
+        return replace(strategy, **pipeline)
+    data_parallel = world // cfg.pipeline_parallel_degree  # ranks of the pipeline train one batch: no DDP among them
+    return Strategy("ddp" if data_parallel > 1 else "single", world, **pipeline)
+
+
+def check_pipeline_with_deepspeed(cfg: RunConfig, raw: dict, source: str) -> None:
+    """Pipeline parallelism runs with one process's optimizer, DDP or FSDP2 across the pipelines; a DeepSpeed engine
+    wraps the whole model and steps it itself (DeepSpeed's own pipeline engine needs the model rewritten as its
+    `PipelineModule`, and allows ZeRO-0/1 only)."""
+    if cfg.pipeline_parallel_degree == 1:
+        return
+    what = f"ZeRO-{zero_stage(raw)}" + (" with AutoTP" if autotp_size(raw) > 1 else "")
+    raise ValueError(
+        f"--pipeline_parallel_degree {cfg.pipeline_parallel_degree} with the DeepSpeed config {source} ({what}): "
+        "the pipeline's stages are run by torch.distributed.pipelining, and a DeepSpeed engine would wrap and step "
+        "the whole model; launch the pipeline with accelerate_configs/ddp.yaml or fsdp.yaml (FSDP2 shards each "
+        "stage over the data-parallel ranks, as ZeRO-3 would), or torchrun without --deepspeed"
+    )
+
+
+def check_pipeline_with_fsdp(cfg: RunConfig, strategy: Strategy) -> None:
+    """Under pipeline parallelism FSDP2 shards each stage over the data-parallel ranks (training/pipeline.py);
+    FSDP1's flat parameters, hybrid replicas and CPU offload are not built there."""
+    if cfg.pipeline_parallel_degree == 1:
+        return
+    unsupported = (
+        "fsdp_version: 1" if strategy.fsdp_version == 1
+        else "a parallelism_config with replicas (hybrid sharding)" if strategy.replicas > 1
+        else "fsdp_offload_params: true" if strategy.offloads
+        else None
+    )  # fmt: skip
+    if unsupported:
+        raise ValueError(
+            f"--pipeline_parallel_degree {cfg.pipeline_parallel_degree} with {unsupported} in the FSDP config: the "
+            "pipeline's stages are sharded with FSDP2 over all data-parallel ranks, in memory; launch with "
+            "accelerate_configs/fsdp.yaml (or fsdp_shard_grad_op.yaml)"
+        )
 
 
 def launched_deepspeed_config(cfg: RunConfig) -> tuple[dict, str] | None:
@@ -288,15 +350,23 @@ def launched_deepspeed_config(cfg: RunConfig) -> tuple[dict, str] | None:
 
 
 def launched_data_parallel_size(cfg: RunConfig) -> int:
-    """Ranks of this launch that train on different data: the world over the tensor-parallel degree (DeepSpeed
-    AutoTP's `tensor_parallel.autotp_size`), read before `RunConfig.resolve`, which fixes the accumulation that
+    """Ranks of this launch that train on different data: the world over the pipeline degree
+    (--pipeline_parallel_degree) and the tensor-parallel degree (DeepSpeed AutoTP's `tensor_parallel.autotp_size`),
+    read before `RunConfig.resolve`, which fixes the accumulation that
     --global_batch_size gives from it (the DeepSpeed JSON's "auto" values are resolved afterwards, from the resolved
     config). The same count as `Strategy.data_parallel_size`, which the loader, DeepSpeed and the resume check use."""
-    world = launched_world_size()
+    world, pp = launched_world_size(), cfg.pipeline_parallel_degree
+    if world % pp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(
+            f"--pipeline_parallel_degree {pp} does not divide the {world} launched ranks: pass one of {divisors}, "
+            f"or launch a multiple of {pp} ranks"
+        )
     launched = launched_deepspeed_config(cfg)
     if launched is None:
-        return world
+        return world // pp
     raw, source = launched
+    check_pipeline_with_deepspeed(cfg, raw, source)
     return data_parallel_size(raw, world, source)  # refuses an autotp_size that does not divide the world
 
 

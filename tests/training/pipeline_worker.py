@@ -1,0 +1,135 @@
+"""Launched by tests/training/test_pipeline.py with torchrun: a few AdamW steps of a 4-layer `debug` model under each
+pipeline schedule asked for (training/pipeline.py), and, on rank 0, the same steps in one process on the whole
+model; rank 0 writes both runs' losses and gradient norms to OUT/<schedule>.json.
+
+    torchrun --nproc_per_node 2 tests/training/pipeline_worker.py OUT PP DATA_PARALLEL SCHEDULE[:STAGES_PER_RANK] ...
+
+DATA_PARALLEL is none (one pipeline), ddp or fsdp (FSDP2 shards each stage over the data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model import ShardGPTConfig, ShardGPTForCausalLM
+from training.optim import param_groups
+from training.pipeline import build_pipeline
+
+STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
+MAX_GRAD_NORM = 0.5  # below the step-1 norm: clipping is active
+
+
+def model() -> ShardGPTForCausalLM:
+    torch.manual_seed(0)
+    config = ShardGPTConfig.from_preset("debug", num_hidden_layers=LAYERS, vocab_size=256)
+    return ShardGPTForCausalLM(config)
+
+
+def adamw(net: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(net, 0.1, False), lr=1e-2, betas=(0.9, 0.95))
+
+
+def global_batches(micro_batches: int, data_parallel: int) -> list[torch.Tensor]:
+    """Each step's global batch, (M * dp * micro, BLOCK + 1) tokens, with a few ignored targets."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 256, (micro_batches * data_parallel * MICRO, BLOCK + 1), generator=g)
+        tokens[:, -3:] = -100  # targets only; the inputs are the first BLOCK tokens
+        batches.append(tokens)
+    return batches
+
+
+def micro_batches_of(tokens: torch.Tensor, micro_batches: int, data_parallel: int, dp_rank: int) -> list[dict]:
+    """The loader's split (data/loader.py): micro batch m of data-parallel rank d is rows [m, d] of the batch."""
+    inputs, labels = tokens[:, :-1].clamp(min=0), tokens[:, 1:]
+    count = (labels != -100).sum()
+    inputs, labels = (t.reshape(micro_batches, data_parallel, MICRO, -1)[:, dp_rank] for t in (inputs, labels))
+    return [{"input_ids": i, "shift_labels": lab, "num_items_in_batch": count} for i, lab in zip(inputs, labels, strict=True)]
+
+
+def one_process(micro_batches: int, data_parallel: int) -> dict:
+    """The reference: the whole model in one process, token-weighted accumulation, clipped, AdamW."""
+    net = model().train()
+    optimizer = adamw(net)
+    losses, norms = [], []
+    for tokens in global_batches(micro_batches, data_parallel):
+        total = 0.0
+        for micro in micro_batches_of(tokens, micro_batches * data_parallel, 1, 0):
+            loss = net(**micro).loss
+            loss.backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_GRAD_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "grad_norms": norms, "weights": {k: v.clone() for k, v in net.state_dict().items()}}
+
+
+def fsdp2(stage: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in stage.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(stage, mesh=mesh)
+
+
+def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_batches: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = world // pp
+    net = model().train()
+    shard = fsdp2 if data_parallel == "fsdp" else None
+    pipeline = build_pipeline(net, rank, world, pp, schedule, per_rank, micro_batches, torch.device("cpu"), shard)
+    optimizer = adamw(net)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    losses, norms = [], []
+    for step, tokens in enumerate(global_batches(micro_batches, dp), 1):
+        micro = micro_batches_of(tokens, micro_batches, dp, rank % dp)
+        result = pipeline.step(micro, optimizer, scheduler, MAX_GRAD_NORM, step, nullcontext)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    weights = pipeline.full_state_dict()
+    return {"losses": losses, "grad_norms": norms, "weights": weights}
+
+
+def main() -> None:
+    out, pp, data_parallel, *schedules = sys.argv[1:]
+    pp = int(pp)
+    dist.init_process_group("gloo")
+    dp = dist.get_world_size() // pp
+    for spec in schedules:
+        schedule, _, per_rank = spec.partition(":")
+        per_rank = int(per_rank or 1)
+        micro_batches = 2 * pp * per_rank  # enough for every schedule's rule
+        try:
+            run = pipelined(schedule, per_rank, pp, data_parallel, micro_batches)
+            error = None
+        except Exception as e:  # recorded: the test names the schedule that fails and why
+            run, error = None, f"{type(e).__name__}: {e} {e.__cause__!r}"
+        if dist.get_rank() == 0:
+            ref = one_process(micro_batches, dp)
+            record = {"error": error, "reference": {k: ref[k] for k in ("losses", "grad_norms")}}
+            if run is not None:
+                record["pipeline"] = {k: run[k] for k in ("losses", "grad_norms")}
+                diffs = [(run["weights"][k] - v).abs().max().item() for k, v in ref["weights"].items()
+                         if k != "lm_head.weight"]  # fmt: skip
+                record["max_weight_difference"] = max(diffs)
+                record["missing_weights"] = sorted(set(ref["weights"]) - set(run["weights"]) - {"lm_head.weight"})
+            Path(out, f"{spec.replace(':', '-')}.json").write_text(json.dumps(record, indent=1))
+        if error is not None and os.environ.get("PIPELINE_WORKER_RAISE"):
+            raise RuntimeError(error)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""Pipeline parallelism: the decoder's layers split into stages over ranks, run by torch.distributed.pipelining.
+
+The launch is a (pp, dp) mesh, pp outermost as in torchtitan: the ranks r, r + dp, r + 2 dp, ... form one pipeline
+and train on the same data-parallel share of the global batch, one micro batch after another; the ranks of one
+stage form a data-parallel group (DDP, or FSDP2 sharding each stage). The micro batches of a step are the loader's
+--gradient_accumulation_steps, as in DeepSpeed's pipeline engine.
+
+Stage s of S = pp x stages-per-rank holds layers [s L / S, (s + 1) L / S); the first also the embedding, the last the
+final norm and the head, which computes the loss (the summed cross-entropy of its micro batch, through the model's
+chunked loss). Every rank first builds the whole model from the seed, as one process would (so the weights are one
+process's), then keeps its stages (`keep_stages`): the parameters keep their HF names, so optimizer groups, the
+export and the checkpoints read them as they read the whole model's.
+
+Tied embeddings (every preset but llama-7b): the first stage keeps `model.embed_tokens.weight`, the last stage
+`lm_head.weight`, one tensor in two places. After each backward the two gradients are summed over the two ranks
+(collective), so both copies take the same AdamW step and stay equal, as the one tied tensor of one process would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from transformers.masking_utils import create_causal_mask
+
+from training.step import NonFiniteLossError, StepResult
+
+# The schedules that train like one process on CPU ranks (tests/training/test_pipeline.py), by torch's names, and
+# those among them that hold several stages per rank (looped: stage s on rank s mod pp; V-shaped: rank r holds r
+# and 2 pp - 1 - r).
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+# torch's other training schedule: DualPipeV never finished a step on 2 gloo ranks (torch 2.13; stopped after 300 s).
+ALL_SCHEDULES = (*SCHEDULES, "DualPipeV")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble",)
+
+
+def stages_per_rank(schedule: str, requested: int | None) -> int:
+    """Stages each pipeline rank holds: the requested count, else 2 under a multi-stage schedule and 1 otherwise."""
+    if requested is not None:
+        return requested
+    return 2 if schedule in LOOPED + V_SHAPED else 1
+
+
+def stage_ranks(schedule: str, pp: int, per_rank: int) -> list[int]:
+    """The pipeline rank of each stage: looped (s mod pp) or V-shaped (0 .. pp-1, then back)."""
+    stages = range(pp * per_rank)
+    if schedule in V_SHAPED:
+        return [s if s < pp else 2 * pp - 1 - s for s in stages]
+    return [s % pp for s in stages]
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+    """The decoder layers of `stage`: an equal share, in order."""
+    per_stage = num_layers // num_stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def check_pipeline(schedule: str, pp: int, per_rank: int, micro_batches: int, num_layers: int) -> None:
+    """What torch's schedules require, checked before any process group; each error names the flag and the fix."""
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"--pipeline_parallel_schedule {schedule} does not train on this project's CPU-tested path (torch "
+            f"2.13's DualPipeV never finished a step on 2 gloo ranks): choose one of {', '.join(SCHEDULES)}"
+        )
+    single = schedule not in LOOPED + V_SHAPED
+    if single and per_rank != 1:
+        raise ValueError(
+            f"--pipeline_parallel_virtual_stages {per_rank} with --pipeline_parallel_schedule {schedule}, which runs "
+            f"one stage per rank: pass 1, or a multi-stage schedule ({', '.join(LOOPED + V_SHAPED)})"
+        )
+    if schedule in V_SHAPED and per_rank != 2:
+        raise ValueError(
+            f"--pipeline_parallel_virtual_stages {per_rank} with --pipeline_parallel_schedule {schedule}: a V-shaped "
+            "schedule holds exactly 2 stages per rank; pass 2"
+        )
+    stages = pp * per_rank
+    if stages > num_layers or num_layers % stages:
+        raise ValueError(
+            f"{num_layers} decoder layers do not split into {stages} equal stages (--pipeline_parallel_degree {pp} x "
+            f"{per_rank} stages per rank): choose degrees whose product divides {num_layers}, or another "
+            "num_hidden_layers (--config_overrides)"
+        )
+    if schedule == "1F1B" and micro_batches < pp:
+        raise ValueError(
+            f"--gradient_accumulation_steps {micro_batches} is fewer micro batches than the {pp} stages of "
+            f"1F1B (torch's Schedule1F1B needs at least one per stage): pass --gradient_accumulation_steps {pp} or more"
+        )
+    rounds = max(1, micro_batches // pp)
+    if schedule in LOOPED and micro_batches % rounds:
+        raise ValueError(
+            f"--gradient_accumulation_steps {micro_batches} with {schedule} on {pp} pipeline ranks: torch's schedule "
+            f"runs micro batches in rounds of {pp} and needs a multiple of {rounds} ({micro_batches} // {pp}); pass a "
+            f"multiple of {pp}"
+        )
+    if schedule in V_SHAPED and micro_batches < stages:
+        raise ValueError(
+            f"--gradient_accumulation_steps {micro_batches} with {schedule}: the schedule needs at least one micro "
+            f"batch per stage ({stages}); pass --gradient_accumulation_steps {stages} or more"
+        )
+
+
+class Stage(nn.Module):
+    """One pipeline stage of the model: the embedding (first stage), a run of decoder layers, and the final norm and
+    head (last stage). Its modules are the model's own (shared, not copied). The first stage takes token ids, the
+    others the hidden states (B, T, C) the stage before sends; the last returns its micro batch's summed
+    cross-entropy, shape (1,), which the schedule's loss function scales."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.embed_tokens = model.model.embed_tokens if first else None
+        self.layers = nn.ModuleList(model.model.layers[i] for i in layers)
+        self.norm = model.model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.rotary_emb = model.model.rotary_emb
+
+    def forward(self, x: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, C)
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        # None where the attention kernel's own causal masking is exact (sdpa, training: no padding), as in the model.
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=None
+        )
+        position_embeddings = self.rotary_emb(h, position_ids)
+        for layer in self.layers:
+            h = layer(h, position_embeddings=position_embeddings, attention_mask=mask, position_ids=position_ids)
+        if self.lm_head is None:
+            return h
+        return self.lm_head(self.norm(h), targets=shift_labels).reshape(1)  # summed cross-entropy, fp32
+
+
+def keep_stages(model: nn.Module, stages: list[int], num_stages: int) -> list[Stage]:
+    """This rank's `stages` of `model`, whose other layers, embedding and head are dropped in place (the model keeps
+    its HF parameter names). Returns the Stage modules, in stage order."""
+    num_layers = model.config.num_hidden_layers
+    kept = {i for s in stages for i in stage_layers(num_layers, num_stages, s)}
+    first, last = 0 in stages, num_stages - 1 in stages
+    for i in range(num_layers):
+        if i not in kept:
+            model.model.layers[i] = nn.Module()  # a placeholder: the kept layers keep their indices (names)
+    result = [
+        Stage(model, stage_layers(num_layers, num_stages, s), s == 0, s == num_stages - 1) for s in sorted(stages)
+    ]
+    if not first:
+        model.model.embed_tokens = None
+    if not last:
+        model.model.norm = model.lm_head = None
+    return result
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of the pipeline: its stages and the schedule that runs them, the groups it talks over, and
+    the step and evaluation that the training script calls."""
+
+    model: nn.Module  # this rank's stages' modules, under the whole model's names
+    stages: list[Stage]
+    schedule: object
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup | None
+    tie_group: dist.ProcessGroup | None  # the first and last stage's ranks, for the tied embedding's gradient
+    sharded: bool  # FSDP2: each stage's parameters are shards over the data-parallel ranks
+    pp_rank: int
+    pp_size: int
+    data_parallel_size: int
+    stage_of_rank: list[int] = field(default_factory=list)
+    parameters: int = 0  # the whole model's, counted before the stages were kept
+    loss_scale: float = 1.0
+
+    # ---------------------------------------------------------------- one optimizer step
+
+    def step(self, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float, step: int,
+             autocast) -> StepResult:  # fmt: skip
+        """Every micro batch through the schedule (forward and backward, interleaved as it says), the tied
+        gradient summed, the gradient clipped by its global norm, then the optimizer and the schedule stepped.
+        Each micro batch's loss is its summed cross-entropy over the targets of the whole global batch (all ranks
+        and micro batches), times the data-parallel size that DDP's and FSDP2's averaging divides by: the update is
+        one process's on the same global batch."""
+        device = self.device
+        inputs = torch.cat([m["input_ids"] for m in micro_batches]).to(device)  # (M * micro, T)
+        labels = torch.cat([m["shift_labels"] for m in micro_batches]).to(device)
+        targets = micro_batches[0]["num_items_in_batch"]  # the global batch's counted targets, on every rank
+        self.loss_scale = self.data_parallel_size / float(targets)
+        losses: list[torch.Tensor] = []
+        first = self.pp_rank == self.stage_of_rank[0]
+        with autocast():
+            # collective: point-to-point sends of activations and their gradients between neighbouring stages;
+            # under DDP or FSDP2 the gradient reduction over the data-parallel ranks in the last backward
+            self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses, shift_labels=labels)
+        loss = sum(loss.detach().float() for loss in losses) / self.data_parallel_size if losses else None
+        global_loss = self.broadcast_loss(loss)  # collective: the last stage's loss to every rank
+        self.average_replicated_gradients()  # collective: over the data-parallel ranks, without FSDP2
+        if not math.isfinite(global_loss):
+            raise NonFiniteLossError(
+                f"loss is {global_loss} at step {step}; stopped before the optimizer step, the weights of the last "
+                "checkpoint are untouched (lower --learning_rate, or train in bf16)"
+            )
+        self.sum_tied_gradients()  # collective: first and last stage
+        grad_norm = self.clip_gradients(max_grad_norm)  # collective: the norm over the pipeline (and shards)
+        if not math.isfinite(grad_norm):
+            raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step")
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(global_loss, grad_norm)
+
+    def average_replicated_gradients(self) -> None:
+        """Without FSDP2, the data-parallel ranks of a stage hold whole copies of it: their gradients are averaged
+        in one all-reduce of all of them, once the schedule's last backward is done (what DDP does, without its
+        overlap with the backward: torch 2.13's DDP reducer fails, or with static_graph averages wrongly, when a
+        schedule runs several micro batches' backwards under it)."""
+        if self.sharded or self.dp_group is None:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)  # collective: the stage's data-parallel ranks
+        flat /= self.data_parallel_size
+        for grad, averaged in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(averaged.view_as(grad))
+
+    def loss_fn(self, output: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro batch: its summed cross-entropy (the last stage's output) scaled as
+        `step` says. The schedule does not scale the gradients itself (scale_grads=False)."""
+        return output.sum() * self.loss_scale
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def broadcast_loss(self, loss: torch.Tensor | None) -> float:
+        """The step's loss, which only the last stage's ranks computed: summed over the data-parallel ranks of the
+        last stage, then sent to every rank of the pipeline."""
+        value = loss if loss is not None else torch.zeros((), device=self.device)
+        value = value.reshape(()).clone()
+        if self.dp_group is not None and loss is not None:
+            dist.all_reduce(value, group=self.dp_group)  # collective: the last stage's data-parallel ranks
+        last = dist.get_global_rank(self.pp_group, self.stage_of_rank[-1])
+        dist.broadcast(value, src=last, group=self.pp_group)  # collective: the pipeline's ranks
+        return value.item()
+
+    def tied_parameter(self) -> nn.Parameter | None:
+        """This rank's copy of the tied embedding, where the first and last stage live on different ranks."""
+        if self.tie_group is None:
+            return None
+        head = self.model.lm_head
+        return head.weight if head is not None else self.model.model.embed_tokens.weight
+
+    def sum_tied_gradients(self) -> None:
+        """The tied embedding's two gradients (embedding on the first stage, head on the last) summed on both."""
+        tied = self.tied_parameter()
+        if tied is None:
+            return
+        grad = tied.grad
+        if grad is None:
+            grad = tied.grad = torch.zeros_like(tied)
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: both hold the same rows
+        dist.all_reduce(local, group=self.tie_group)  # collective: the first and last stage's ranks
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """The global gradient norm before clipping, as one process would compute it (the tied embedding counted
+        once), and the gradients clipped to `max_norm` (0: measured, not clipped)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        copy = self.model.lm_head.weight if self.tie_group is not None and self.model.lm_head is not None else None
+        counted = [p.grad for p in params if p is not copy]  # the first stage counts the tied embedding
+        squares = torch.zeros((), device=self.device)
+        for grad in counted:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            squares += local.float().pow(2).sum()
+        # collective: over the pipeline's stages, and over the data-parallel shards when FSDP2 shards them
+        dist.all_reduce(squares, group=None if self.sharded else self.pp_group)
+        total = squares.sqrt()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total.item()
+
+    def in_force(self) -> dict:
+        """The layout as built, for strategy.json: stages, their layers and ranks, the schedule."""
+        num_stages = len(self.stage_of_rank)
+        layers = self.model.config.num_hidden_layers
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.model.parameters())
+        return {
+            "parameters": self.parameters,
+            "local_parameter_fraction": round(local / self.parameters, 4),
+            "pipeline": {
+                "degree": self.pp_size,
+                "schedule": type(self.schedule).__name__.removeprefix("Schedule"),
+                "stages": num_stages,
+                "stages_per_rank": num_stages // self.pp_size,
+                "layers_per_stage": layers // num_stages,
+                "stage_ranks": self.stage_of_rank,
+                "this_rank": self.pp_rank,
+                "this_rank_stages": [s for s, owner in enumerate(self.stage_of_rank) if owner == self.pp_rank],
+                "this_rank_layers": [i for stage in self.stages for i in self.layer_indices(stage)],
+                "data_parallel_size": self.data_parallel_size,
+                "data_parallel": "fsdp2" if self.sharded else "all-reduce" if self.dp_group is not None else "none",
+                "tied_embedding_synced": self.tie_group is not None,
+            },
+        }
+
+    def layer_indices(self, stage: Stage) -> list[int]:
+        ids = {id(layer): i for i, layer in enumerate(self.model.model.layers)}
+        return [ids[id(layer)] for layer in stage.layers]
+
+    # ---------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self, batches, max_batches: int | None, autocast) -> float | None:
+        """Token-mean validation loss: every pipeline runs its data-parallel share forward only; the last stage's
+        ranks add their summed cross-entropy and counted targets, and the sums are added over all ranks."""
+        total = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        last = self.stage_of_rank[-1] == self.pp_rank
+        for i, micro in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            with autocast():
+                total += self.eval_sums(micro)  # collective: the pipeline's point-to-point sends
+            if last:
+                count += (micro["shift_labels"] != -100).sum()
+        total, count = torch.stack([total, count]).to(self.device), None
+        dist.all_reduce(total)  # collective: every rank (only the last stage's contribute)
+        return (total[0] / total[1]).item() if total[1] > 0 else None
+
+    @torch.no_grad()
+    def eval_sums(self, micro: dict) -> torch.Tensor:
+        """Summed cross-entropy of one evaluation micro batch, forward only, stage by stage: each rank runs its
+        stages on what the stage before sent (collective: point-to-point over the pipeline). The last stage's rank
+        returns the sum; the others a zero."""
+        device = self.device
+        ids, labels = micro["input_ids"].to(device), micro["shift_labels"].to(device)
+        num_stages = len(self.stage_of_rank)
+        h = ids
+        for s in range(num_stages):
+            owner = self.stage_of_rank[s]
+            if owner != self.pp_rank:
+                h = None
+                continue
+            if s > 0 and self.stage_of_rank[s - 1] != self.pp_rank:
+                # fp32 on the wire whatever the stages compute in: the receiver needs no dtype to size its buffer
+                h = torch.empty(*ids.shape, self.model.config.hidden_size, device=device)
+                dist.recv(h, src=dist.get_global_rank(self.pp_group, self.stage_of_rank[s - 1]), group=self.pp_group)
+            h = self.stage(s)(h, labels)
+            if s < num_stages - 1 and self.stage_of_rank[s + 1] != self.pp_rank:
+                dist.send(h.float().contiguous(), dst=dist.get_global_rank(self.pp_group, self.stage_of_rank[s + 1]),
+                          group=self.pp_group)  # fmt: skip
+        return h.reshape(()).float() if self.stage_of_rank[-1] == self.pp_rank else torch.zeros((), device=device)
+
+    def stage(self, index: int) -> Stage:
+        mine = [s for s, owner in enumerate(self.stage_of_rank) if owner == self.pp_rank]
+        return self.stages[mine.index(index)]
+
+    # ---------------------------------------------------------------- the whole model's weights
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on every rank (collective: every pipeline rank's stages are gathered, FSDP2's
+        shards first). Tied weights appear once, under the embedding's name."""
+        mine = {}
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # collective under FSDP2
+            mine[name] = full.detach().cpu()
+        if self.tie_group is not None and self.model.lm_head is not None:
+            mine.pop("lm_head.weight", None)  # the first stage's rank holds it as model.embed_tokens.weight
+        parts: list[dict | None] = [None] * self.pp_size
+        dist.all_gather_object(parts, mine, group=self.pp_group)  # collective: the pipeline's ranks
+        whole = {}
+        for part in parts:
+            whole.update(part)
+        return whole
+
+
+def build_pipeline(model: nn.Module, rank: int, world: int, pp: int, schedule_name: str, per_rank: int,
+                   micro_batches: int, device: torch.device, shard) -> Pipeline:  # fmt: skip
+    """This rank's stages of `model` (trimmed in place), wrapped for data parallelism (`shard`: FSDP2's
+    `fully_shard` over the data-parallel ranks, or None: DDP where there are several), and the schedule over them.
+    Collective: creates the pipeline, data-parallel and tied-embedding process groups (every rank creates every
+    group)."""
+    dp = world // pp
+    pp_rank, dp_rank = rank // dp, rank % dp
+    owners = stage_ranks(schedule_name, pp, per_rank)
+    num_stages = len(owners)
+    mine = [s for s, owner in enumerate(owners) if owner == pp_rank]
+    # collective: every rank creates every group, in the same order
+    pp_groups = [dist.new_group([d + p * dp for p in range(pp)]) for d in range(dp)]
+    dp_groups = [dist.new_group([d + p * dp for d in range(dp)]) for p in range(pp)]
+    tied = model.config.tie_word_embeddings and owners[0] != owners[-1]
+    tie_groups = [dist.new_group([d + owners[0] * dp, d + owners[-1] * dp]) for d in range(dp)] if tied else []
+    parameters = sum(p.numel() for p in model.parameters())  # the whole model's, tied weights once
+    stages = keep_stages(model, mine, num_stages)
+    if shard is not None:
+        for stage in stages:
+            shard(stage, dp_groups[pp_rank])
+    pipeline = Pipeline(
+        model=model, stages=stages, schedule=None, pp_group=pp_groups[dp_rank],
+        dp_group=dp_groups[pp_rank] if dp > 1 else None,
+        tie_group=tie_groups[dp_rank] if tied and pp_rank in (owners[0], owners[-1]) else None,
+        sharded=shard is not None, pp_rank=pp_rank, pp_size=pp, data_parallel_size=dp, stage_of_rank=owners,
+        parameters=parameters,
+    )  # fmt: skip
+    pipeline_stages = [
+        PipelineStage(module, index, num_stages, device, group=pipeline.pp_group)
+        for module, index in zip(stages, mine, strict=True)
+    ]
+    cls = get_schedule_class(schedule_name)
+    single = issubclass(cls, PipelineScheduleSingle)
+    pipeline.schedule = cls(
+        pipeline_stages[0] if single else pipeline_stages, n_microbatches=micro_batches, loss_fn=pipeline.loss_fn,
+        scale_grads=False,
+    )  # fmt: skip
+    return pipeline
