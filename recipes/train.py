@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import HfArgumentParser
 
 import model as shardgpt
 from data import ShardedLoader, prepare_data
 from training import faults
 from training.accelerator import make_accelerator
+from training.arguments import parse_run_config
 from training.build import build_model
 from training.checkpoint import (
     CheckpointSpaceError,
@@ -36,7 +36,6 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.compat import check_versions
-from training.config import RunConfig
 from training.evaluate import evaluate, print_sample
 from training.export import full_state_dict
 from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ setup
     # Everything that can be checked without a process group is checked here, before anything heavy.
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
-    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
+    cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
     world = launched_world_size()
     # The run's final config: every flag checked; the accumulation --global_batch_size gives, the checkpoint's own
     # tokenizer and the accelerate config's precision filled in. Nothing changes it afterwards.

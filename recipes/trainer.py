@@ -18,13 +18,13 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 from torch.utils.data import Subset
-from transformers import HfArgumentParser, default_data_collator
+from transformers import default_data_collator
 from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from data import BlockDataset, prepare_data
+from training.arguments import parse_run_config
 from training.build import build_model
 from training.compat import check_versions
-from training.config import RunConfig
 from training.evaluate import print_sample
 from training.hf_trainer import (
     MetricsCallback,
@@ -42,7 +42,7 @@ from training.strategy import check_deepspeed_ops, launch_precision, launched_wo
 
 def main(argv: list[str] | None = None) -> None:
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
-    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
+    cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
     world = launched_world_size()
     cfg = cfg.resolve(world, launch_precision())  # the run's final config, as recipes/train.py's
     if cfg.streaming:

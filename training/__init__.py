@@ -21,6 +21,7 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
     export.py        the full weights, gathered from whatever shards the strategy made
     model_card.py    the exported folder's README.md, in the Hub's model-card format
     ranks.py         exit statuses, one-line errors, agreement across ranks
+    arguments.py     the scripts' parsers: a mistyped choice or flag is one `error:` line naming the close matches
     hf_trainer.py    the same model, data and loss under `transformers.Trainer` (recipes/trainer.py)
     ops.py           DeepSpeed's compiled ops: which a launch needs, their build cache
     faults.py        faults the tests inject (kills, signals, a stall, a full disk)
