@@ -25,7 +25,8 @@ from data import BlockDataset, prepare_data
 from training.arguments import parse_run_config
 from training.build import build_model
 from training.compat import check_versions
-from training.evaluate import print_sample
+from training.console import configure_console, no_transformers_bars
+from training.curves import plot_training_curves
 from training.hf_trainer import (
     MetricsCallback,
     PreemptionCallback,
@@ -37,10 +38,12 @@ from training.metrics import flops_per_token, peak_flops
 from training.preemption import Preempted, stop_message
 from training.profiling import make_profiler
 from training.ranks import run_rank
+from training.sample import generation_config, print_samples
 from training.strategy import check_deepspeed_ops, launch_precision, launched_world_size, requested_strategy
 
 
 def main(argv: list[str] | None = None) -> None:
+    configure_console()  # the project's lines on rank 0; third-party messages known to be harmless, filtered
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
     world = launched_world_size()
@@ -90,9 +93,13 @@ def main(argv: list[str] | None = None) -> None:
         raise Preempted(stop_message(preemption.signal, step, Path(cfg.output_dir) / f"checkpoint-{step}"))
 
     trainer.model.config.use_cache = True
-    trainer.save_model(cfg.output_dir)  # collective under ZeRO-3: gathers the full weights
-    if is_main and cfg.sample_max_new_tokens:
-        print_sample(Path(cfg.output_dir), packed.tokenizer, cfg.sample_max_new_tokens)
+    trainer.model.generation_config = generation_config(cfg, packed.tokenizer.eos_token_id)  # as recipes/train.py's
+    with no_transformers_bars():
+        trainer.save_model(cfg.output_dir)  # collective under ZeRO-3: gathers the full weights
+        if is_main and cfg.sample_max_new_tokens:
+            print_samples(Path(cfg.output_dir), packed.tokenizer, packed.validation, cfg)
+    if is_main:  # rank 0 only: the picture of metrics.jsonl (the Trainer printed its own summary)
+        print(f"training curves: {plot_training_curves(Path(cfg.output_dir) / 'metrics.jsonl')}")
     trainer.accelerator.wait_for_everyone()  # collective: nobody tears the group down before the export
     trainer.accelerator.end_training()
 
