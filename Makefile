@@ -46,7 +46,9 @@ else
 	$(PY) -m pip install -q --no-deps -r $(VENV)/lock-without-torch.txt
 	$(PY) -m pip install -q $(TORCH)
 endif
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@# setuptools' 'Editable installation' banner warns that folders named like the packages shadow them: here they
+	@# are the packages, which the editable install points at.
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
 	@# DeepSpeed's NVMe offload (async_io op) needs libaio's headers: installed here where we may, else set-up
 	@# stops saying how (the NVMe tests would fail without them).

@@ -34,7 +34,6 @@ How each number is measured (the report repeats it):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -44,6 +43,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
+from model import PRESETS
+from training.arguments import ArgumentParser
 from training.compare.launches import Sampler, free_port, run_process
 from training.compare.logs import checkpoint_measures, load_seconds, median_after_first, read_records
 from training.compare.report import (
@@ -314,10 +315,8 @@ def machine_info() -> dict:
 
 
 def parse_args(argv: list[str] | None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog="Other flags are passed to every training launch."
-    )
-    p.add_argument("--preset", default="debug", help="Model size (train.py --preset).")
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Other flags are passed to every training launch.")
+    p.add_argument("--preset", default="debug", choices=tuple(PRESETS), help="Model size (train.py --preset).")
     p.add_argument(
         "--strategies", default="all", help="'all' (every single-node config) or names/YAML paths, comma-separated."
     )

@@ -15,11 +15,11 @@ decide memory and speed. Prints a table (OK / WARN / FAIL / n/a per check); exit
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
 
+from training.arguments import ArgumentParser
 from training.doctor.launch import check_launch_config, check_training
 from training.doctor.machine import (
     check_bf16,
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None):
     if "--" in argv:
         i = argv.index("--")
         argv, train_flags = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog="Training flags (recipes/train.py --help) go after `--`."
     )
     p.add_argument("--config_file", help="The accelerate YAML of the launch (accelerate_configs/*.yaml).")

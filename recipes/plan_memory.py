@@ -28,7 +28,8 @@ import argparse
 import json
 import sys
 
-from model import ShardGPTConfig
+from model import PRESETS, ShardGPTConfig
+from training.arguments import ArgumentParser
 from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.memory.planner import BYTES, STRATEGIES, GiB, layout, predict
@@ -83,8 +84,10 @@ def largest(args, overrides: dict, strategies: list[Strategy], ds: dict | None) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama-1b", help="a model preset (python -m model lists them)")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--preset", default="llama-1b", choices=tuple(PRESETS), help="a model preset (python -m model lists them)"
+    )
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "intermediate_size", "vocab_size"):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")

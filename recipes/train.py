@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import HfArgumentParser
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import model as shardgpt
 from data import ShardedLoader, prepare_data
 from training import faults
 from training.accelerator import make_accelerator
+from training.arguments import parse_run_config
 from training.build import build_model
 from training.checkpoint import (
     CheckpointSpaceError,
@@ -36,8 +37,9 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.compat import check_versions
-from training.config import RunConfig
-from training.evaluate import evaluate, print_sample
+from training.console import configure_console, no_transformers_bars
+from training.curves import plot_training_curves
+from training.evaluate import evaluate
 from training.export import full_state_dict
 from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
 from training.memory.fit import check_launch_fits
@@ -47,6 +49,7 @@ from training.optim import make_optimizer, make_scheduler
 from training.preemption import Preempted, PreemptionWatch, stop_message
 from training.profiling import make_profiler
 from training.ranks import BAD_INPUT, run_rank
+from training.sample import generation_config, print_samples
 from training.step import NonFiniteLossError, ZeroGradientError, check_gradients_flow, train_step
 from training.strategy import (
     check_deepspeed_ops,
@@ -56,6 +59,7 @@ from training.strategy import (
     launched_world_size,
     requested_strategy,
 )
+from training.summary import peak_memory_per_rank, run_summary
 from training.watchdog import make_watchdog
 
 logger = logging.getLogger("shardgpt")
@@ -64,8 +68,10 @@ logger = logging.getLogger("shardgpt")
 def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ setup
     # Everything that can be checked without a process group is checked here, before anything heavy.
+    started = time.perf_counter()
+    configure_console()  # the project's lines on rank 0; third-party messages known to be harmless, filtered
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
-    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
+    cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
     world = launched_world_size()
     # The run's final config: every flag checked; the accumulation --global_batch_size gives over the data-parallel
     # ranks (world / tensor-parallel degree), the checkpoint's own tokenizer and the accelerate config's precision
@@ -81,9 +87,6 @@ def main(argv: list[str] | None = None) -> None:
 
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
     is_main = accelerator.is_main_process
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO if is_main else logging.WARNING
-    )
     set_seed(cfg.seed)  # same seed on every rank: identical initial weights without a broadcast
     out = Path(cfg.output_dir)
     if is_main:  # rank 0 only: the resolved configs, for the record and for the export
@@ -165,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         return save_checkpoint(accelerator, cfg.output_dir, step, state, cfg.save_total_limit)
 
     first_step = step + 1
-    # The bar is closed however the loop ends, so that an error's line starts a line of its own.
-    with tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step") as progress:
+    # The bar is closed however the loop ends, so that an error's line starts a line of its own; log lines are
+    # written above it.
+    progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
+    with progress, logging_redirect_tqdm():
         while step < cfg.max_steps:
             step += 1
             watchdog.arm(step)
@@ -215,19 +220,26 @@ def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ export
     # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
     state_dict = full_state_dict(accelerator, uncompiled(net))
-    if is_main:  # rank 0 only: file writes
+    memory = peak_memory_per_rank(accelerator)  # collective: every rank's peak memory, for the summary
+    if is_main:  # rank 0 only: file writes and the summary
         unwrapped = accelerator.unwrap_model(uncompiled(net))
         unwrapped.config.use_cache = True
+        # What the samples below, and `generate` and `pipeline` on the export, draw with.
+        unwrapped.generation_config = generation_config(cfg, tokenizer.eos_token_id)
         if unwrapped.config.tie_word_embeddings:  # ZeRO-1/2's state dict repeats tied weights; store them once
             for tied in unwrapped._tied_weights_keys:
                 state_dict.pop(tied, None)
         parameters = sum(t.numel() for t in state_dict.values())  # save_pretrained empties the dict
-        unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        write_model_card(out, cfg, unwrapped.config, tokenizer, seen, parameters, step)  # README.md for the Hub
-        logger.info("exported the model, tokenizer and configs to %s", out)
-        if cfg.sample_max_new_tokens:
-            print_sample(out, tokenizer, cfg.sample_max_new_tokens)
+        with no_transformers_bars():
+            unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(out)
+            write_model_card(out, cfg, unwrapped.config, tokenizer, seen, parameters, step)  # README.md for the Hub
+            logger.info("exported the model, tokenizer and configs to %s", out)
+            if cfg.sample_max_new_tokens:
+                print_samples(out, tokenizer, packed.validation, cfg)
+        print(f"training curves: {plot_training_curves(metrics.path)}")
+        wall = time.perf_counter() - started
+        print(run_summary(step, tokens_per_step, wall, log.throughput, metrics.latest, memory, out, accelerator.device))
     accelerator.wait_for_everyone()  # collective: nobody exits (tearing down the group) before the export
     accelerator.end_training()
 

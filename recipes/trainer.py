@@ -18,14 +18,15 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 from torch.utils.data import Subset
-from transformers import HfArgumentParser, default_data_collator
+from transformers import default_data_collator
 from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from data import BlockDataset, prepare_data
+from training.arguments import parse_run_config
 from training.build import build_model
 from training.compat import check_versions
-from training.config import RunConfig
-from training.evaluate import print_sample
+from training.console import configure_console, no_transformers_bars
+from training.curves import plot_training_curves
 from training.hf_trainer import (
     MetricsCallback,
     PreemptionCallback,
@@ -37,6 +38,7 @@ from training.metrics import flops_per_token, peak_flops
 from training.preemption import Preempted, stop_message
 from training.profiling import make_profiler
 from training.ranks import run_rank
+from training.sample import generation_config, print_samples
 from training.strategy import (
     check_deepspeed_ops,
     launch_precision,
@@ -46,8 +48,9 @@ from training.strategy import (
 
 
 def main(argv: list[str] | None = None) -> None:
+    configure_console()  # the project's lines on rank 0; third-party messages known to be harmless, filtered
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
-    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
+    cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
     cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())  # the final config, as train.py's
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
@@ -94,9 +97,13 @@ def main(argv: list[str] | None = None) -> None:
         raise Preempted(stop_message(preemption.signal, step, Path(cfg.output_dir) / f"checkpoint-{step}"))
 
     trainer.model.config.use_cache = True
-    trainer.save_model(cfg.output_dir)  # collective under ZeRO-3: gathers the full weights
-    if is_main and cfg.sample_max_new_tokens:
-        print_sample(Path(cfg.output_dir), packed.tokenizer, cfg.sample_max_new_tokens)
+    trainer.model.generation_config = generation_config(cfg, packed.tokenizer.eos_token_id)  # as recipes/train.py's
+    with no_transformers_bars():
+        trainer.save_model(cfg.output_dir)  # collective under ZeRO-3: gathers the full weights
+        if is_main and cfg.sample_max_new_tokens:
+            print_samples(Path(cfg.output_dir), packed.tokenizer, packed.validation, cfg)
+    if is_main:  # rank 0 only: the picture of metrics.jsonl (the Trainer printed its own summary)
+        print(f"training curves: {plot_training_curves(Path(cfg.output_dir) / 'metrics.jsonl')}")
     trainer.accelerator.wait_for_everyone()  # collective: nobody tears the group down before the export
     trainer.accelerator.end_training()
 

@@ -24,6 +24,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a launch must not print: third-party messages the project silences or replaces (training/console.py).
+NOISE = (
+    "Saving current state", "Model weights saved in", "Random states saved in", "Removed shared tensor",
+    "Setting accelerator to CPU", "Downloading data", "Generating train split", "Writing model shards",
+    "Loading weights", "MFU n/a",
+)  # fmt: skip
+
+
+# DeepSpeed's warning in the launchers' own processes, which import it before any rank starts (measured: accelerate
+# launch 1, the deepspeed launcher 2); the ranks filter theirs.
+LAUNCHER_CPU_WARNINGS = {"python": 0, "torchrun": 0, "accelerate": 1, "deepspeed": 2}
+
+
+def quiet_console_problems(console: str, launcher: str = "python") -> list[str]:
+    """The lines of `console` (a launch's stdout and stderr) that hold a `NOISE` message, but for the warnings the
+    launcher's own processes print."""
+    found = [line for line in console.splitlines() if any(noise in line for noise in NOISE)]
+    launchers = [line for line in found if "Setting accelerator to CPU" in line][: LAUNCHER_CPU_WARNINGS[launcher]]
+    return [line for line in found if line not in launchers]
+
+
 def metrics_lines(output_dir: Path) -> list[str]:
     path = output_dir / "metrics.jsonl"
     return path.read_text().splitlines() if path.exists() else []

@@ -17,10 +17,15 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
     metrics.py       metrics.jsonl and the trackers; FLOPs per token and MFU
     profiling.py     --profile: torch.profiler traces of chosen steps, rank 0's summary table
     watchdog.py      --step_timeout: a hung step dumps every rank's stack and names the stuck ranks
-    evaluate.py      the validation loss; a greedy sample from the export
+    evaluate.py      the validation loss
+    sample.py        samples from the export at the end (nanoGPT's temperature and top-k), its generation config
+    curves.py        training_curves.png: loss, learning rate and tokens/s against the step, from metrics.jsonl
+    summary.py       the end-of-run summary: steps, tokens, time, losses, throughput, every rank's peak memory
+    console.py       what a run prints: the project's lines, third-party messages known to be harmless filtered
     export.py        the full weights, gathered from whatever shards the strategy made
     model_card.py    the exported folder's README.md, in the Hub's model-card format
     ranks.py         exit statuses, one-line errors, agreement across ranks
+    arguments.py     the scripts' parsers: a mistyped choice or flag is one `error:` line naming the close matches
     hf_trainer.py    the same model, data and loss under `transformers.Trainer` (recipes/trainer.py)
     ops.py           DeepSpeed's compiled ops: which a launch needs, their build cache
     faults.py        faults the tests inject (kills, signals, a stall, a full disk)

@@ -50,7 +50,7 @@ class CheckpointSpaceError(RuntimeError):
     same_on_every_rank = True  # every rank raises it after the same collective: rank 0 reports it for all
 
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("shardgpt")
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -280,9 +280,13 @@ def save_checkpoint(
         if accelerator.is_main_process:  # rank 0 only: the shared trainer state
             _write_json(path / STATE, trainer_state)
 
+    saved_bytes = [0]
+
     def write_marker():
         if accelerator.is_main_process:  # rank 0 only: the marker lists every rank's files
-            _write_json(path / MARKER, {"step": step, "files": manifest(path)})
+            files = manifest(path)
+            _write_json(path / MARKER, {"step": step, "files": files})
+            saved_bytes[0] = sum(f["size"] for f in files.values())
 
     # Each collective below is also the barrier the next part needs: every shard is on disk before the marker
     # lists it, and the marker is written before old checkpoints are pruned.
@@ -297,6 +301,8 @@ def save_checkpoint(
         complete = [p for _, p in checkpoints(output_dir) if is_complete(p)]
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+    if accelerator.is_main_process:  # rank 0 only: one line for accelerate's INFO lines (training/console.py)
+        logger.info("saved %s (%s MB) to %s", path.name, f"{saved_bytes[0] / 1e6:,.1f}", output_dir)
     accelerator.wait_for_everyone()  # collective: pruning is done before anyone looks again
     return path
 

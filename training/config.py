@@ -149,7 +149,11 @@ class RunConfig(DataArguments):
     skip_memory_check: bool = flag(
         False, "Start even if the memory planner predicts that the launch does not fit this machine's free memory."
     )
-    sample_max_new_tokens: int = flag(64, "Tokens of the greedy sample printed at the end (0: none).")
+    sample_max_new_tokens: int = flag(64, "New tokens of each sample printed at the end (0: no sample).")
+    sample_count: int = flag(3, "Samples printed at the end, each prompted from the start of a validation document.")
+    sample_temperature: float = flag(0.8, "Sampling temperature of the samples (nanoGPT's sample.py: 0.8).")
+    sample_top_k: int = flag(200, "Sample from the k likeliest tokens only (nanoGPT's sample.py: 200; 0: all).")
+    sample_greedy: bool = flag(False, "Greedy samples (the likeliest token each time) instead of sampled ones.")
     local_rank: int = flag(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
 
     def __post_init__(self):
@@ -329,6 +333,15 @@ class RunConfig(DataArguments):
             self.check_profile_steps()
         if self.pipeline_parallel_degree != 1 or self.pipeline_parallel_virtual_stages is not None:
             self.check_pipeline(self.accumulation(data_parallel_size))
+        if self.sample_count < 1 or self.sample_max_new_tokens < 0 or self.sample_top_k < 0:
+            raise ValueError(
+                f"--sample_count {self.sample_count}, --sample_max_new_tokens {self.sample_max_new_tokens} and "
+                f"--sample_top_k {self.sample_top_k}: the count must be at least 1, the others 0 or more"
+            )
+        if not self.sample_temperature > 0:
+            raise ValueError(
+                f"--sample_temperature {self.sample_temperature} must be positive (pass --sample_greedy for greedy)"
+            )
         if (self.step_timeout or 0) < 0:
             raise ValueError(f"--step_timeout {self.step_timeout} must be 0 (off) or more seconds")
         unknown = set(self.report_to.split(",")) - set(TRACKERS)

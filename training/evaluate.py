@@ -1,14 +1,8 @@
-"""Evaluation: the token-mean validation loss over every validation block, and a greedy sample
-from an exported folder.
-"""
+"""Evaluation: the token-mean validation loss over every validation block."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from transformers import AutoModelForCausalLM
-from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from data import iter_eval_batches
 from training.config import RunConfig
@@ -33,14 +27,3 @@ def evaluate(accelerator, net, blocks, cfg: RunConfig, dp: int, dp_rank: int) ->
         count += (micro["shift_labels"] != -100).sum()
     total, count = accelerator.reduce(torch.stack([total, count.float()]), reduction="sum")  # collective
     return (total / count).item() if count > 0 else None
-
-
-def print_sample(folder: Path, tokenizer, max_new_tokens: int) -> None:
-    """Greedy continuation from the exported folder: proves the export loads, and shows what was learned.
-    Runs on rank 0 alone, so transformers must not build the model under ZeRO-3's collective init."""
-    unset_hf_deepspeed_config()
-    trained = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    prompt = "def "
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = trained.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    print(f"--- sample (greedy, {max_new_tokens} tokens) ---\n{tokenizer.decode(out[0])}\n---", flush=True)

@@ -70,6 +70,7 @@ class StepLog:
         self.device, self.fp16, self.compiling = device, fp16, compiling
         self.compile_time: float | None = None
         self.skipped = 0
+        self.total_time, self.total_timed_steps = 0.0, 0  # this launch's, for the summary's throughput
         self._reset()
 
     def _reset(self) -> None:
@@ -82,6 +83,7 @@ class StepLog:
             logger.info("torch.compile: the first step took %.1f s (compilation included)", elapsed)
         else:
             self.train_time, self.timed_steps = self.train_time + elapsed, self.timed_steps + 1
+            self.total_time, self.total_timed_steps = self.total_time + elapsed, self.total_timed_steps + 1
         self.loss_sum, self.steps = self.loss_sum + result.loss, self.steps + 1
         self.skipped += result.skipped
 
@@ -107,6 +109,11 @@ class StepLog:
         self._reset()
         return record
 
+    @property
+    def throughput(self) -> float | None:
+        """Tokens/s over every timed step of this launch (None before the first)."""
+        return self.tokens_per_step * self.total_timed_steps / self.total_time if self.total_time else None
+
 
 class MetricsWriter:
     """Appends one JSON object per logged step to `metrics.jsonl` and forwards it to accelerate's trackers.
@@ -115,11 +122,13 @@ class MetricsWriter:
     def __init__(self, accelerator, output_dir: str):
         self.accelerator = accelerator
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.latest: dict = {}  # the last value of each metric written, for the end-of-run summary
         if accelerator.is_main_process:
             os.makedirs(output_dir, exist_ok=True)
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.latest.update(clean)
         if self.accelerator.is_main_process:
             with open(self.path, "a") as f:
                 f.write(json.dumps(clean) + "\n")
@@ -128,14 +137,14 @@ class MetricsWriter:
 
 
 def format_record(r: dict) -> str:
-    """One log line: step, loss, lr, grad norm, tokens/s, MFU (n/a on CPU) and peak memory."""
-    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+    """One log line: step, loss, lr, grad norm, tokens/s, MFU and peak memory. MFU needs the device's peak FLOP/s
+    (a GPU of `PEAK_FLOPS`, or --peak_flops): without it, as on CPU, the column is left out."""
+    mfu = f" | MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
     mem = f"gpu {r['gpu_max_allocated_gb']:.2f} GB" if "gpu_max_allocated_gb" in r else ""
     mem += f" rss {r['cpu_rss_gb']:.2f} GB"
     gn = r.get("grad_norm")
     gn = f"{gn:.3f}" if isinstance(gn, float) else "n/a"
     speed = f"{r['tokens_per_sec']:,.0f} tok/s" if r.get("tokens_per_sec") else "compiling"
     return (
-        f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {gn} | "
-        f"{speed} | MFU {mfu} | {mem.strip()}"
+        f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {gn} | {speed}{mfu} | {mem.strip()}"
     )

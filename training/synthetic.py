@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from transformers import HfArgumentParser
 
 from data import ShardedLoader
 from model import ShardGPTConfig
 from training.accelerator import make_accelerator
+from training.arguments import parse_run_config
 from training.build import build_model
 from training.config import RunConfig
 from training.inspection import verify_strategy
@@ -45,7 +45,7 @@ class StandInTokenizer:
 def set_up(argv: list[str] | None):
     """The start of `recipes/train.py`: flags parsed and checked, the strategy read, the Accelerator made
     (collective: initialises the process group), the seed set. Returns (cfg, world, config, strategy, accelerator)."""
-    (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(args=argv)
+    cfg = parse_run_config(argv)
     world = launched_world_size()
     cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())  # the run's final config
     config = cfg.model_config()

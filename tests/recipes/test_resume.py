@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from launching import launch, launcher_command
+from launching import launch, launcher_command, quiet_console_problems
 from safetensors.torch import load_file
 
 from training.checkpoint import MARKER, latest_checkpoint, resolve_resume
@@ -46,6 +46,12 @@ def final_weights(run) -> dict[str, torch.Tensor]:
 _STRAIGHT: dict[str, object] = {}
 
 
+def megabytes(checkpoint) -> str:
+    """A checkpoint's size as its saved line gives it: the files its marker lists."""
+    files = json.loads((checkpoint / MARKER).read_text())["files"]
+    return f"{sum(f['size'] for f in files.values()) / 1e6:,.1f} MB"
+
+
 def straight_run(config: str, corpus, tmp_path_factory):
     """20 steps with a checkpoint every 5, once per strategy for every test of this module that needs it."""
     if config not in _STRAIGHT:
@@ -71,6 +77,13 @@ def test_resume_continues_exactly(launcher, config, corpus, tmp_path, tmp_path_f
     # The resumed-from state is far from a fresh one, so a resume that silently restarted from the initial
     # weights (or the first batches) could not match the straight run's later steps.
     assert sorted(losses) == list(range(1, 21)) and losses[11] < losses[1] - 0.3
+    # Each checkpoint is one line of the project's, on rank 0 alone, and none of accelerate's.
+    saved = [line.split(" INFO ")[-1] for line in straight.stderr.splitlines() if "saved checkpoint-" in line]
+    out_dir = straight.output_dir
+    assert saved == [
+        f"saved checkpoint-{s} ({megabytes(out_dir / f'checkpoint-{s}')}) to {out_dir}" for s in (5, 10, 15, 20)
+    ]
+    assert quiet_console_problems(straight.stdout + straight.stderr, launcher) == []
 
     for resume_from in (10, 15):
         for step in range(resume_from + 5, 21, 5):

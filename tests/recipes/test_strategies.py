@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from launching import ROOT, launch, launcher_command
+from launching import ROOT, launch, launcher_command, quiet_console_problems
 from safetensors.torch import load_file
 from trackers import assert_same_as_metrics, tensorboard_scalars, wandb_history
 
@@ -188,6 +188,7 @@ def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, refe
     assert any("eval_loss" in r for r in run.records)
     # ZeRO-3's deprecated-collective warning, printed once per call without `run_rank`'s filter.
     assert "torch.distributed.reduce_scatter_tensor` is deprecated" not in run.stderr
+    assert quiet_console_problems(run.stdout + run.stderr, launcher) == []  # on every launcher and rank
 
     # It trains the same model as one process does, and exports it whole.
     assert_same_training(run, reference)

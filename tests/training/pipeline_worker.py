@@ -52,7 +52,8 @@ def micro_batches_of(tokens: torch.Tensor, micro_batches: int, data_parallel: in
     inputs, labels = tokens[:, :-1].clamp(min=0), tokens[:, 1:]
     count = (labels != -100).sum()
     inputs, labels = (t.reshape(micro_batches, data_parallel, MICRO, -1)[:, dp_rank] for t in (inputs, labels))
-    return [{"input_ids": i, "shift_labels": lab, "num_items_in_batch": count} for i, lab in zip(inputs, labels, strict=True)]
+    pairs = zip(inputs, labels, strict=True)
+    return [{"input_ids": i, "shift_labels": lab, "num_items_in_batch": count} for i, lab in pairs]
 
 
 def one_process(micro_batches: int, data_parallel: int) -> dict:

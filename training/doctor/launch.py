@@ -81,16 +81,12 @@ def check_launch_config(report: Report, path: str, num_processes: int | None, fo
 
 def parse_train_flags(report: Report, flags: list[str]):
     """The training script's own parser; problems become a FAIL naming the flag."""
-    from transformers import HfArgumentParser
-
-    from training.config import RunConfig
+    from training.arguments import parse_run_config
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            cfg, rest = HfArgumentParser(RunConfig, prog="recipes/train.py").parse_args_into_dataclasses(
-                args=flags, return_remaining_strings=True
-            )
+            cfg, rest = parse_run_config(flags, remaining=True, prog="recipes/train.py")
     except SystemExit:
         message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "cannot parse the flags"
         report.add("training flags", FAIL, message)
