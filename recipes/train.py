@@ -5,7 +5,7 @@
     deepspeed --num_gpus 2 recipes/train.py --deepspeed ds_configs/zero3.json
     torchrun --nproc_per_node 2 recipes/train.py --deepspeed ds_configs/zero2.json
 
-Sections: setup, model, optimizer, data, prepare, resume, loop, export. Every rank runs every line; the
+Sections: setup, data, model (optimizer and prepare), resume, loop, export. Every rank runs every line; the
 few rank-0-only actions (file writes, printing) are marked, and so is every collective.
 """
 
@@ -28,29 +28,24 @@ from data import ShardedLoader, prepare_data
 from training import faults
 from training.accelerator import make_accelerator
 from training.arguments import parse_run_config
-from training.build import build_model
 from training.checkpoint import (
     CheckpointSpaceError,
     check_resume,
     load_checkpoint,
     resolve_resume_once,
-    save_checkpoint,
 )
 from training.compat import check_versions
 from training.console import configure_console, no_transformers_bars
 from training.curves import plot_training_curves
-from training.evaluate import evaluate
-from training.export import full_state_dict
-from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
+from training.engine import prepare
 from training.memory.fit import check_launch_fits
 from training.metrics import MetricsWriter, StepLog, flops_per_token, format_record, peak_flops
 from training.model_card import write_model_card
-from training.optim import make_optimizer, make_scheduler
 from training.preemption import Preempted, PreemptionWatch, stop_message
 from training.profiling import make_profiler
 from training.ranks import BAD_INPUT, run_rank
 from training.sample import generation_config, print_samples
-from training.step import NonFiniteLossError, ZeroGradientError, check_gradients_flow, train_step
+from training.step import NonFiniteLossError, ZeroGradientError, check_gradients_flow
 from training.strategy import (
     check_deepspeed_ops,
     check_fsdp_wrap,
@@ -107,28 +102,14 @@ def main(argv: list[str] | None = None) -> None:
         packed.train, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, dp, dp_rank, cfg.seed
     )
 
-    # ------------------------------------------------------------------ model
-    # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
-    # tokenizer (training/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
-    # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it).
-    # Under FSDP2 the model is built on the meta device and sharded, then initialised module by module (or a local
-    # safetensors checkpoint read) into each rank's shards (collective: the device mesh), before the optimizer is made
-    # on them. Every path draws the same weights for a seed.
-    # --torch_compile compiles each decoder layer here, after checkpointing and before any sharding.
-    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path, accelerator,
-                      cfg.torch_compile)  # fmt: skip
-
-    # ------------------------------------------------------------------ optimizer
-    fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step
-    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
-    scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
-
-    # ------------------------------------------------------------------ prepare
-    # Wraps the model in DDP, FSDP2 or a DeepSpeedEngine as the launch asked (collective: shards/broadcasts).
-    net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
-    seen = verify_strategy(accelerator, net, strategy)  # refuses a run that would not shard as asked
-    seen |= observe_strategy(net, optimizer)  # engine, optimizer, offload and resharding, as prepared
-    shares = StateShares(optimizer)  # gradient and optimizer-state shares, read after the first step
+    # ------------------------------------------------------------------ model, optimizer, prepare
+    # The model (fresh from the seed, or --model_name_or_path's weights), AdamW and the schedule, prepared for the
+    # strategy (training/engine.py): the whole model wrapped in DDP, FSDP2 or a DeepSpeedEngine by accelerate, or
+    # this rank's pipeline stages. Collective: ZeRO-3 and FSDP2 build into each rank's shards, `prepare` shards or
+    # broadcasts, a pipeline creates its groups.
+    engine = prepare(cfg, strategy, accelerator, config, tokenizer)
+    net, optimizer, scheduler = engine.net, engine.optimizer, engine.scheduler
+    seen = engine.in_force()  # refuses a run that would not shard as asked; what the prepared objects say
     logger.info("strategy in force: %s", seen)
     if cfg.report_to != "none":
         hparams = {k: v for k, v in cfg.to_dict().items() if v is not None}
@@ -148,8 +129,6 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("resumed from %s at step %d", resume, step)
 
     # ------------------------------------------------------------------ loop
-    # Token-weighted accumulation across micro batches and data-parallel ranks (see training/step.py).
-    loss_scale = dp * cfg.gradient_accumulation_steps
     tokens_per_step = loader.global_batch_size * cfg.block_size
     peak = peak_flops(accelerator.device, cfg.peak_flops)
     log = StepLog(tokens_per_step, flops_per_token(config, cfg.block_size) * tokens_per_step, world, peak,
@@ -165,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     def save() -> Path:  # collective: every rank saves its share
         state = {"step": step, "loader": loader.state_dict(), "model_config": config.to_dict(),
                  "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
-        return save_checkpoint(accelerator, cfg.output_dir, step, state, cfg.save_total_limit)
+        return engine.save(cfg.output_dir, step, state, cfg.save_total_limit)
 
     first_step = step + 1
     # The bar is closed however the loop ends, so that an error's line starts a line of its own; log lines are
@@ -177,10 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             watchdog.arm(step)
             t0 = time.perf_counter()
             with profiler.step(step):  # --profile: records the steps of --profile_steps
-                result = train_step(
-                    accelerator, net, optimizer, scheduler, next(batches), loss_scale, cfg.max_grad_norm, step,
-                    strategy.tp_size,
-                )  # fmt: skip  # collectives inside: gradient reduction, the loss all-reduce, clipping
+                # collectives inside: gradient reduction, the loss all-reduce, clipping; a pipeline's sends
+                result = engine.step(next(batches), step)
             log.add(result, time.perf_counter() - t0)  # the loss's .item() has synchronised the device
             progress.update(1)
             watchdog.phase("profile_export", timed=False)  # rank 0's table can take a while
@@ -188,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                 accelerator.wait_for_everyone()  # collective: the others wait for rank 0, with no deadline running
             if step == first_step:
                 check_gradients_flow(result, step, cfg.torch_compile)  # the same on every rank: norms are global
-                seen |= shares.read(seen["parameters"])  # gradient and optimizer-state shares, now that they exist
+                seen |= engine.shares.read(seen["parameters"])  # gradient and optimizer-state shares, now they exist
                 if is_main:  # rank 0 only: every rank holds the same shares
                     (out / "strategy.json").write_text(json.dumps(seen, indent=2))
 
@@ -200,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
 
             if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
                 watchdog.phase("evaluate")
-                val = evaluate(accelerator, net, packed.validation, cfg, dp, dp_rank)  # collective: reduced sums
+                val = engine.evaluate(packed.validation, dp, dp_rank)  # collective: reduced sums
                 if val is not None:
                     perplexity = math.exp(min(val, 50))  # capped: exp overflows for a diverged model
                     metrics.write({"step": step, "eval_loss": val, "eval_perplexity": perplexity})
@@ -219,14 +196,14 @@ def main(argv: list[str] | None = None) -> None:
 
     # ------------------------------------------------------------------ export
     # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
-    state_dict = full_state_dict(accelerator, uncompiled(net))
+    state_dict = engine.full_state_dict()
     memory = peak_memory_per_rank(accelerator)  # collective: every rank's peak memory, for the summary
     if is_main:  # rank 0 only: file writes and the summary
-        unwrapped = accelerator.unwrap_model(uncompiled(net))
+        unwrapped = engine.unwrapped()
         unwrapped.config.use_cache = True
         # What the samples below, and `generate` and `pipeline` on the export, draw with.
         unwrapped.generation_config = generation_config(cfg, tokenizer.eos_token_id)
-        if unwrapped.config.tie_word_embeddings:  # ZeRO-1/2's state dict repeats tied weights; store them once
+        if unwrapped.config.tie_word_embeddings:  # a state dict may repeat tied weights (ZeRO-1/2): store them once
             for tied in unwrapped._tied_weights_keys:
                 state_dict.pop(tied, None)
         parameters = sum(t.numel() for t in state_dict.values())  # save_pretrained empties the dict

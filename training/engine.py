@@ -1,0 +1,166 @@
+"""What the training loop drives: the model, its optimizer and schedule, prepared for the launch's strategy, with
+one `step`, `evaluate` and `full_state_dict` whichever axes are on.
+
+`prepare` builds it from the typed strategy: the whole model on every rank, wrapped by accelerate (DDP, FSDP or a
+DeepSpeed engine: `Replicated`), or this rank's pipeline stages, run by torch.distributed.pipelining's schedules
+with DDP's all-reduce or FSDP2 across the pipelines (`Pipelined`, training/pipeline.py). The loop does not ask which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from data import iter_eval_batches
+from model import ShardGPTConfig
+from training.accelerator import fsdp_precision
+from training.build import build_model
+from training.checkpoint import save_checkpoint
+from training.config import RunConfig
+from training.evaluate import evaluate
+from training.export import full_state_dict
+from training.inspection import StateShares, observe_precision, observe_strategy, uncompiled, verify_strategy
+from training.optim import make_optimizer, make_scheduler
+from training.pipeline import Pipeline, build_pipeline
+from training.step import StepResult, train_step
+from training.strategy import Strategy
+
+
+@dataclass
+class Engine:
+    """The prepared model, optimizer and schedule, and what the loop calls on them."""
+
+    accelerator: Accelerator
+    strategy: Strategy
+    cfg: RunConfig
+    net: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    shares: StateShares = field(init=False)
+
+    def __post_init__(self):
+        self.shares = StateShares(self.optimizer)  # gradient and optimizer-state shares, read after the first step
+
+    def unwrapped(self) -> torch.nn.Module:
+        """The model as transformers sees it (its config, `save_pretrained`)."""
+        return self.accelerator.unwrap_model(uncompiled(self.net))
+
+    def save(self, output_dir: str, step: int, state: dict, limit: int | None) -> Path:
+        """A resumable checkpoint (collective: every rank saves its share)."""
+        return save_checkpoint(self.accelerator, output_dir, step, state, limit)
+
+
+@dataclass
+class Replicated(Engine):
+    """The whole model on every rank, as accelerate's `prepare` wrapped it: DDP, FSDP or a DeepSpeed engine."""
+
+    def in_force(self) -> dict:
+        seen = verify_strategy(self.accelerator, self.net, self.strategy)  # refuses a run not sharded as asked
+        return seen | observe_strategy(self.net, self.optimizer)  # engine, optimizer, offload, resharding
+
+    def step(self, micro_batches: list[dict], step: int) -> StepResult:
+        # Token-weighted accumulation across micro batches and data-parallel ranks (see training/step.py).
+        loss_scale = self.strategy.data_parallel_size * self.cfg.gradient_accumulation_steps
+        return train_step(self.accelerator, self.net, self.optimizer, self.scheduler, micro_batches, loss_scale,
+                          self.cfg.max_grad_norm, step, self.strategy.tp_size)  # fmt: skip
+
+    def evaluate(self, blocks, dp: int, dp_rank: int) -> float | None:
+        return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank)  # collective: reduced sums
+
+    def full_state_dict(self) -> dict:
+        return full_state_dict(self.accelerator, uncompiled(self.net))  # collective: the shards gathered
+
+
+@dataclass
+class Pipelined(Engine):
+    """This rank's pipeline stages (training/pipeline.py), with DDP's all-reduce or FSDP2 across the pipelines."""
+
+    pipeline: Pipeline | None = None
+
+    def in_force(self) -> dict:
+        return (
+            {
+                "strategy": self.strategy.name,
+                "distributed_type": "PIPELINE",
+                "world_size": self.strategy.world_size,
+                "mixed_precision": self.accelerator.mixed_precision,
+                "compiled": self.cfg.torch_compile,
+            }
+            | self.pipeline.in_force()
+            | observe_precision(self.net)
+        )
+
+    def step(self, micro_batches: list[dict], step: int) -> StepResult:
+        # collectives inside: the stages' sends, the tied gradient, the data-parallel reduction, the norm, the loss
+        return self.pipeline.step(micro_batches, self.optimizer, self.scheduler, self.cfg.max_grad_norm, step,
+                                  self.accelerator.autocast)  # fmt: skip
+
+    def evaluate(self, blocks, dp: int, dp_rank: int) -> float | None:
+        if blocks is None or (hasattr(blocks, "__len__") and len(blocks) == 0):
+            return None
+        self.net.eval()
+        batches = iter_eval_batches(blocks, self.cfg.per_device_eval_batch_size, dp, dp_rank)
+        return self.pipeline.evaluate(batches, self.cfg.max_eval_batches, self.accelerator.autocast)  # collective
+
+    def full_state_dict(self) -> dict:
+        return self.pipeline.full_state_dict()  # collective: the stages' weights gathered on every rank
+
+    def unwrapped(self) -> torch.nn.Module:
+        return uncompiled(self.net)  # the model with this rank's stages; its config is the whole model's
+
+    def save(self, output_dir: str, step: int, state: dict, limit: int | None) -> Path:
+        raise ValueError(
+            f"a pipeline run cannot write checkpoint-{step} yet (stopped by a signal?): the trained model is exported "
+            "at the end of a run; rerun with fewer --max_steps to finish within the allocation"
+        )
+
+
+def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config: ShardGPTConfig,
+            tokenizer) -> Engine:  # fmt: skip
+    """The model (fresh from the seed, or --model_name_or_path's weights), AdamW and the schedule, prepared for
+    `strategy`. Collective: under FSDP2 and ZeRO-3 the model is built into each rank's shards; `prepare` shards or
+    broadcasts; a pipeline creates its process groups and shards its stages."""
+    pipelined = strategy.pp_size > 1
+    # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
+    # tokenizer (training/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into each
+    # rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it). Under FSDP2
+    # it is built on the meta device and sharded, then initialised module by module into each rank's shards. A
+    # pipeline rank builds the whole model, as one process would, and keeps its stages. Every path draws the same
+    # weights for a seed. --torch_compile compiles each decoder layer, after checkpointing, before any sharding.
+    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path,
+                      None if pipelined else accelerator, cfg.torch_compile)  # fmt: skip
+    pipeline = None
+    if pipelined:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config
+        shard = stage_sharder(cfg, strategy, accelerator.device) if strategy.family == "fsdp" else None
+        pipeline = build_pipeline(net, accelerator.process_index, strategy.world_size, strategy.pp_size,
+                                  strategy.pp_schedule, strategy.pp_stages_per_rank, cfg.gradient_accumulation_steps,
+                                  accelerator.device, shard)  # fmt: skip  # collective: the groups, the mesh
+    fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step
+    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
+    scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
+    if pipelined:
+        return Pipelined(accelerator, strategy, cfg, net, optimizer, scheduler, pipeline=pipeline)
+    # Wraps the model in DDP, FSDP2 or a DeepSpeedEngine as the launch asked (collective: shards/broadcasts).
+    net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
+    return Replicated(accelerator, strategy, cfg, net, optimizer, scheduler)
+
+
+def stage_sharder(cfg: RunConfig, strategy: Strategy, device: torch.device):
+    """FSDP2 for pipeline stages: each decoder layer, then the stage (its embedding, norm and head), sharded over
+    the stage's data-parallel ranks, with the project's mixed precision and the FSDP config's resharding."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = fsdp_precision(cfg) if cfg.mixed_precision != "no" else MixedPrecisionPolicy()
+    reshard = strategy.fsdp_sharding == "FULL_SHARD"
+
+    def shard(stage: torch.nn.Module, group) -> None:
+        mesh = DeviceMesh.from_group(group, device.type)
+        for layer in stage.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+
+    return shard
