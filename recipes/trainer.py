@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     configure_console()  # the project's lines on rank 0; third-party messages known to be harmless, filtered
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
+    if cfg.pipeline_parallel_degree > 1:
+        raise ValueError(
+            f"--pipeline_parallel_degree {cfg.pipeline_parallel_degree} needs recipes/train.py: the HF Trainer has no "
+            "pipeline engine (it prepares the whole model on every rank); launch recipes/train.py with the same flags"
+        )
     cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())  # the final config, as train.py's
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")

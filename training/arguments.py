@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:  # the doctor imports this module at start-up; transformers and torch load where they are used
@@ -69,5 +72,46 @@ def parse_run_config(
         pass
 
     parser = RunConfigParser(RunConfig, prog=prog)
+    argv, nulls = flags_from_json_file(list(sys.argv[1:] if argv is None else argv))
     parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=remaining)
+    if nulls:  # JSON's null for a field whose default is not None (--max_eval_batches: every validation block)
+        unknown = sorted(set(nulls) - {f.name for f in fields(RunConfig)})
+        if unknown:
+            raise ValueError(f"the arguments file sets {unknown} to null, which are no flags of {parser.prog}")
+        parsed = (replace(parsed[0], **dict.fromkeys(nulls)), *parsed[1:])
     return tuple(parsed) if remaining else parsed[0]
+
+
+def flags_from_json_file(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`python recipes/train.py args.json` (run_clm's convention): a lone `.json` argument holds the flags, one key
+    per flag, and becomes those flags, before any others on the command line (which then win). Every value goes
+    through the command line's parser, so a JSON file's choices are checked as strictly as flags are
+    (HfArgumentParser's own `parse_json_file` skips argparse's choices). Returns the flags, and the keys set to
+    null."""
+    files = [a for a in argv if a.endswith(".json") and not a.startswith("-")]
+    if not files:
+        return argv, []
+    before = argv[argv.index(files[0]) - 1] if argv.index(files[0]) > 0 else ""
+    if len(files) > 1 or (before.startswith("-") and "=" not in before):
+        return argv, []  # a flag's value (--deepspeed ds_configs/zero3.json), not an arguments file
+    path = Path(files[0])
+    if not path.is_file():
+        raise FileNotFoundError(f"arguments file {files[0]!r}: no such file; pass a JSON file of flags, or the flags")
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"arguments file {files[0]!r} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"arguments file {files[0]!r} holds a {type(values).__name__}: write one object of flags")
+    flags, nulls = [], []
+    for key, value in values.items():
+        if value is None:
+            nulls.append(key)
+        elif isinstance(value, bool):
+            flags.append(f"--{key}={str(value).lower()}")
+        elif isinstance(value, (list, dict)):
+            raise ValueError(f"arguments file {files[0]!r}: {key} is a {type(value).__name__}; write it as a string")
+        else:
+            flags.append(f"--{key}={value}")
+    rest = [a for a in argv if a != files[0]]
+    return [*flags, *rest], nulls

@@ -24,7 +24,7 @@ from training.evaluate import evaluate
 from training.export import full_state_dict
 from training.inspection import StateShares, observe_precision, observe_strategy, uncompiled, verify_strategy
 from training.optim import make_optimizer, make_scheduler
-from training.pipeline import Pipeline, build_pipeline
+from training.pipeline import Pipeline, build_pipeline, fsdp2_stages
 from training.step import StepResult, train_step
 from training.strategy import Strategy
 
@@ -149,18 +149,8 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
 
 
 def stage_sharder(cfg: RunConfig, strategy: Strategy, device: torch.device):
-    """FSDP2 for pipeline stages: each decoder layer, then the stage (its embedding, norm and head), sharded over
-    the stage's data-parallel ranks, with the project's mixed precision and the FSDP config's resharding."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """FSDP2 for pipeline stages, with the project's mixed precision and the FSDP config's resharding."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = fsdp_precision(cfg) if cfg.mixed_precision != "no" else MixedPrecisionPolicy()
-    reshard = strategy.fsdp_sharding == "FULL_SHARD"
-
-    def shard(stage: torch.nn.Module, group) -> None:
-        mesh = DeviceMesh.from_group(group, device.type)
-        for layer in stage.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-
-    return shard
+    return fsdp2_stages(policy, strategy.fsdp_sharding == "FULL_SHARD", device.type)

@@ -95,8 +95,8 @@ def check_pipeline(schedule: str, pp: int, per_rank: int, micro_batches: int, nu
     if schedule in LOOPED and micro_batches % rounds:
         raise ValueError(
             f"--gradient_accumulation_steps {micro_batches} with {schedule} on {pp} pipeline ranks: torch's schedule "
-            f"runs micro batches in rounds of {pp} and needs a multiple of {rounds} ({micro_batches} // {pp}); pass a "
-            f"multiple of {pp}"
+            f"splits the micro batches into {rounds} rounds ({micro_batches} // {pp}) and needs a multiple of that; "
+            f"pass a multiple of {pp}"
         )
     if schedule in V_SHAPED and micro_batches < stages:
         raise ValueError(
@@ -413,3 +413,18 @@ def build_pipeline(model: nn.Module, rank: int, world: int, pp: int, schedule_na
         scale_grads=False,
     )  # fmt: skip
     return pipeline
+
+
+def fsdp2_stages(policy, reshard: bool, device_type: str):
+    """A `shard` for `build_pipeline`: FSDP2's `fully_shard` of each decoder layer, then of the stage (its embedding,
+    norm and head), over the stage's data-parallel ranks, with the mixed precision `policy`."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(stage: Stage, group: dist.ProcessGroup) -> None:
+        mesh = DeviceMesh.from_group(group, device_type)
+        for layer in stage.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+
+    return shard

@@ -277,3 +277,44 @@ def test_autotp_with_two_data_parallel_ranks_trains_the_same_model(corpus, refer
     shares = (seen["local_parameter_fraction"], seen["local_optimizer_state_fraction"])
     assert shares == pytest.approx((0.5, 0.25), abs=0.02), seen
     assert_same_training(run, reference)
+
+
+# Pipeline parallelism through the training script (training/pipeline.py; every schedule's own proof is
+# tests/training/test_pipeline.py): (launcher, config, ranks, schedule, micro batch, strategy). The micro batches of a
+# step are the accumulation, 2 here: the reference's global batch of 8 is micro x 2 x the data-parallel ranks.
+PIPELINES = [
+    ("torchrun", None, 2, "1F1B", 4, "single-pp2"),  # its flags from a JSON arguments file
+    ("accelerate", "fsdp", 4, "GPipe", 2, "fsdp-pp2"),  # 2 pipelines, each stage FSDP2-sharded over 2 ranks
+    pytest.param("accelerate", "ddp", 4, "1F1B", 2, "ddp-pp2", marks=pytest.mark.matrix),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("launcher", "config", "nproc", "schedule", "micro", "strategy"), PIPELINES,
+                         ids=lambda v: str(v))  # fmt: skip
+def test_pipeline_trains_the_same_model(launcher, config, nproc, schedule, micro, strategy, corpus, reference,
+                                        tmp_path):  # fmt: skip
+    """The `debug` model's 2 layers as 2 stages: every step's loss and the export equal one process's; the layout in
+    force is read back from strategy.json."""
+    flags = {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": schedule,
+             "per_device_train_batch_size": micro, "gradient_accumulation_steps": 2}  # fmt: skip
+    if launcher == "torchrun":  # `python recipes/train.py args.json`: a layout kept in a file
+        (tmp_path / "pipeline.json").write_text(json.dumps(flags))
+        args = [str(tmp_path / "pipeline.json")]
+    else:
+        args = [f"--{k}={v}" for k, v in flags.items()]
+    cmd = launcher_command(launcher, config, nproc=nproc)
+    if launcher == "accelerate":
+        cmd[-1:-1] = ["--num_processes", str(nproc)]  # before the script: an accelerate flag
+    run = launch(cmd, [*args, *corpus["flags"], *TRAIN], tmp_path / "out")
+
+    seen = run.strategy
+    assert (seen["strategy"], seen["world_size"]) == (strategy, nproc), seen
+    pipeline = seen["pipeline"]
+    assert (pipeline["schedule"], pipeline["stages"], pipeline["layers_per_stage"]) == (schedule, 2, 1), seen
+    assert (pipeline["stage_ranks"], pipeline["data_parallel_size"]) == ([0, 1], nproc // 2), seen
+    assert pipeline["tied_embedding_synced"] and pipeline["this_rank_layers"] == [0], seen  # rank 0: stage 0
+    assert seen["local_parameter_fraction"] < (0.5 if config == "fsdp" else 0.9), seen  # a stage, FSDP2: its half
+    assert quiet_console_problems(run.stdout + run.stderr, launcher) == []
+    assert_same_training(run, reference)

@@ -1,10 +1,12 @@
 """Launched by tests/training/test_pipeline.py with torchrun: a few AdamW steps of a 4-layer `debug` model under each
 pipeline schedule asked for (training/pipeline.py), and, on rank 0, the same steps in one process on the whole
-model; rank 0 writes both runs' losses and gradient norms to OUT/<schedule>.json.
+model; rank 0 writes both runs' losses and gradient norms to OUT/<spec>.json.
 
-    torchrun --nproc_per_node 2 tests/training/pipeline_worker.py OUT PP DATA_PARALLEL SCHEDULE[:STAGES_PER_RANK] ...
+    torchrun --nproc_per_node 4 tests/training/pipeline_worker.py PP SCHEDULE[:STAGES_PER_RANK[:DATA_PARALLEL]] ... \
+        --output_dir OUT
 
-DATA_PARALLEL is none (one pipeline), ddp or fsdp (FSDP2 shards each stage over the data-parallel ranks).
+DATA_PARALLEL, over the world / PP pipelines: ddp (the default: an all-reduce of whole copies) or fsdp (FSDP2
+shards each stage over the data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.optim import param_groups
-from training.pipeline import build_pipeline
+from training.pipeline import build_pipeline, fsdp2_stages
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
 MAX_GRAD_NORM = 0.5  # below the step-1 norm: clipping is active
@@ -74,21 +77,11 @@ def one_process(micro_batches: int, data_parallel: int) -> dict:
     return {"losses": losses, "grad_norms": norms, "weights": {k: v.clone() for k, v in net.state_dict().items()}}
 
 
-def fsdp2(stage: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for layer in stage.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(stage, mesh=mesh)
-
-
 def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_batches: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // pp
     net = model().train()
-    shard = fsdp2 if data_parallel == "fsdp" else None
+    shard = fsdp2_stages(MixedPrecisionPolicy(), True, "cpu") if data_parallel == "fsdp" else None
     pipeline = build_pipeline(net, rank, world, pp, schedule, per_rank, micro_batches, torch.device("cpu"), shard)
     optimizer = adamw(net)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -103,13 +96,15 @@ def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_b
 
 
 def main() -> None:
-    out, pp, data_parallel, *schedules = sys.argv[1:]
+    pp, *schedules, flag, out = sys.argv[1:]
+    assert flag == "--output_dir", sys.argv
     pp = int(pp)
+    Path(out).mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     dp = dist.get_world_size() // pp
     for spec in schedules:
-        schedule, _, per_rank = spec.partition(":")
-        per_rank = int(per_rank or 1)
+        schedule, per_rank, data_parallel = (spec.split(":") + ["1", "ddp"][spec.count(":") :])[:3]
+        per_rank = int(per_rank)
         micro_batches = 2 * pp * per_rank  # enough for every schedule's rule
         try:
             run = pipelined(schedule, per_rank, pp, data_parallel, micro_batches)
