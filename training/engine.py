@@ -22,7 +22,7 @@ from training.checkpoint import save_checkpoint
 from training.config import RunConfig
 from training.evaluate import evaluate
 from training.export import full_state_dict
-from training.inspection import StateShares, observe_precision, observe_strategy, uncompiled, verify_strategy
+from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.pipeline import Pipeline, build_pipeline, fsdp2_stages
 from training.step import StepResult, train_step
@@ -81,17 +81,15 @@ class Pipelined(Engine):
     pipeline: Pipeline | None = None
 
     def in_force(self) -> dict:
-        return (
-            {
-                "strategy": self.strategy.name,
-                "distributed_type": "PIPELINE",
-                "world_size": self.strategy.world_size,
-                "mixed_precision": self.accelerator.mixed_precision,
-                "compiled": self.cfg.torch_compile,
-            }
-            | self.pipeline.in_force()
-            | observe_precision(self.net)
-        )
+        seen = {
+            "strategy": self.strategy.name,
+            "distributed_type": "PIPELINE",
+            "world_size": self.strategy.world_size,
+            "mixed_precision": self.accelerator.mixed_precision,
+        }
+        seen |= self.pipeline.in_force() | observe_strategy(self.net, self.optimizer)
+        seen["autocast"] = self.accelerator.mixed_precision != "no"  # the schedule runs inside accelerate's autocast
+        return seen
 
     def step(self, micro_batches: list[dict], step: int) -> StepResult:
         # collectives inside: the stages' sends, the tied gradient, the data-parallel reduction, the norm, the loss

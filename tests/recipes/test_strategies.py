@@ -285,8 +285,10 @@ def test_autotp_with_two_data_parallel_ranks_trains_the_same_model(corpus, refer
 PIPELINES = [
     ("torchrun", None, 2, "1F1B", 4, "single-pp2"),  # its flags from a JSON arguments file
     ("accelerate", "fsdp", 4, "GPipe", 2, "fsdp-pp2"),  # 2 pipelines, each stage FSDP2-sharded over 2 ranks
-    pytest.param("accelerate", "ddp", 4, "1F1B", 2, "ddp-pp2", marks=pytest.mark.matrix),
+    pytest.param("accelerate", "ddp", 4, "1F1B", 2, "ddp-pp2", marks=pytest.mark.matrix),  # --torch_compile too
 ]
+# Activation checkpointing inside the stages of the FSDP2 cell, compiled decoder layers inside the DDP cell's.
+PIPELINE_EXTRAS = {"fsdp": ["--gradient_checkpointing"], "ddp": ["--torch_compile"]}
 
 
 @pytest.mark.slow
@@ -307,9 +309,10 @@ def test_pipeline_trains_the_same_model(launcher, config, nproc, schedule, micro
     cmd = launcher_command(launcher, config, nproc=nproc)
     if launcher == "accelerate":
         cmd[-1:-1] = ["--num_processes", str(nproc)]  # before the script: an accelerate flag
-    run = launch(cmd, [*args, *corpus["flags"], *TRAIN], tmp_path / "out")
+    run = launch(cmd, [*args, *corpus["flags"], *TRAIN, *PIPELINE_EXTRAS.get(config, [])], tmp_path / "out")
 
     seen = run.strategy
+    assert seen["compiled_blocks"] == (1 if config == "ddp" else 0), seen  # rank 0's stage: 1 of the 2 layers
     assert (seen["strategy"], seen["world_size"]) == (strategy, nproc), seen
     pipeline = seen["pipeline"]
     assert (pipeline["schedule"], pipeline["stages"], pipeline["layers_per_stage"]) == (schedule, 2, 1), seen

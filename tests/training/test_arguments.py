@@ -39,3 +39,24 @@ def test_a_misspelt_flag_is_one_line_too(capsys):
     assert "unrecognized arguments: --num_procs" in one_error_line(capsys, doctor.parse_args, ["--num_procs", "2"])
     with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--lr_schedular_type'"):
         train.main(["--lr_schedular_type", "cosine"])  # run_rank prints it as `error: ...`
+
+
+def test_a_json_arguments_file_is_parsed_as_strictly_as_flags(tmp_path, capsys):
+    """`python recipes/train.py args.json` (run_clm's convention): the file's keys are the flags, its choices are
+    checked like the command line's (transformers' parse_json_file would skip them), null sets a field to None, and
+    flags after the file win."""
+    from training.arguments import parse_run_config
+
+    args = tmp_path / "pipeline.json"
+    args.write_text('{"preset": "debug", "pipeline_parallel_degree": 2, "bf16": true, "max_eval_batches": null}')
+    cfg = parse_run_config(["--local_rank=0", str(args), "--preset", "tiny"])  # the deepspeed launcher's first flag
+    assert (cfg.preset, cfg.pipeline_parallel_degree, cfg.bf16, cfg.max_eval_batches) == ("tiny", 2, True, None)
+    assert parse_run_config(["--deepspeed", "ds_configs/zero3.json"]).deepspeed == "ds_configs/zero3.json"
+    args.write_text('{"pipeline_parallel_schedule": "1f1b"}')
+    line = one_error_line(capsys, train.main, [str(args)])
+    assert "--pipeline-parallel-schedule: invalid choice '1f1b' (did you mean 1F1B?)" in line
+    args.write_text('{"pipline_parallel_degree": 2}')
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--pipline_parallel_degree=2'\]"):
+        parse_run_config([str(args)])
+    with pytest.raises(FileNotFoundError, match="arguments file 'missing.json': no such file"):
+        parse_run_config(["missing.json"])

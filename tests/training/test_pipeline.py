@@ -94,3 +94,65 @@ def test_a_layout_torch_cannot_run_is_refused(layout, what, fix):
     with pytest.raises(ValueError) as err:
         check_pipeline(*layout)
     assert what in str(err.value) and fix in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def launch_env(monkeypatch, world: int, **variables: str) -> None:
+    """What the launcher exports: the world size, and accelerate's variables for its YAML."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+
+
+def run_config(**flags):
+    from training.config import RunConfig
+
+    pipeline = {"pipeline_parallel_degree": 2, "save_steps": 0, "per_device_train_batch_size": 2,
+                "gradient_accumulation_steps": 2, "preset": "debug", "output_dir": "/nonexistent/x"}  # fmt: skip
+    return RunConfig(**{**pipeline, **flags})
+
+
+@pytest.mark.parametrize(("world", "flags", "variables", "refusal"), [
+    (3, {}, {}, "--pipeline_parallel_degree 2 does not divide the 3 launched ranks: pass one of [1, 3]"),
+    (2, {"deepspeed": str(ROOT / "ds_configs" / "zero1.json")}, {}, "(ZeRO-1): the pipeline's stages are run by"),
+    (2, {"deepspeed": str(ROOT / "ds_configs" / "autotp.json")}, {}, "(ZeRO-1 with AutoTP)"),
+    (2, {}, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE":
+             str(ROOT / "ds_configs" / "zero3.json")}, "(ZeRO-3): the pipeline's stages"),
+    (2, {}, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "with fsdp_version: 1 in the FSDP config"),
+    (2, {}, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
+     "with fsdp_offload_params: true"),
+    (2, {"pipeline_parallel_schedule": "ZBVZeroBubble", "config_overrides": "num_hidden_layers=4",
+         "gradient_accumulation_steps": 4}, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+     "ZBVZeroBubble with FSDP2 and tied embeddings"),
+    (2, {"save_steps": 100}, {}, "--save_steps 100 with --pipeline_parallel_degree 2: pipeline runs do not write"),
+    (2, {"gradient_accumulation_steps": 1}, {}, "fewer micro batches than the 2 stages of 1F1B"),
+])  # fmt: skip
+def test_a_pipeline_it_cannot_run_is_refused_before_the_process_group(monkeypatch, world, flags, variables, refusal):
+    """The launch's checks as recipes/train.py runs them, before any process group: one line naming the fix."""
+    from training.strategy import launched_data_parallel_size, requested_strategy
+
+    launch_env(monkeypatch, world, **variables)
+    with pytest.raises(ValueError) as err:
+        cfg = run_config(**flags)
+        cfg = cfg.resolve(launched_data_parallel_size(cfg))
+        requested_strategy(cfg, hidden_size=64)
+    assert refusal in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_trainer_refuses_pipeline_flags():
+    """The HF Trainer has no pipeline engine: refused in one line that points to recipes/train.py."""
+    from recipes import trainer
+
+    with pytest.raises(ValueError, match="--pipeline_parallel_degree 2 needs recipes/train.py: the HF Trainer has no"):
+        trainer.main(["--pipeline_parallel_degree", "2"])
+
+
+def test_global_batch_counts_the_pipelines_not_their_stages(monkeypatch):
+    """4 ranks as 2 pipelines of 2 stages: --global_batch_size 8 with micro 2 is 2 micro batches per pipeline."""
+    from training.strategy import launched_data_parallel_size, requested_strategy
+
+    launch_env(monkeypatch, 4, ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    cfg = run_config(global_batch_size=8, gradient_accumulation_steps=1)
+    cfg = cfg.resolve(launched_data_parallel_size(cfg))
+    strategy = requested_strategy(cfg, hidden_size=64)
+    assert (strategy.name, strategy.data_parallel_size, cfg.gradient_accumulation_steps) == ("fsdp-pp2", 2, 2)
+    assert cfg.global_batch(strategy.data_parallel_size) == 8
