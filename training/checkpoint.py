@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -254,9 +255,12 @@ def _no_space(e: BaseException) -> bool:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: str, step: int, trainer_state: dict, keep: int | None
-) -> Path:
-    """Save on every rank (a collective); only rank 0 writes the shared files, the marker and prunes.
+    accelerator: Accelerator, output_dir: str, step: int, trainer_state: dict, keep: int | None,
+    write_state: Callable[[Path], None] | None = None,
+) -> Path:  # fmt: skip
+    """Save on every rank (a collective); only rank 0 writes the shared files, the marker and prunes. The model,
+    optimizer, scheduler and RNG states are `write_state`'s to write (a collective), by default
+    `accelerator.save_state`'s.
 
     Raises `CheckpointSpaceError` on every rank when the checkpoint would not fit, or did not: the older complete
     checkpoints are untouched, and pruning happens only after the new one is complete."""
@@ -274,7 +278,10 @@ def save_checkpoint(
     faults.maybe_fill_disk(step, out, accelerator.is_main_process)
 
     def write_shards():
-        accelerator.save_state(str(path))  # collective under DeepSpeed/FSDP: each rank writes its shard
+        if write_state is None:
+            accelerator.save_state(str(path))  # collective under DeepSpeed/FSDP: each rank writes its shard
+        else:
+            write_state(path)  # collective: each rank writes its part
         faults.maybe_kill("kill_in_save", step, accelerator.is_main_process)
         faults.maybe_kill_mid_shard(step, path, accelerator.is_main_process)
         if accelerator.is_main_process:  # rank 0 only: the shared trainer state
@@ -327,7 +334,7 @@ def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict, st
             "tokenizer, or start afresh in a new --output_dir"
         )
     written, world = state["strategy"], accelerator.num_processes
-    if not portable.needs_conversion(written, strategy, world):
+    if not portable.needs_conversion(written, strategy, world):  # never for a pipeline's checkpoint or run
         accelerator.load_state(str(path))
         return state
     model, optimizer, scheduler = prepared

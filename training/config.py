@@ -360,8 +360,7 @@ class RunConfig(DataArguments):
 
     def check_pipeline(self, micro_batches: int) -> None:
         """The pipeline flags against torch's schedules (`micro_batches`: the accumulation in force) and the model's
-        depth (training/pipeline.py), and what a pipeline run cannot do yet: checkpoints (its stages would need a
-        format of their own to resume across layouts)."""
+        depth (training/pipeline.py)."""
         if self.pipeline_parallel_degree < 1:
             raise ValueError(f"--pipeline_parallel_degree {self.pipeline_parallel_degree} must be at least 1")
         if self.pipeline_parallel_degree == 1:
@@ -371,15 +370,6 @@ class RunConfig(DataArguments):
             )
         check_pipeline(self.pipeline_parallel_schedule, self.pipeline_parallel_degree, self.pipeline_stages_per_rank,
                        micro_batches, self.model_config().num_hidden_layers)  # fmt: skip
-        for name, value, fix in (
-            ("save_steps", self.save_steps, "--save_steps 0 (the trained model is still exported at the end)"),
-            ("resume_from_checkpoint", self.resume_from_checkpoint, "no --resume_from_checkpoint"),
-        ):
-            if value:
-                raise ValueError(
-                    f"--{name} {value} with --pipeline_parallel_degree {self.pipeline_parallel_degree}: pipeline "
-                    f"runs do not write or read checkpoints yet; pass {fix}"
-                )
 
     def check_profile_steps(self) -> None:
         first, last = parse_steps(self.profile_steps)

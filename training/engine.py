@@ -110,10 +110,23 @@ class Pipelined(Engine):
         return uncompiled(self.net)  # the model with this rank's stages; its config is the whole model's
 
     def save(self, output_dir: str, step: int, state: dict, limit: int | None) -> Path:
-        raise ValueError(
-            f"a pipeline run cannot write checkpoint-{step} yet (stopped by a signal?): the trained model is exported "
-            "at the end of a run; rerun with fewer --max_steps to finish within the allocation"
-        )
+        """A resumable checkpoint (collective: every rank writes its stages' part)."""
+        return save_checkpoint(self.accelerator, output_dir, step, state, limit, write_state=self.write_state)
+
+    def write_state(self, path: Path) -> None:
+        """The stages' weights and AdamW's states as torch.distributed.checkpoint folders laid out as FSDP2's
+        (`pytorch_model_fsdp_0`, `optimizer_0`): each rank writes its stages' tensors under their HF names, the
+        data-parallel copies once, so any strategy reads them back through the neutral form (training/portable.py).
+        Beside them accelerate's files: every rank's RNG states, and rank 0's scheduler."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.accelerator.save_state(str(path))  # collective: the RNG states (no model is registered with accelerate)
+        weights, optimizer = get_state_dict(self.net, self.optimizer)  # FSDP2: this rank's shards
+        dcp.save({"model": weights}, checkpoint_id=path / "pytorch_model_fsdp_0")  # collective: every rank's part
+        dcp.save({"optimizer": optimizer}, checkpoint_id=path / "optimizer_0")  # collective
+        if self.accelerator.is_main_process:  # rank 0 only: the schedule is the same on every rank
+            torch.save(self.scheduler.state_dict(), path / "scheduler.bin")
 
 
 def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config: ShardGPTConfig,

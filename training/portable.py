@@ -37,8 +37,10 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def family(strategy: Strategy) -> str:
     """What decides the checkpoint's files: the ZeRO strategy itself (stage and offload: the offload JSONs hand the
-    schedule to the engine, which saves it elsewhere), `fsdp1`, `fsdp` (FSDP2, any sharding) or `plain` (DDP and one
-    process)."""
+    schedule to the engine, which saves it elsewhere), `fsdp1`, `fsdp` (FSDP2, any sharding), `plain` (DDP and one
+    process) or `pipeline` (any pipeline layout)."""
+    if strategy.pp_size > 1:  # pipeline stages: torch.distributed.checkpoint folders as FSDP2's, each rank its part
+        return "pipeline"
     if strategy.family == "deepspeed":
         return strategy.name
     if strategy.family == "fsdp":
@@ -52,7 +54,11 @@ def written_by(saved: dict) -> Strategy:
 
 
 def needs_conversion(saved: dict, strategy: Strategy, world: int) -> bool:
-    """Whether a checkpoint written under `saved` (its trainer state's strategy) loads natively here."""
+    """Whether a checkpoint written under `saved` (its trainer state's strategy) must be converted, rather than load
+    natively here. A pipeline's checkpoint, or a pipeline run, always goes through the neutral form: exact in fp32,
+    whichever stages each rank holds."""
+    if "pipeline" in (family(written_by(saved)), family(strategy)):
+        return True
     return family(written_by(saved)) != family(strategy) or saved["world_size"] != world
 
 
@@ -82,7 +88,7 @@ def read_checkpoint(path: Path) -> dict:
     kind = family(written)
     if written.family == "deepspeed" and written.offload_device != "nvme":
         return _read_zero(path, meta_model(state))
-    if kind == "fsdp":
+    if kind in ("fsdp", "pipeline"):
         return _read_dcp(path)
     if kind == "plain":
         return _read_plain(path, state)
@@ -129,7 +135,8 @@ def _read_zero(path: Path, model: torch.nn.Module) -> dict:
 
 
 def _read_dcp(path: Path) -> dict:
-    """FSDP2's torch.distributed.checkpoint folders, gathered into one state dict each by torch's converter."""
+    """FSDP2's torch.distributed.checkpoint folders (and a pipeline's, written alike: each stage's parameters under
+    their HF names), gathered into one state dict each by torch's converter."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -200,8 +207,8 @@ def _load_torch(net, optimizer, neutral: dict) -> None:
     optim_sd = get_optimizer_state_dict(module, torch_optimizer, options=full)  # collective; initialises the state
     for name, state in optim_sd["state"].items():
         state["step"] = torch.tensor(float(neutral["step"]), dtype=state["step"].dtype)
-        for key in MOMENTS:
-            state[key] = neutral[key][name].to(state[key].dtype)
+        for key in MOMENTS:  # a pipeline's last stage names the tied embedding's copy lm_head.weight
+            state[key] = neutral[key][name if name in neutral[key] else tied[name]].to(state[key].dtype)
     set_optimizer_state_dict(module, torch_optimizer, optim_sd, options=full)  # collective under FSDP
 
 

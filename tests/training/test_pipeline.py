@@ -123,7 +123,6 @@ def run_config(**flags):
     (2, {"pipeline_parallel_schedule": "ZBVZeroBubble", "config_overrides": "num_hidden_layers=4",
          "gradient_accumulation_steps": 4}, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
      "ZBVZeroBubble with FSDP2 and tied embeddings"),
-    (2, {"save_steps": 100}, {}, "--save_steps 100 with --pipeline_parallel_degree 2: pipeline runs do not write"),
     (2, {"gradient_accumulation_steps": 1}, {}, "fewer micro batches than the 2 stages of 1F1B"),
 ])  # fmt: skip
 def test_a_pipeline_it_cannot_run_is_refused_before_the_process_group(monkeypatch, world, flags, variables, refusal):
