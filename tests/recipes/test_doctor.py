@@ -132,6 +132,18 @@ def test_strategy_names_match_the_training_script(name):
     assert launches.launched_strategy(launch, ds, world).name == expected[name]
 
 
+@pytest.mark.parametrize(("name", "world", "expected"), [("fsdp", 4, "fsdp-pp2"), ("ddp", 2, "single-pp2"),
+                                                         ("ddp", 4, "ddp-pp2")])  # fmt: skip
+def test_pipeline_launches_are_named_as_the_training_script_names_them(name, world, expected):
+    """With --pipeline_parallel_degree 2 the doctor's strategy and the script's agree: pp outermost, the rest data
+    parallel (one pipeline on 2 ranks has no data parallelism: single-pp2)."""
+    from training.arguments import parse_run_config
+
+    launch = launches.read_launch_config(ROOT / "accelerate_configs" / f"{name}.yaml")
+    cfg = parse_run_config(["--pipeline_parallel_degree", "2"])
+    assert launches.launched_strategy(launch, None, world, cfg).name == expected
+
+
 def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, monkeypatch):
     # torch waits on an extension's lock file for as long as it exists; the doctor names it, or removes it.
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))

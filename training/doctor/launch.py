@@ -105,26 +105,34 @@ FSDP_VARIABLES = {
 }  # fmt: skip
 
 
-def launched_strategy(launch: dict | None, ds: dict | None, world: int) -> Strategy:
+def launched_strategy(launch: dict | None, ds: dict | None, world: int, cfg=None) -> Strategy:
     """The strategy the training script builds for this launch (`training/strategy.py`), from the YAML and the
-    resolved DeepSpeed JSON `ds` instead of the environment `accelerate launch` makes of them."""
+    resolved DeepSpeed JSON `ds` instead of the environment `accelerate launch` makes of them, with the pipeline
+    degree of the training flags `cfg`."""
+    from dataclasses import replace
+
     from training.strategy import Strategy, deepspeed_strategy, fsdp_strategy
 
     if ds is not None:
         return deepspeed_strategy(ds, world)
+    pp = cfg.pipeline_parallel_degree if cfg is not None else 1
+    pipeline = {"pp_size": pp} if pp == 1 else {
+        "pp_size": pp, "pp_schedule": cfg.pipeline_parallel_schedule, "pp_stages_per_rank": cfg.pipeline_stages_per_rank
+    }  # fmt: skip
     if launch and launch.get("distributed_type") == "FSDP":
         fsdp = launch.get("fsdp_config") or {}
         env = {var: str(fsdp[key]).lower() if isinstance(fsdp[key], bool) else str(fsdp[key])
                for key, var in FSDP_VARIABLES.items() if key in fsdp}  # fmt: skip
         shard = (launch.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size", world)
-        return fsdp_strategy(env, world, shard)
-    return Strategy("ddp" if world > 1 else "single", world)
+        return replace(fsdp_strategy(env, world, shard), **pipeline)
+    return Strategy("ddp" if world // pp > 1 else "single", world, **pipeline)
 
 
 def check_training(report: Report, args, launch: dict | None, found: list[dict], bf16_ok: bool) -> None:
     """RunConfig.resolve and resolve_deepspeed exactly as the training script runs them at start-up."""
     from training.config import RunConfig
     from training.deepspeed_config import data_parallel_size, load_json, resolve_deepspeed
+    from training.strategy import check_pipeline_with_deepspeed
 
     flags = list(args.train_flags)
     if args.deepspeed:
@@ -137,10 +145,16 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     world = launch["_world"] if launch else args.num_processes or max(len(found), 1)
     ds_file = cfg.deepspeed or ((launch or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
     try:
-        # The ranks that train on different data: the world over AutoTP's degree, as the training script counts them.
-        dp = world  # a missing or broken JSON is reported under "DeepSpeed config" below
+        # The ranks that train on different data: the world over the pipeline's and AutoTP's degrees, as the
+        # training script counts them.
+        pp = cfg.pipeline_parallel_degree
+        if world % pp:
+            raise ValueError(f"--pipeline_parallel_degree {pp} does not divide the {world} ranks of this launch")
+        dp = world // pp  # a missing or broken JSON is reported under "DeepSpeed config" below
         if ds_file and find_file(ds_file).is_file():
-            dp = data_parallel_size(load_json(find_file(ds_file)), world, repr(str(ds_file)))
+            raw = load_json(find_file(ds_file))
+            check_pipeline_with_deepspeed(cfg, raw, repr(str(ds_file)))
+            dp = data_parallel_size(raw, world, repr(str(ds_file)))
         cfg = cfg.resolve(dp)  # the accelerate config's precision is checked below, against the flags
     except Exception as e:
         report.add("training flags", FAIL, str(e))
@@ -194,11 +208,11 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
             "reshard after forward": fsdp.get("fsdp_reshard_after_forward", True),
             "offload params": fsdp.get("fsdp_offload_params", False),
             "state dict": fsdp.get("fsdp_state_dict_type"),
-            "global batch": f"{cfg.global_batch(world)} (= micro x accumulation x world {world})",
+            "global batch": f"{cfg.global_batch(dp)} (= micro x accumulation x data-parallel ranks {dp})",
             "precision": precision,
         })  # fmt: skip
     try:
-        strategy = launched_strategy(launch, ds, world)
+        strategy = launched_strategy(launch, ds, world, cfg)
     except ValueError as e:  # an FSDP1 sharding strategy torch does not have
         report.add("strategy", FAIL, str(e))
         return
