@@ -75,6 +75,7 @@ class StepLog:
 
     def _reset(self) -> None:
         self.loss_sum, self.steps, self.train_time, self.timed_steps = 0.0, 0, 0.0, 0
+        self.busy: list[float] | None = None  # pipeline runs: each rank's busy share, summed over the steps
 
     def add(self, result, elapsed: float) -> None:
         """One finished step (a `StepResult`) that took `elapsed` seconds."""
@@ -86,6 +87,9 @@ class StepLog:
             self.total_time, self.total_timed_steps = self.total_time + elapsed, self.total_timed_steps + 1
         self.loss_sum, self.steps = self.loss_sum + result.loss, self.steps + 1
         self.skipped += result.skipped
+        if result.pipeline_busy is not None:
+            self.busy = [a + b for a, b in zip(self.busy or [0.0] * len(result.pipeline_busy), result.pipeline_busy,
+                                               strict=True)]  # fmt: skip
 
     def record(self, step: int, lr: float, grad_norm: float | None, epoch: int) -> dict:
         """The record of the steps since the last one (then forgotten). Training only: evaluation, saving and
@@ -104,6 +108,8 @@ class StepLog:
         }
         if self.compile_time is not None:  # once, in the first record after compilation
             record["compile_time_s"], self.compile_time = self.compile_time, None
+        for p, busy in enumerate(self.busy or []):  # each pipeline rank's share of the schedule spent computing
+            record[f"pp_rank{p}_busy"] = round(busy / self.steps, 4)  # the rest: the bubble and the waits
         if self.fp16:  # steps whose update loss scaling skipped so far (overflowing gradients)
             record["overflow_skipped_steps"] = self.skipped
         self._reset()

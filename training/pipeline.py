@@ -19,6 +19,7 @@ Tied embeddings (every preset but llama-7b): the first stage keeps `model.embed_
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -105,14 +106,60 @@ def check_pipeline(schedule: str, pp: int, per_rank: int, micro_batches: int, nu
         )
 
 
+class BusyClock:
+    """How long a rank's stages compute in a step, forward and backward, against the schedule's whole time: the
+    rest is the bubble and the waits on the neighbouring stages. The host's clock on CPU; CUDA events on GPUs, whose
+    kernels run asynchronously (read after the step has synchronised the device). Under the zero-bubble schedules a
+    stage's weight gradients are computed apart from its backward and are not counted."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple] = []
+        self.open: list = []  # backwards started, not yet ended
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+    def busy_fraction(self, start, end) -> float:
+        """The share of [start, end] spent in the spans recorded since the last call (then forgotten)."""
+        busy = sum(self.seconds(a, b) for a, b in self.spans)
+        self.spans, self.open = [], []
+        return busy / max(self.seconds(start, end), 1e-9)
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity; its backward marks where a stage's backward starts (at the stage's output) or ends (its input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, clock: BusyClock, starts: bool) -> torch.Tensor:
+        ctx.clock, ctx.starts = clock, starts
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.starts:
+            ctx.clock.open.append(ctx.clock.mark())
+        elif ctx.clock.open:
+            ctx.clock.spans.append((ctx.clock.open.pop(), ctx.clock.mark()))
+        return grad, None, None
+
+
 class Stage(nn.Module):
     """One pipeline stage of the model: the embedding (first stage), a run of decoder layers, and the final norm and
     head (last stage). Its modules are the model's own (shared, not copied). The first stage takes token ids, the
     others the hidden states (B, T, C) the stage before sends; the last returns its micro batch's summed
     cross-entropy, shape (1,), which the schedule's loss function scales."""
 
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool, clock: BusyClock | None = None):
         super().__init__()
+        self.clock = clock  # this rank's: every stage it holds adds its compute
         self.config = model.config
         self.embed_tokens = model.model.embed_tokens if first else None
         self.layers = nn.ModuleList(model.model.layers[i] for i in layers)
@@ -121,7 +168,17 @@ class Stage(nn.Module):
         self.rotary_emb = model.model.rotary_emb
 
     def forward(self, x: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        timed = self.clock is not None and torch.is_grad_enabled()
+        start = self.clock.mark() if timed else None
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, C)
+        h = _BackwardMark.apply(h, self.clock, False) if timed else h  # the backward ends here (the embedding's: after)
+        out = self.layers_forward(h, shift_labels)
+        if timed:
+            self.clock.spans.append((start, self.clock.mark()))
+            out = _BackwardMark.apply(out, self.clock, True)  # the backward starts here
+        return out
+
+    def layers_forward(self, h: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         # None where the attention kernel's own causal masking is exact (sdpa, training: no padding), as in the model.
         mask = create_causal_mask(
@@ -135,7 +192,7 @@ class Stage(nn.Module):
         return self.lm_head(self.norm(h), targets=shift_labels).reshape(1)  # summed cross-entropy, fp32
 
 
-def keep_stages(model: nn.Module, stages: list[int], num_stages: int) -> list[Stage]:
+def keep_stages(model: nn.Module, stages: list[int], num_stages: int, clock: BusyClock | None = None) -> list[Stage]:
     """This rank's `stages` of `model`, whose other layers, embedding and head are dropped in place (the model keeps
     its HF parameter names). Returns the Stage modules, in stage order."""
     num_layers = model.config.num_hidden_layers
@@ -145,7 +202,8 @@ def keep_stages(model: nn.Module, stages: list[int], num_stages: int) -> list[St
         if i not in kept:
             model.model.layers[i] = nn.Module()  # a placeholder: the kept layers keep their indices (names)
     result = [
-        Stage(model, stage_layers(num_layers, num_stages, s), s == 0, s == num_stages - 1) for s in sorted(stages)
+        Stage(model, stage_layers(num_layers, num_stages, s), s == 0, s == num_stages - 1, clock)
+        for s in sorted(stages)
     ]
     if not first:
         model.model.embed_tokens = None
@@ -171,6 +229,7 @@ class Pipeline:
     data_parallel_size: int
     stage_of_rank: list[int] = field(default_factory=list)
     parameters: int = 0  # the whole model's, counted before the stages were kept
+    clock: BusyClock | None = None  # this rank's stages' compute time
     loss_scale: float = 1.0
 
     # ---------------------------------------------------------------- one optimizer step
@@ -189,12 +248,15 @@ class Pipeline:
         self.loss_scale = self.data_parallel_size / float(targets)
         losses: list[torch.Tensor] = []
         first = self.pp_rank == self.stage_of_rank[0]
+        start = self.clock.mark()
         with autocast():
             # collective: point-to-point sends of activations and their gradients between neighbouring stages;
-            # under DDP or FSDP2 the gradient reduction over the data-parallel ranks in the last backward
+            # under FSDP2 the gradient reduce-scatter over the data-parallel ranks in the last backward
             self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses, shift_labels=labels)
+        end = self.clock.mark()
         loss = sum(loss.detach().float() for loss in losses) / self.data_parallel_size if losses else None
-        global_loss = self.broadcast_loss(loss)  # collective: the last stage's loss to every rank
+        global_loss = self.broadcast_loss(loss)  # collective: the last stage's loss to every rank (a device sync)
+        busy = self.busy_fractions(start, end)  # collective: every rank's share of the schedule spent computing
         self.average_replicated_gradients()  # collective: over the data-parallel ranks, without FSDP2
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(
@@ -208,7 +270,16 @@ class Pipeline:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(global_loss, grad_norm)
+        return StepResult(global_loss, grad_norm, pipeline_busy=busy)
+
+    def busy_fractions(self, start, end) -> list[float]:
+        """Each pipeline rank's share of the schedule's time spent in its stages' forward and backward (the mean of
+        its data-parallel copies); the rest is the bubble and the waits on its neighbours."""
+        mine = torch.tensor([self.clock.busy_fraction(start, end)], device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)  # collective: every rank
+        dp = self.data_parallel_size  # global rank r is pipeline rank r // dp
+        return [round(sum(t.item() for t in every[p * dp : (p + 1) * dp]) / dp, 4) for p in range(self.pp_size)]
 
     def average_replicated_gradients(self) -> None:
         """Without FSDP2, the data-parallel ranks of a stage hold whole copies of it: their gradients are averaged
@@ -391,7 +462,8 @@ def build_pipeline(model: nn.Module, rank: int, world: int, pp: int, schedule_na
     tied = model.config.tie_word_embeddings and owners[0] != owners[-1]
     tie_groups = [dist.new_group([d + owners[0] * dp, d + owners[-1] * dp]) for d in range(dp)] if tied else []
     parameters = sum(p.numel() for p in model.parameters())  # the whole model's, tied weights once
-    stages = keep_stages(model, mine, num_stages)
+    clock = BusyClock(device)
+    stages = keep_stages(model, mine, num_stages, clock)
     if shard is not None:
         for stage in stages:
             shard(stage, dp_groups[pp_rank])
@@ -400,7 +472,7 @@ def build_pipeline(model: nn.Module, rank: int, world: int, pp: int, schedule_na
         dp_group=dp_groups[pp_rank] if dp > 1 else None,
         tie_group=tie_groups[dp_rank] if tied and pp_rank in (owners[0], owners[-1]) else None,
         sharded=shard is not None, pp_rank=pp_rank, pp_size=pp, data_parallel_size=dp, stage_of_rank=owners,
-        parameters=parameters,
+        parameters=parameters, clock=clock,
     )  # fmt: skip
     pipeline_stages = [
         PipelineStage(module, index, num_stages, device, group=pipeline.pp_group)

@@ -27,6 +27,7 @@ class StepResult:
     loss: float  # the global batch's token-mean loss
     grad_norm: float | None  # the global gradient norm before clipping
     skipped: bool = False  # fp16 loss scaling skipped the update (the gradients overflowed)
+    pipeline_busy: list[float] | None = None  # pipeline runs: each pipeline rank's share of the schedule computing
 
 
 def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale: float, max_grad_norm: float,

@@ -321,3 +321,7 @@ def test_pipeline_trains_the_same_model(launcher, config, nproc, schedule, micro
     assert seen["local_parameter_fraction"] < (0.5 if config == "fsdp" else 0.9), seen  # a stage, FSDP2: its half
     assert quiet_console_problems(run.stdout + run.stderr, launcher) == []
     assert_same_training(run, reference)
+    # Each pipeline rank's share of the schedule spent in its stages, logged with every record; the rest is bubble
+    # (at most 1 - 1/(M + P - 1) = 2/3 busy here, less the time the schedule itself and the sends take).
+    busy = [[r[f"pp_rank{p}_busy"] for p in range(2)] for r in run.records if "loss" in r]
+    assert len(busy) == STEPS and all(0 < b < 1 for step in busy for b in step), busy
