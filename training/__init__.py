@@ -9,6 +9,8 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
     accelerator.py   the Accelerator, and the switches that run every GPU strategy on CPU ranks
     build.py         the model of a run: a preset or a checkpoint, built sharded (ZeRO-3, FSDP2), same weights per seed
     optim.py         AdamW's parameter groups and the learning-rate schedule
+    engine.py        what the loop drives: the whole model prepared by accelerate, or this rank's pipeline stages
+    pipeline.py      pipeline parallelism: stages, torch's schedules, the tied embedding, clipping, the busy clock
     inspection.py    the strategy in force, read from the prepared objects; each rank's share of the states
     step.py          one optimizer step: micro batches, the token-weighted loss, clipping
     checkpoint.py    save and resume: the completion marker, checksums, disk-space checks
@@ -30,6 +32,7 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
     ops.py           DeepSpeed's compiled ops: which a launch needs, their build cache
     faults.py        faults the tests inject (kills, signals, a stall, a full disk)
     synthetic.py     train.py's setup on random tokens, for the tools that measure it
+    bubble.py        the pipeline bubble and the activations a schedule holds, on stages of fixed cost
     paths.py         the repository root
     compat.py        the torch, transformers, accelerate and deepspeed floors, checked at start-up; the few private
                      APIs used, each with why
