@@ -16,7 +16,9 @@ step time, memory per rank, checkpoint size, save and load time, final loss and 
 DDP, plus the memory planner's prediction when `recipes/plan_memory.py` exists), `results.json`, PNG plots
 (memory, throughput, loss curves) and each run's logs under `runs/`. A strategy that fails is reported with
 its error; the others still run. A tensor-parallel config (`autotp`: DeepSpeed AutoTP) runs with a micro
-batch autotp_size times larger, which its tensor-parallel ranks share: the same global batch as the others.
+batch autotp_size times larger, which its tensor-parallel ranks share: the same global batch as the others. A
+pipeline is named `<config>+pp<P>` (`ddp+pp2`: 2 stages, DDP over the pipelines; `fsdp+pp2`: FSDP2 per stage): the
+config's launch with --pipeline_parallel_degree P and P times the accumulation, the same global batch again.
 Unrecognised flags are passed to every training launch (data flags, `--block_size`, `--learning_rate`,
 `--bf16`, ...).
 
@@ -96,9 +98,13 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
     names = single_node_configs() if strategies == "all" else [s.strip() for s in strategies.split(",") if s.strip()]
     specs = []
     for name in names:
-        path = Path(name) if name.endswith((".yaml", ".yml")) else CONFIGS / f"{name}.yaml"
-        label = path.stem if name.endswith((".yaml", ".yml")) else name
+        config, _, pipeline = name.partition("+pp")  # `ddp+pp2`: ddp.yaml with 2 pipeline stages
+        path = Path(config) if config.endswith((".yaml", ".yml")) else CONFIGS / f"{config}.yaml"
+        label = f"{path.stem}+pp{pipeline}" if pipeline else path.stem if config.endswith((".yaml", ".yml")) else name
         spec = Spec(label, "accelerate", script, config=path, nproc=nproc)
+        if pipeline and (not pipeline.isdigit() or int(pipeline) < 2 or nproc % int(pipeline)):
+            spec.error = f"{name}: a pipeline is spelled <config>+pp<P>, P of 2 or more dividing --nproc {nproc}"
+        spec.pp = int(pipeline) if pipeline.isdigit() else 1
         if not path.is_file():
             known = ", ".join(single_node_configs())
             spec.error = (
@@ -158,17 +164,21 @@ def launch_command(spec: Spec, port: int | None) -> list[str]:
 
 
 def train_flags(args, spec: Spec, extra: list[str]) -> list[str]:
-    """The same model, data and global batch for every spec: a single process takes the whole global batch, and
-    the tp ranks of a tensor-parallel group share one micro batch, tp times larger."""
+    """The same model, data and global batch for every spec: a single process takes the whole global batch, the tp
+    ranks of a tensor-parallel group share one micro batch, tp times larger, and the pp ranks of a pipeline run pp
+    times the micro batches."""
     micro = args.per_device_train_batch_size * (args.nproc // spec.nproc) * spec.tp
+    accumulation = args.gradient_accumulation_steps * spec.pp
     flags = [
         f"--preset={args.preset}", f"--max_steps={args.steps}", f"--per_device_train_batch_size={micro}",
-        f"--gradient_accumulation_steps={args.gradient_accumulation_steps}", "--logging_steps=1",
+        f"--gradient_accumulation_steps={accumulation}", "--logging_steps=1",
         f"--warmup_steps={args.steps // 10}", "--eval_steps=0", "--max_eval_batches=4", "--sample_max_new_tokens=0",
         f"--save_steps={0 if args.no_save else args.steps}", "--save_total_limit=1",
     ]  # fmt: skip
     if spec.deepspeed:
         flags.append(f"--deepspeed={spec.deepspeed}")
+    if spec.pp > 1:
+        flags.append(f"--pipeline_parallel_degree={spec.pp}")
     flags += PRECISION_FLAGS[spec.precision] if spec.precision else []
     return [*flags, *extra]  # later flags win: the passed-through ones override the defaults above
 

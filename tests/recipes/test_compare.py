@@ -104,6 +104,33 @@ def test_tensor_parallel_rows_keep_the_global_batch():
                      for n in specs}  # fmt: skip
 
 
+def test_pipeline_rows_keep_the_global_batch():
+    """`ddp+pp2`: ddp.yaml with 2 pipeline stages, whose ranks run twice the micro batches (the same global batch);
+    a degree that does not divide the ranks is reported, not launched."""
+    args, _ = compare.parse_args(["--strategies", "ddp,ddp+pp2,fsdp+pp3", "--gradient_accumulation_steps", "2"])
+    specs = {s.name: s for s in compare.make_specs(args.strategies, 2, trainer=False)}
+    flags = compare.train_flags(args, specs["ddp+pp2"], [])
+    assert specs["ddp+pp2"].config.name == "ddp.yaml" and specs["ddp+pp2"].error is None
+    wanted = {"--pipeline_parallel_degree=2", "--gradient_accumulation_steps=4", "--per_device_train_batch_size=4"}
+    assert wanted <= set(flags), flags
+    assert "a pipeline is spelled <config>+pp<P>" in specs["fsdp+pp3"].error
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+def test_compare_reports_a_pipeline_beside_ddp(corpus, tmp_path):
+    """The ddp+pp2 row: 2 pipeline stages in force, DDP's losses (same model, data, global batch), its checkpoint
+    saved and loaded."""
+    out = tmp_path / "report"
+    p = run_compare("ddp,ddp+pp2", out, corpus)
+    assert p.returncode == 0 and "2/2 strategies ran" in p.stdout, p.stderr[-4000:]
+    row = table_rows((out / "report.md").read_text())["ddp+pp2"]
+    assert row["in force (params/rank)"].startswith("single-pp2"), row
+    assert number(row["max abs loss diff vs ddp"]) < 1e-4
+    assert number(row["checkpoint (MB)"]) > 0 and 0 <= number(row["load (s)"]) < 60
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.matrix

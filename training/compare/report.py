@@ -27,6 +27,7 @@ class Spec:
     error: str | None = None  # why it cannot be launched at all
     precision: str | None = None  # with --precisions: fp32, bf16 or fp16, also the end of `name`
     tp: int = 1  # ranks each layer is split over; they share one micro batch, so it is tp times larger
+    pp: int = 1  # pipeline stages' ranks; they share the data-parallel share, run as pp times more micro batches
 
     @property
     def launcher_label(self) -> str:
