@@ -276,6 +276,9 @@ def predict_memory(res: Result, out: Path, args) -> None:
 
     try:
         strategy = Strategy.from_name(res.strategy, res.world_size)  # what the run recorded in strategy.json
+        if strategy.pp_size > 1:
+            res.prediction_note = f"{strategy.name}: the planner does not model pipeline stages yet"
+            return
         if strategy.family == "single":
             res.prediction_note = "single: the planner models multi-rank strategies only"
             return
