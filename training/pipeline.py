@@ -39,6 +39,7 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 ALL_SCHEDULES = (*SCHEDULES, "DualPipeV")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble",)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")  # refused with FSDP2 (training/strategy.py)
 
 
 def stages_per_rank(schedule: str, requested: int | None) -> int:
@@ -110,7 +111,7 @@ class BusyClock:
     """How long a rank's stages compute in a step, forward and backward, against the schedule's whole time: the
     rest is the bubble and the waits on the neighbouring stages. The host's clock on CPU; CUDA events on GPUs, whose
     kernels run asynchronously (read after the step has synchronised the device). Under the zero-bubble schedules a
-    stage's weight gradients are computed apart from its backward and are not counted."""
+    stage's weight gradients are computed apart from its backward: those schedules are not timed."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -248,15 +249,15 @@ class Pipeline:
         self.loss_scale = self.data_parallel_size / float(targets)
         losses: list[torch.Tensor] = []
         first = self.pp_rank == self.stage_of_rank[0]
-        start = self.clock.mark()
+        start = self.clock.mark() if self.clock else None
         with autocast():
             # collective: point-to-point sends of activations and their gradients between neighbouring stages;
             # under FSDP2 the gradient reduce-scatter over the data-parallel ranks in the last backward
             self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses, shift_labels=labels)
-        end = self.clock.mark()
+        end = self.clock.mark() if self.clock else None
         loss = sum(loss.detach().float() for loss in losses) / self.data_parallel_size if losses else None
         global_loss = self.broadcast_loss(loss)  # collective: the last stage's loss to every rank (a device sync)
-        busy = self.busy_fractions(start, end)  # collective: every rank's share of the schedule spent computing
+        busy = self.busy_fractions(start, end) if self.clock else None  # collective: the stages' compute shares
         self.average_replicated_gradients()  # collective: over the data-parallel ranks, without FSDP2
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(
@@ -462,7 +463,8 @@ def build_pipeline(model: nn.Module, rank: int, world: int, pp: int, schedule_na
     tied = model.config.tie_word_embeddings and owners[0] != owners[-1]
     tie_groups = [dist.new_group([d + owners[0] * dp, d + owners[-1] * dp]) for d in range(dp)] if tied else []
     parameters = sum(p.numel() for p in model.parameters())  # the whole model's, tied weights once
-    clock = BusyClock(device)
+    # The busy clock's marks in the autograd graph break the zero-bubble schedules' split backward: not timed there.
+    clock = None if schedule_name in ZERO_BUBBLE else BusyClock(device)
     stages = keep_stages(model, mine, num_stages, clock)
     if shard is not None:
         for stage in stages:

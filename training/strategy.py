@@ -33,7 +33,7 @@ from training.deepspeed_config import (
     zero_stage,
 )
 from training.ops import check_op_cache, launch_ops
-from training.pipeline import V_SHAPED
+from training.pipeline import ZERO_BUBBLE
 
 Family = Literal["single", "ddp", "fsdp", "deepspeed"]
 Device = Literal["none", "cpu", "nvme"]
@@ -324,14 +324,15 @@ def check_pipeline_with_fsdp(cfg: RunConfig, strategy: Strategy) -> None:
     FSDP1's flat parameters, hybrid replicas and CPU offload are not built there."""
     if cfg.pipeline_parallel_degree == 1:
         return
-    if cfg.pipeline_parallel_schedule in V_SHAPED and cfg.model_config().tie_word_embeddings:
-        # Rank 0 holds the first and the last stage: the one tied tensor in two FSDP2 roots, whose copies then
-        # took different steps (measured: losses off from step 2 on).
+    if cfg.pipeline_parallel_schedule in ZERO_BUBBLE:
+        # InterleavedZeroBubble's split backward failed inside FSDP2 ("Can't detach views in-place", torch 2.13);
+        # ZBVZeroBubble puts the first and last stage on rank 0, where FSDP2 sharded the one tied tensor twice and
+        # the copies took different steps (losses off from step 2 on).
         raise ValueError(
-            f"--pipeline_parallel_schedule {cfg.pipeline_parallel_schedule} with FSDP2 and tied embeddings: the "
-            "V-shaped schedule puts the first and last stage on one rank, where FSDP2 would shard the one tied "
-            "tensor twice; use Interleaved1F1B or 1F1B, DDP (accelerate_configs/ddp.yaml), or untie the embeddings "
-            "(--config_overrides tie_word_embeddings=false)"
+            f"--pipeline_parallel_schedule {cfg.pipeline_parallel_schedule} with FSDP2: the zero-bubble schedules "
+            "do not train under FSDP2 here (torch 2.13: InterleavedZeroBubble's split backward fails on FSDP2's "
+            "gradients, ZBVZeroBubble shards the tied embedding twice on rank 0); use Interleaved1F1B, 1F1B or "
+            "LoopedBFS with FSDP2, or a zero-bubble schedule with DDP (accelerate_configs/ddp.yaml)"
         )
     unsupported = (
         "fsdp_version: 1" if strategy.fsdp_version == 1

@@ -50,10 +50,10 @@ def test_every_schedule_trains_like_one_process(tmp_path):
 @pytest.mark.multiproc
 def test_pipelines_with_ddp_and_fsdp2_train_like_one_process(tmp_path):
     """pp 2 x dp 2 on 4 ranks: the two pipelines read halves of each global batch; their stages average gradients
-    (ddp) or are FSDP2-sharded over the pair (fsdp). The tied embedding's gradient is summed over the first and last
-    stage of each pipeline."""
+    (ddp) or are FSDP2-sharded over the pair (fsdp: every schedule but the zero-bubble ones, refused with FSDP2).
+    The tied embedding's gradient is summed over the first and last stage of each pipeline."""
     specs = ["GPipe", "1F1B", "Interleaved1F1B:2", "ZBVZeroBubble:2", "GPipe:1:fsdp", "1F1B:1:fsdp",
-             "Interleaved1F1B:2:fsdp"]  # fmt: skip
+             "Interleaved1F1B:2:fsdp", "LoopedBFS:2:fsdp"]  # fmt: skip
     for spec, record in run_worker(tmp_path, 4, 2, specs).items():
         assert_like_one_process(record, spec)
 
@@ -122,7 +122,10 @@ def run_config(**flags):
      "with fsdp_offload_params: true"),
     (2, {"pipeline_parallel_schedule": "ZBVZeroBubble", "config_overrides": "num_hidden_layers=4",
          "gradient_accumulation_steps": 4}, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
-     "ZBVZeroBubble with FSDP2 and tied embeddings"),
+     "ZBVZeroBubble with FSDP2: the zero-bubble schedules do not train under FSDP2"),
+    (2, {"pipeline_parallel_schedule": "InterleavedZeroBubble", "config_overrides": "num_hidden_layers=4",
+         "gradient_accumulation_steps": 4}, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+     "InterleavedZeroBubble with FSDP2"),
     (2, {"gradient_accumulation_steps": 1}, {}, "fewer micro batches than the 2 stages of 1F1B"),
 ])  # fmt: skip
 def test_a_pipeline_it_cannot_run_is_refused_before_the_process_group(monkeypatch, world, flags, variables, refusal):
