@@ -93,10 +93,10 @@ class Strategy:
                 f"Strategy: {self.world_size} ranks cannot hold {self.replicas} replicas or split layers over "
                 f"{self.tp_size}"
             )
-        if self.pp_size < 1 or self.pp_stages_per_rank < 1 or self.world_size % (self.pp_size * self.tp_size):
+        if self.pp_size < 1 or self.pp_stages_per_rank < 1 or self.world_size % self.pp_size:
             raise ValueError(
-                f"Strategy: {self.world_size} ranks cannot hold {self.pp_size} pipeline stages' ranks of "
-                f"{self.tp_size} tensor-parallel ranks each"
+                f"Strategy: {self.world_size} ranks cannot hold {self.pp_size} pipelines' ranks of "
+                f"{self.pp_stages_per_rank} stages each"
             )
         if self.replicas > 1 and self.fsdp_version != 2:
             raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
