@@ -153,6 +153,27 @@ def test_bf16_trains_as_one_process_in_bf16(launcher, config, corpus, reference,
     assert_close(run, reference("deepspeed-bf16" if zero else "bf16"), (rtol, rtol), BF16_EXPORT)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@matrix
+@pytest.mark.parametrize(("config", "nproc", "micro"), [("ddp", 2, 4), ("fsdp", 4, 2)], ids=["pp2", "fsdp-pp2"])
+def test_bf16_pipeline_trains_as_one_process_in_bf16(config, nproc, micro, corpus, reference, tmp_path):
+    """--bf16 under 2 pipeline stages (alone on 2 ranks; FSDP2-sharded stages on 4): the schedule runs under
+    accelerate's autocast (and FSDP2's bf16 policy), losses as one process's in bf16, never bf16-rounded."""
+    cmd = launcher_command("accelerate", config)
+    cmd[-1:-1] = ["--num_processes", str(nproc)]  # before the script: an accelerate flag
+    pipeline = [
+        "--pipeline_parallel_degree=2",
+        "--gradient_accumulation_steps=2",
+        f"--per_device_train_batch_size={micro}",
+    ]
+    run = launch(cmd, [*corpus["flags"], *TRAIN, *pipeline, "--bf16"], tmp_path / "out")
+    assert run.strategy["pipeline"]["degree"] == 2
+    assert_bf16_in_force(run.strategy)
+    assert_not_bf16_rounded(run)
+    assert_close(run, reference("bf16"), (AUTOCAST_RTOL, AUTOCAST_RTOL), BF16_EXPORT)
+
+
 MODE_CELLS = [cell("ddp"), cell("fsdp"), cell("zero2"), cell("zero3")]
 
 
