@@ -288,8 +288,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         check_pipeline_with_deepspeed(cfg, raw, source)
         ds = resolve_deepspeed(raw, cfg, world, hidden_size, source, cpu_ranks=not torch.cuda.is_available())
         return deepspeed_strategy(ds, world, source)
-    pipeline = {"pp_size": cfg.pipeline_parallel_degree, "pp_schedule": cfg.pipeline_parallel_schedule,
-                "pp_stages_per_rank": cfg.pipeline_stages_per_rank}  # fmt: skip
+    pipeline = pipeline_fields(cfg)
     if use_fsdp:
         fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
         # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.
@@ -300,7 +299,18 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         strategy = fsdp_strategy(fsdp_env, world, shard_size)
         check_pipeline_with_fsdp(cfg, strategy)
         return replace(strategy, **pipeline)
-    data_parallel = world // cfg.pipeline_parallel_degree  # ranks of the pipeline train one batch: no DDP among them
+    return replicated_strategy(world, pipeline)
+
+
+def pipeline_fields(cfg: RunConfig) -> dict:
+    """The Strategy fields of the pipeline flags."""
+    return {"pp_size": cfg.pipeline_parallel_degree, "pp_schedule": cfg.pipeline_parallel_schedule,
+            "pp_stages_per_rank": cfg.pipeline_stages_per_rank}  # fmt: skip
+
+
+def replicated_strategy(world: int, pipeline: dict) -> Strategy:
+    """DDP, or one process; the ranks of a pipeline train one batch, so there is no DDP among them."""
+    data_parallel = world // pipeline["pp_size"]
     return Strategy("ddp" if data_parallel > 1 else "single", world, **pipeline)
 
 
@@ -366,14 +376,19 @@ def launched_data_parallel_size(cfg: RunConfig) -> int:
     read before `RunConfig.resolve`, which fixes the accumulation that
     --global_batch_size gives from it (the DeepSpeed JSON's "auto" values are resolved afterwards, from the resolved
     config). The same count as `Strategy.data_parallel_size`, which the loader, DeepSpeed and the resume check use."""
-    world, pp = launched_world_size(), cfg.pipeline_parallel_degree
+    return data_parallel_ranks(cfg, launched_world_size(), launched_deepspeed_config(cfg))
+
+
+def data_parallel_ranks(cfg: RunConfig, world: int, launched: tuple[dict, str] | None) -> int:
+    """`launched_data_parallel_size` for `world` ranks and the DeepSpeed config `launched` ((JSON, how messages
+    name it), or None), as the doctor reads them from a launch's files."""
+    pp = cfg.pipeline_parallel_degree
     if world % pp:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(
             f"--pipeline_parallel_degree {pp} does not divide the {world} launched ranks: pass one of {divisors}, "
             f"or launch a multiple of {pp} ranks"
         )
-    launched = launched_deepspeed_config(cfg)
     if launched is None:
         return world // pp
     raw, source = launched

@@ -111,28 +111,25 @@ def launched_strategy(launch: dict | None, ds: dict | None, world: int, cfg=None
     degree of the training flags `cfg`."""
     from dataclasses import replace
 
-    from training.strategy import Strategy, deepspeed_strategy, fsdp_strategy
+    from training.strategy import deepspeed_strategy, fsdp_strategy, pipeline_fields, replicated_strategy
 
     if ds is not None:
         return deepspeed_strategy(ds, world)
-    pp = cfg.pipeline_parallel_degree if cfg is not None else 1
-    pipeline = {"pp_size": pp} if pp == 1 else {
-        "pp_size": pp, "pp_schedule": cfg.pipeline_parallel_schedule, "pp_stages_per_rank": cfg.pipeline_stages_per_rank
-    }  # fmt: skip
+    pipeline = pipeline_fields(cfg) if cfg is not None else {"pp_size": 1}
     if launch and launch.get("distributed_type") == "FSDP":
         fsdp = launch.get("fsdp_config") or {}
         env = {var: str(fsdp[key]).lower() if isinstance(fsdp[key], bool) else str(fsdp[key])
                for key, var in FSDP_VARIABLES.items() if key in fsdp}  # fmt: skip
         shard = (launch.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size", world)
         return replace(fsdp_strategy(env, world, shard), **pipeline)
-    return Strategy("ddp" if world // pp > 1 else "single", world, **pipeline)
+    return replicated_strategy(world, pipeline)
 
 
 def check_training(report: Report, args, launch: dict | None, found: list[dict], bf16_ok: bool) -> None:
     """RunConfig.resolve and resolve_deepspeed exactly as the training script runs them at start-up."""
     from training.config import RunConfig
-    from training.deepspeed_config import data_parallel_size, load_json, resolve_deepspeed
-    from training.strategy import check_pipeline_with_deepspeed
+    from training.deepspeed_config import load_json, resolve_deepspeed
+    from training.strategy import data_parallel_ranks
 
     flags = list(args.train_flags)
     if args.deepspeed:
@@ -146,15 +143,9 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     ds_file = cfg.deepspeed or ((launch or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
     try:
         # The ranks that train on different data: the world over the pipeline's and AutoTP's degrees, as the
-        # training script counts them.
-        pp = cfg.pipeline_parallel_degree
-        if world % pp:
-            raise ValueError(f"--pipeline_parallel_degree {pp} does not divide the {world} ranks of this launch")
-        dp = world // pp  # a missing or broken JSON is reported under "DeepSpeed config" below
-        if ds_file and find_file(ds_file).is_file():
-            raw = load_json(find_file(ds_file))
-            check_pipeline_with_deepspeed(cfg, raw, repr(str(ds_file)))
-            dp = data_parallel_size(raw, world, repr(str(ds_file)))
+        # training script counts them (a missing or broken JSON is reported under "DeepSpeed config" below).
+        present = ds_file and find_file(ds_file).is_file()
+        dp = data_parallel_ranks(cfg, world, (load_json(find_file(ds_file)), repr(str(ds_file))) if present else None)
         cfg = cfg.resolve(dp)  # the accelerate config's precision is checked below, against the flags
     except Exception as e:
         report.add("training flags", FAIL, str(e))
