@@ -29,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from transformers.masking_utils import create_causal_mask
 
+from training.build import local
 from training.step import NonFiniteLossError, StepResult
 
 # The schedules that train like one process on CPU ranks (tests/training/test_pipeline.py), by torch's names, and
@@ -39,6 +40,7 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 ALL_SCHEDULES = (*SCHEDULES, "DualPipeV")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble",)
+MULTI_STAGE = LOOPED + V_SHAPED
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")  # refused with FSDP2 (training/strategy.py)
 
 
@@ -46,7 +48,7 @@ def stages_per_rank(schedule: str, requested: int | None) -> int:
     """Stages each pipeline rank holds: the requested count, else 2 under a multi-stage schedule and 1 otherwise."""
     if requested is not None:
         return requested
-    return 2 if schedule in LOOPED + V_SHAPED else 1
+    return 2 if schedule in MULTI_STAGE else 1
 
 
 def stage_ranks(schedule: str, pp: int, per_rank: int) -> list[int]:
@@ -70,11 +72,10 @@ def check_pipeline(schedule: str, pp: int, per_rank: int, micro_batches: int, nu
             f"--pipeline_parallel_schedule {schedule} does not train on this project's CPU-tested path (torch "
             f"2.13's DualPipeV never finished a step on 2 gloo ranks): choose one of {', '.join(SCHEDULES)}"
         )
-    single = schedule not in LOOPED + V_SHAPED
-    if single and per_rank != 1:
+    if schedule not in MULTI_STAGE and per_rank != 1:
         raise ValueError(
             f"--pipeline_parallel_virtual_stages {per_rank} with --pipeline_parallel_schedule {schedule}, which runs "
-            f"one stage per rank: pass 1, or a multi-stage schedule ({', '.join(LOOPED + V_SHAPED)})"
+            f"one stage per rank: pass 1, or a multi-stage schedule ({', '.join(MULTI_STAGE)})"
         )
     if schedule in V_SHAPED and per_rank != 2:
         raise ValueError(
@@ -228,7 +229,7 @@ class Pipeline:
     pp_rank: int
     pp_size: int
     data_parallel_size: int
-    stage_of_rank: list[int] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)  # the pipeline rank of each stage
     parameters: int = 0  # the whole model's, counted before the stages were kept
     clock: BusyClock | None = None  # this rank's stages' compute time
     loss_scale: float = 1.0
@@ -248,7 +249,7 @@ class Pipeline:
         targets = micro_batches[0]["num_items_in_batch"]  # the global batch's counted targets, on every rank
         self.loss_scale = self.data_parallel_size / float(targets)
         losses: list[torch.Tensor] = []
-        first = self.pp_rank == self.stage_of_rank[0]
+        first = self.pp_rank == self.owners[0]
         start = self.clock.mark() if self.clock else None
         with autocast():
             # collective: point-to-point sends of activations and their gradients between neighbouring stages;
@@ -312,7 +313,7 @@ class Pipeline:
         value = value.reshape(()).clone()
         if self.dp_group is not None and loss is not None:
             dist.all_reduce(value, group=self.dp_group)  # collective: the last stage's data-parallel ranks
-        last = dist.get_global_rank(self.pp_group, self.stage_of_rank[-1])
+        last = dist.get_global_rank(self.pp_group, self.owners[-1])
         dist.broadcast(value, src=last, group=self.pp_group)  # collective: the pipeline's ranks
         return value.item()
 
@@ -331,8 +332,7 @@ class Pipeline:
         grad = tied.grad
         if grad is None:
             grad = tied.grad = torch.zeros_like(tied)
-        local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: both hold the same rows
-        dist.all_reduce(local, group=self.tie_group)  # collective: the first and last stage's ranks
+        dist.all_reduce(local(grad), group=self.tie_group)  # collective: first and last stage; FSDP2: the same rows
 
     def clip_gradients(self, max_norm: float) -> float:
         """The global gradient norm before clipping, as one process would compute it (the tied embedding counted
@@ -342,8 +342,7 @@ class Pipeline:
         counted = [p.grad for p in params if p is not copy]  # the first stage counts the tied embedding
         squares = torch.zeros((), device=self.device)
         for grad in counted:
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            squares += local.float().pow(2).sum()
+            squares += local(grad).float().pow(2).sum()
         # collective: over the pipeline's stages, and over the data-parallel shards when FSDP2 shards them
         dist.all_reduce(squares, group=None if self.sharded else self.pp_group)
         total = squares.sqrt()
@@ -353,21 +352,21 @@ class Pipeline:
 
     def in_force(self) -> dict:
         """The layout as built, for strategy.json: stages, their layers and ranks, the schedule."""
-        num_stages = len(self.stage_of_rank)
+        num_stages = len(self.owners)
         layers = self.model.config.num_hidden_layers
-        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.model.parameters())
+        held = sum(local(p).numel() for p in self.model.parameters())
         return {
             "parameters": self.parameters,
-            "local_parameter_fraction": round(local / self.parameters, 4),
+            "local_parameter_fraction": round(held / self.parameters, 4),
             "pipeline": {
                 "degree": self.pp_size,
                 "schedule": type(self.schedule).__name__.removeprefix("Schedule"),
                 "stages": num_stages,
                 "stages_per_rank": num_stages // self.pp_size,
                 "layers_per_stage": layers // num_stages,
-                "stage_ranks": self.stage_of_rank,
+                "stage_ranks": self.owners,
                 "this_rank": self.pp_rank,
-                "this_rank_stages": [s for s, owner in enumerate(self.stage_of_rank) if owner == self.pp_rank],
+                "this_rank_stages": self.local_stages,
                 "this_rank_layers": [i for stage in self.stages for i in self.layer_indices(stage)],
                 "data_parallel_size": self.data_parallel_size,
                 "data_parallel": "fsdp2" if self.sharded else "all-reduce" if self.dp_group is not None else "none",
@@ -385,19 +384,17 @@ class Pipeline:
     def evaluate(self, batches, max_batches: int | None, autocast) -> float | None:
         """Token-mean validation loss: every pipeline runs its data-parallel share forward only; the last stage's
         ranks add their summed cross-entropy and counted targets, and the sums are added over all ranks."""
-        total = torch.zeros((), device=self.device)
-        count = torch.zeros((), device=self.device)
-        last = self.stage_of_rank[-1] == self.pp_rank
+        sums = torch.zeros(2, device=self.device)  # summed cross-entropy, counted targets
+        last = self.owners[-1] == self.pp_rank
         for i, micro in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
             with autocast():
-                total += self.eval_sums(micro)  # collective: the pipeline's point-to-point sends
+                sums[0] += self.eval_sums(micro)  # collective: the pipeline's point-to-point sends
             if last:
-                count += (micro["shift_labels"] != -100).sum()
-        total, count = torch.stack([total, count]).to(self.device), None
-        dist.all_reduce(total)  # collective: every rank (only the last stage's contribute)
-        return (total[0] / total[1]).item() if total[1] > 0 else None
+                sums[1] += (micro["shift_labels"] != -100).sum()
+        dist.all_reduce(sums)  # collective: every rank (only the last stage's contribute)
+        return (sums[0] / sums[1]).item() if sums[1] > 0 else None
 
     @torch.no_grad()
     def eval_sums(self, micro: dict) -> torch.Tensor:
@@ -406,26 +403,30 @@ class Pipeline:
         returns the sum; the others a zero."""
         device = self.device
         ids, labels = micro["input_ids"].to(device), micro["shift_labels"].to(device)
-        num_stages = len(self.stage_of_rank)
+        num_stages = len(self.owners)
         h = ids
         for s in range(num_stages):
-            owner = self.stage_of_rank[s]
+            owner = self.owners[s]
             if owner != self.pp_rank:
                 h = None
                 continue
-            if s > 0 and self.stage_of_rank[s - 1] != self.pp_rank:
+            if s > 0 and self.owners[s - 1] != self.pp_rank:
                 # fp32 on the wire whatever the stages compute in: the receiver needs no dtype to size its buffer
                 h = torch.empty(*ids.shape, self.model.config.hidden_size, device=device)
-                dist.recv(h, src=dist.get_global_rank(self.pp_group, self.stage_of_rank[s - 1]), group=self.pp_group)
+                dist.recv(h, src=dist.get_global_rank(self.pp_group, self.owners[s - 1]), group=self.pp_group)
             h = self.stage(s)(h, labels)
-            if s < num_stages - 1 and self.stage_of_rank[s + 1] != self.pp_rank:
-                dist.send(h.float().contiguous(), dst=dist.get_global_rank(self.pp_group, self.stage_of_rank[s + 1]),
+            if s < num_stages - 1 and self.owners[s + 1] != self.pp_rank:
+                dist.send(h.float().contiguous(), dst=dist.get_global_rank(self.pp_group, self.owners[s + 1]),
                           group=self.pp_group)  # fmt: skip
-        return h.reshape(()).float() if self.stage_of_rank[-1] == self.pp_rank else torch.zeros((), device=device)
+        return h.reshape(()).float() if self.owners[-1] == self.pp_rank else torch.zeros((), device=device)
+
+    @property
+    def local_stages(self) -> list[int]:
+        """The indices of this rank's stages, in order (`stages` holds their modules)."""
+        return [s for s, owner in enumerate(self.owners) if owner == self.pp_rank]
 
     def stage(self, index: int) -> Stage:
-        mine = [s for s, owner in enumerate(self.stage_of_rank) if owner == self.pp_rank]
-        return self.stages[mine.index(index)]
+        return self.stages[self.local_stages.index(index)]
 
     # ---------------------------------------------------------------- the whole model's weights
 
@@ -473,7 +474,7 @@ def build_pipeline(model: nn.Module, rank: int, world: int, pp: int, schedule_na
         model=model, stages=stages, schedule=None, pp_group=pp_groups[dp_rank],
         dp_group=dp_groups[pp_rank] if dp > 1 else None,
         tie_group=tie_groups[dp_rank] if tied and pp_rank in (owners[0], owners[-1]) else None,
-        sharded=shard is not None, pp_rank=pp_rank, pp_size=pp, data_parallel_size=dp, stage_of_rank=owners,
+        sharded=shard is not None, pp_rank=pp_rank, pp_size=pp, data_parallel_size=dp, owners=owners,
         parameters=parameters, clock=clock,
     )  # fmt: skip
     pipeline_stages = [
