@@ -34,6 +34,7 @@ from training.checkpoint import (
     load_checkpoint,
     resolve_resume_once,
 )
+from training.comms import StepCommunication
 from training.compat import check_versions
 from training.console import configure_console, no_transformers_bars
 from training.curves import plot_training_curves
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         return engine.save(cfg.output_dir, step, state, cfg.save_total_limit)
 
     first_step = step + 1
+    comms = StepCommunication(first_step, cfg.max_steps)  # counts the collectives of one step, the third
     # The bar is closed however the loop ends, so that an error's line starts a line of its own; log lines are
     # written above it.
     progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             step += 1
             watchdog.arm(step)
             t0 = time.perf_counter()
-            with profiler.step(step):  # --profile: records the steps of --profile_steps
+            with profiler.step(step), comms.during(step):  # --profile: records --profile_steps
                 # collectives inside: gradient reduction, the loss all-reduce, clipping; a pipeline's sends
                 result = engine.step(next(batches), step)
             log.add(result, time.perf_counter() - t0)  # the loss's .item() has synchronised the device
@@ -166,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
             if step == first_step:
                 check_gradients_flow(result, step, cfg.torch_compile)  # the same on every rank: norms are global
                 seen |= engine.shares.read(seen["parameters"])  # gradient and optimizer-state shares, now they exist
-                if is_main:  # rank 0 only: every rank holds the same shares
-                    (out / "strategy.json").write_text(json.dumps(seen, indent=2))
+            if step == comms.measured:
+                seen["communication"] = comms.read()  # collective: every rank's bytes, gathered
+            if step in (first_step, comms.measured) and is_main:  # rank 0 only: every rank holds the same shares
+                (out / "strategy.json").write_text(json.dumps(seen, indent=2))
 
             if step % cfg.logging_steps == 0 or step == cfg.max_steps:
                 record = log.record(step, scheduler.get_last_lr()[0], result.grad_norm, loader.epoch)
