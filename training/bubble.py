@@ -1,4 +1,4 @@
-"""The pipeline bubble and the activations a schedule holds, measured on stages of fixed cost.
+"""The pipeline bubble and the activations a schedule holds, measured on stages of fixed cost and on the model's own.
 
 Each stage's forward takes `seconds` and its backward twice that (a sleep: the measurement needs no compute, so
 more ranks than cores is fine), and counts the micro batches whose activations it holds: one more at each
@@ -7,16 +7,24 @@ M x 3 `seconds`; the rest of the step is the bubble. GPipe's (Huang et al. 2019)
 Narayanan et al. 2021) bubble is (P - 1) / (M + P - 1) of the step; GPipe holds all M micro batches' activations at
 its peak, 1F1B at most P (stage s: P - s).
 
+The model's own stages (`measure_model`: training/pipeline.py's `build_pipeline`, one stage per rank) are timed
+with the training's busy clock and counted in bytes: the peak of what a stage holds for its backward, autograd's
+saved tensors and the outputs the stage keeps (training/memory/saved.py), which the planner predicts
+(training/memory/planner.stage_held).
+
 The ranks run torch.distributed.pipelining's own schedules over gloo (collective: the point-to-point sends of
 activations and gradients between neighbouring stages, and the barriers that time a step).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import queue as queue_module
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -97,21 +105,33 @@ def _rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], seconds:
 def measure(pp: int, cases: list[tuple[str, int]], seconds: float = 0.05, steps: int = 3) -> list[dict]:
     """Each (schedule, micro batches) of `cases` on `pp` fixed-cost stages, one process per stage: per stage, the
     step time (the fastest of `steps`), its busy fraction and the most micro batches it held at once."""
+    return _run_ranks(_rank, pp, len(cases), (cases, seconds, steps))
+
+
+def _run_ranks(target, pp: int, records: int, args: tuple, timeout: float = 600) -> list[dict]:
+    """`target(rank, pp, store, *args, queue)` in `pp` spawned processes; the `records` each process puts, sorted.
+    A rank that fails or outlives `timeout` seconds fails the measurement, its peers stopped."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        processes = [
-            ctx.Process(target=_rank, args=(r, pp, os.path.join(tmp, "store"), cases, seconds, steps, queue))
-            for r in range(pp)
-        ]
+        store = os.path.join(tmp, "store")
+        processes = [ctx.Process(target=target, args=(r, pp, store, *args, queue)) for r in range(pp)]
         for p in processes:
             p.start()
-        records = [queue.get(timeout=600) for _ in range(pp * len(cases))]
+        got, deadline = [], time.monotonic() + timeout
+        while len(got) < pp * records and time.monotonic() < deadline:
+            if any(p.exitcode for p in processes):  # a rank failed: its peers would wait for it forever
+                break
+            with contextlib.suppress(queue_module.Empty):
+                got.append(queue.get(timeout=1))
         for p in processes:
-            p.join(timeout=60)
-    if any(p.exitcode for p in processes):
-        raise RuntimeError(f"a stage's process failed: exit codes {[p.exitcode for p in processes]}")
-    return sorted(records, key=lambda r: (r["schedule"], r["micro_batches"], r["stage"]))
+            p.join(timeout=60 if len(got) == pp * records else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if len(got) < pp * records or any(p.exitcode for p in processes):
+        raise RuntimeError(f"a stage's process failed or hung: exit codes {[p.exitcode for p in processes]}")
+    return sorted(got, key=lambda r: (r["schedule"], r["micro_batches"], r["stage"]))
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -128,3 +148,66 @@ def summarize(records: list[dict]) -> list[dict]:
         row["bubble"] = 1 - row["busy_seconds"] / row["step_seconds"]
         row["bubble_theory"] = theory(row["pp"], row["micro_batches"])
     return list(rows.values())
+
+
+# ---------------------------------------------------------------------------------------------- the model's stages
+
+
+@dataclass
+class ModelCase:
+    """The model whose stages are measured, and the micro batch each stage runs."""
+
+    preset: str = "debug"
+    overrides: dict = field(default_factory=dict)  # config fields over the preset's (num_hidden_layers=...)
+    micro_batch: int = 1  # sequences per micro batch
+    seq_len: int = 64
+
+
+def _model_rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], model: ModelCase, steps: int,
+                queue) -> None:  # fmt: skip
+    from model import ShardGPTConfig, ShardGPTForCausalLM
+    from training.memory.saved import HeldBytes
+    from training.pipeline import build_pipeline
+
+    torch.set_num_threads(1)  # one core per stage: P = 2 ranks on 2 cores time honestly
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=pp)
+    config = ShardGPTConfig.from_preset(model.preset, **model.overrides)
+    for schedule, m in cases:
+        torch.manual_seed(0)  # every rank builds one process's model, then keeps its stage
+        net = ShardGPTForCausalLM(config).train()
+        pipeline = build_pipeline(net, rank, pp, pp, schedule, 1, m, torch.device("cpu"), None)  # collective
+        ids = torch.randint(0, config.vocab_size, (m * model.micro_batch, model.seq_len))  # (M * micro, T)
+        pipeline.loss_scale = 1 / ids.numel()
+        held = HeldBytes(net.parameters())
+        if rank < pp - 1:  # the stage keeps its output for the micro batch's backward
+            pipeline.stages[0].register_forward_hook(functools.partial(_keep_output, held))
+        runs = []
+        for i in range(steps + 1):  # the first step infers shapes and allocates the stage's buffers: not kept
+            dist.barrier()  # collective: every stage starts the step together
+            held.reset()
+            t0 = time.perf_counter()
+            with held.saving():  # collective: the schedule's point-to-point sends
+                pipeline.schedule.step(*((ids,) if rank == 0 else ()), target=ids, losses=[], shift_labels=ids)
+            t1 = time.perf_counter()
+            dist.barrier()  # collective: the step ends when its last stage is done
+            busy = pipeline.clock.busy_fraction(t0, t1) * (t1 - t0)
+            net.zero_grad(set_to_none=True)
+            if i:
+                runs.append((time.perf_counter() - t0, busy, held.peak, held.now))
+        step, busy, peak, left = min(runs)  # the least disturbed step: the others only add noise from this machine
+        queue.put({"schedule": schedule, "pp": pp, "micro_batches": m, "stage": rank, "step_seconds": step,
+                   "busy_seconds": busy, "peak_held_bytes": peak, "held_after_step": left})  # fmt: skip
+    dist.destroy_process_group()
+
+
+def _keep_output(held, _module: nn.Module, _args, output: torch.Tensor) -> None:
+    if torch.is_grad_enabled():  # a forward with a backward to come (not the schedule's shape inference)
+        held.keep_until_freed(output)
+
+
+def measure_model(pp: int, cases: list[tuple[str, int]], model: ModelCase, steps: int = 3,
+                  timeout: float = 600) -> list[dict]:  # fmt: skip
+    """Each (schedule, micro batches) of `cases` on `pp` stages of `model`, one process per stage: per stage, the
+    step time (the fastest of `steps`), the time its stage computed in that step (forward and backward), and the
+    most bytes it held for its backward at once (and what it still held after the step: nothing)."""
+    return _run_ranks(_model_rank, pp, len(cases), (cases, model, steps), timeout)

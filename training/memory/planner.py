@@ -31,6 +31,7 @@ from training.config import RunConfig
 from training.deepspeed_config import autotp_size, cpu_capped, gradient_reduction_dtype, load_json, resolve_deepspeed
 from training.optim import param_groups
 from training.paths import ROOT
+from training.pipeline import check_pipeline, stage_layers
 from training.strategy import Strategy
 
 # The strategies the planner models, by name (`Strategy.name`); each ZeRO one with the repo's JSON for it.
@@ -358,14 +359,29 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (the formula; not measured under TP).
     """
     c = config
-    h, f, a = c.hidden_size, c.intermediate_size, c.num_attention_heads
-    g = c.num_key_value_heads * c.head_dim
     tokens = micro_batch * seq_len
-    layer = e * (4 * h + (2 * h + 2 * g + 4 * f) // tp) + 8 * h + 4 * a // tp + 8
-    once = 8 + 4 * h + 4 + e * h
-    kept = e * h if checkpointing else layer  # per layer: its input only, or everything it saves
+    layer = layer_activation_bytes(c, e, tp)
+    once = 8 + final_norm_bytes(c, e)
+    kept = e * c.hidden_size if checkpointing else layer  # per layer: its input only, or everything it saves
     recomputed = layer if checkpointing else 0  # the one layer being recomputed in the backward
-    return (c.num_hidden_layers * kept + recomputed + once) * tokens + 2 * e * c.head_dim * seq_len
+    return (c.num_hidden_layers * kept + recomputed + once) * tokens + rotary_bytes(c, seq_len, e)
+
+
+def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1) -> int:
+    """What one decoder layer saves per token: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (`activation_bytes`)."""
+    h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    g = config.num_key_value_heads * config.head_dim
+    return e * (4 * h + (2 * h + 2 * g + 4 * f) // tp) + 8 * h + 4 * a // tp + 8
+
+
+def final_norm_bytes(config: ShardGPTConfig, e: int) -> int:
+    """What the final norm saves per token: its fp32 input, 1/rms and its normalised input (4h + 4 + e h)."""
+    return 4 * config.hidden_size + 4 + e * config.hidden_size
+
+
+def rotary_bytes(config: ShardGPTConfig, seq_len: int, e: int) -> int:
+    """Rotary cos and sin, (1, T, head_dim) each, computed once per forward and shared by the batch and layers."""
+    return 2 * e * config.head_dim * seq_len
 
 
 LOSS_CHUNK = 1024  # tokens per chunk of the model's chunked cross-entropy (`ShardGPTLMHead.chunk_size`)
@@ -484,7 +500,8 @@ def adam_temporaries(lay: Layout, strategy: Strategy, world: int, zero: dict | N
 def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16", micro_batch: int = 1,
             seq_len: int = 2048, activation_checkpointing: bool = False, ds_config: dict | None = None,
             rank: int | None = None, decay_embeddings: bool = False,
-            bf16_gradient_reduction: bool = False, cpu_ranks: bool = False) -> dict:  # fmt: skip
+            bf16_gradient_reduction: bool = False, cpu_ranks: bool = False,
+            micro_batches: int = 1) -> dict:  # fmt: skip
     """Bytes one GPU needs, by category, for `strategy` on its `world_size` GPUs.
 
     Returns params, grads, optimizer_states (fp32 master copies + Adam), activations, logits, temporary and
@@ -494,8 +511,15 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     (dict) instead of the repo's ds_configs/ file for the strategy. `cpu_ranks`: the ranks are CPU processes, as
     in the test suite (torch's unfused AdamW steps there, and the repo's JSONs have their buckets capped, as
     training caps them: `training/deepspeed_config.py`'s CPU_BUCKETS).
+
+    A pipeline (`strategy.pp_size` > 1, GPipe or 1F1B, `micro_batches` per step: --gradient_accumulation_steps)
+    is planned stage by stage (`pipeline_stages`): the figures of its largest stage, and every stage's in "stages".
     """
     world_size = strategy.world_size
+    if strategy.pp_size > 1:
+        stages = pipeline_stages(config, strategy, precision, micro_batch, seq_len, micro_batches,
+                                 activation_checkpointing, decay_embeddings, cpu_ranks)  # fmt: skip
+        return {**max(stages, key=lambda stage: stage["total"]), "stages": stages}
     if strategy.name not in STRATEGIES:
         raise ValueError(f"the planner does not model {strategy.name}; choose one of {', '.join(STRATEGIES)} or all")
     if precision not in BYTES:
@@ -559,6 +583,152 @@ def _ranks_to_check(strategy: Strategy, world: int) -> list[int]:
     if (strategy.zero_stage in (1, 2) and not strategy.offloads) or strategy.family == "fsdp":
         return list(range(world)) if world <= 64 else [0, world - 1]  # the differences sit at the ends
     return [0]
+
+
+# ---------------------------------------------------------------------------------------------- pipeline stages
+
+# The schedules whose activations the planner models. The interleaved and zero-bubble ones hold several stages per
+# rank and order their micro batches differently (their split backwards too): not modelled.
+PIPELINE_SCHEDULES = ("GPipe", "1F1B")
+
+
+def in_flight(schedule: str, pp: int, micro_batches: int, stage: int) -> int:
+    """Micro batches whose activations stage `stage` of `pp` holds at once, at most: GPipe runs every forward before
+    any backward (M); under 1F1B stage s runs P - s forwards before its first backward, then one forward per
+    backward (min(M, P - s)). Measured with torch's schedules: tests/training/test_bubble.py."""
+    if schedule == "GPipe":
+        return micro_batches
+    if schedule == "1F1B":
+        return min(micro_batches, pp - stage)
+    raise ValueError(f"the planner models {' and '.join(PIPELINE_SCHEDULES)}'s activations, not {schedule}'s")
+
+
+def stage_layout(lay: Layout, num_stages: int, stage: int) -> Layout:
+    """The parameters stage `stage` keeps (training/pipeline.keep_stages): its decoder layers, the embedding on the
+    first stage, the final norm and the head on the last, where a tied head is a second copy of the embedding."""
+    config = lay.config
+    layers = tuple(f"model.layers.{i}." for i in stage_layers(config.num_hidden_layers, num_stages, stage))
+    first, last = stage == 0, stage == num_stages - 1
+
+    def kept(name: str) -> bool:
+        if name == "model.embed_tokens.weight":
+            return first or (last and config.tie_word_embeddings)
+        if name in ("model.norm.weight", "lm_head.weight"):
+            return last
+        return name.startswith(layers)
+
+    keep = [i for i, name in enumerate(lay.names) if kept(name)]
+    new = {old: j for j, old in enumerate(keep)}
+    by_module: dict[str, int] = {}
+    for i in keep:
+        module = lay.names[i].rpartition(".")[0]
+        by_module[module] = by_module.get(module, 0) + lay.numels[i]
+    groups = [[new[i] for i in group if i in new] for group in lay.groups]
+    return Layout(
+        config, [lay.names[i] for i in keep], [lay.numels[i] for i in keep], [lay.rows[i] for i in keep],
+        [g for g in groups if g], [new[i] for i in lay.root if i in new], lay.layer_numel, max(by_module.values()),
+    )  # fmt: skip
+
+
+def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool, schedule: str,
+               pp: int, micro_batches: int, stage: int, hidden: int = 4) -> tuple[int, int]:  # fmt: skip
+    """What stage `stage` holds for its backward at its peak: (activations, the chunked loss's saved gradients).
+
+    Per micro batch in flight (`in_flight`): its layers' saved tensors (`layer_activation_bytes` per layer and
+    token; with activation checkpointing the layer's input), the rotary cos and sin the stage computed for it, and
+    on the last stage the final norm's and the loss's saved tensors, on the others the output torch's PipelineStage
+    keeps until the micro batch's backward (h per token in the hidden states' dtype, `hidden` bytes). Once: the
+    first stage's token ids, 8 bytes per token of the whole step (the schedule's micro batches are views of the
+    step's ids, whose storage any of them keeps), and with checkpointing the one layer being recomputed.
+    Measured to the byte on the model's own stages (tests/training/test_bubble.py), fp32."""
+    c = config
+    tokens = micro_batch * seq_len
+    first, last = stage == 0, stage == pp - 1
+    layer = layer_activation_bytes(c, e)
+    per_layer = e * c.hidden_size if checkpointing else layer
+    per_micro = len(stage_layers(c.num_hidden_layers, pp, stage)) * per_layer * tokens + rotary_bytes(c, seq_len, e)
+    per_micro += (final_norm_bytes(c, e) if last else hidden * c.hidden_size) * tokens
+    n = in_flight(schedule, pp, micro_batches, stage)
+    once = (8 * tokens * micro_batches if first else 0) + (layer * tokens if checkpointing else 0)
+    return n * per_micro + once, n * saved_loss_bytes(c, micro_batch, seq_len, e) if last else 0
+
+
+def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, micro_batch: int, seq_len: int,
+                    micro_batches: int, checkpointing: bool = False, decay_embeddings: bool = False,
+                    cpu_ranks: bool = False) -> list[dict]:  # fmt: skip
+    """Bytes one rank of each pipeline stage needs, by category as `predict`'s, for a pipeline of
+    `strategy.pp_size` stages, one per rank, under GPipe or 1F1B (`strategy.pp_schedule`), `micro_batches` a step.
+
+    Model states as training/pipeline.py keeps them: a stage's parameters whole on each of its ranks, with one
+    all-reduce of a flat copy of its gradients where pipelines run side by side (ddp-pp: no DDP reducer, so no
+    buckets), or FSDP2-sharded over the stage's data-parallel ranks (fsdp-pp: FSDP's shards, units and prefetch,
+    the stage's embedding, norm and head its root unit). Activations: `stage_held`. Besides, torch's PipelineStage
+    allocates at its first step one receive buffer per micro batch for the activations (every stage but the
+    first) and one for their gradients (every stage but the last), micro x T x h each (`_prepare_forward_infra`,
+    torch 2.13; from its source, not measured); the in-flight micro batches' saved layer inputs are those buffers
+    in fp32, counted twice here (4h of a layer's tens of h per token).
+    """
+    pp, schedule, dp = strategy.pp_size, strategy.pp_schedule, strategy.data_parallel_size
+    sharded = strategy.family == "fsdp"
+    if (strategy.family not in ("single", "ddp", "fsdp") or (sharded and strategy.fsdp_version != 2)
+            or strategy.offloads or strategy.replicas > 1 or strategy.tp_size > 1 or strategy.pp_stages_per_rank > 1
+            or schedule not in PIPELINE_SCHEDULES):  # fmt: skip
+        raise ValueError(
+            f"the planner does not model {strategy.name} under {schedule}: it plans pipelines of one stage per rank "
+            f"under {' or '.join(PIPELINE_SCHEDULES)}, each stage one process, DDP or FSDP2 (single-pp, ddp-pp, "
+            "fsdp-pp, fsdp-shard-grad-op-pp)"
+        )
+    if precision not in BYTES or micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"precision {precision!r} (one of {', '.join(BYTES)}), micro_batch and seq_len at least 1")
+    check_pipeline(schedule, pp, 1, micro_batches, config.num_hidden_layers)
+    e = BYTES[precision]
+    hidden = e if sharded else 4  # FSDP2's bf16 parameters compute in bf16; autocast keeps the residual stream fp32
+    whole = layout(config, decay_embeddings)
+    tokens, v, h = micro_batch * seq_len, config.vocab_size, config.hidden_size
+    stages = []
+    for stage in range(pp):
+        lay = stage_layout(whole, pp, stage)
+        if sharded:
+            states = max((fsdp_states(lay, dp, r, offload=False) for r in _ranks_to_check(strategy, dp)),
+                         key=lambda items: sum(it.nbytes for it in items))  # fmt: skip
+            temps = temporaries(lay, strategy, dp, precision, None)
+        else:
+            states = [Item("params", "weights", 4 * lay.psi), Item("grads", "param.grad", 4 * lay.psi)]
+            adam(states, lay.psi, len(lay.numels), "gpu")
+            temps = [Item("buffers", "autocast_weight_copies", e * lay.psi if precision != "fp32" else 0),
+                     Item("buffers", "gradient_all_reduce", 4 * lay.psi if dp > 1 else 0)]  # fmt: skip
+        boundaries = (stage > 0) + (stage < pp - 1)
+        temps.append(Item("buffers", "pipeline_receive_buffers", boundaries * micro_batches * tokens * h * hidden))
+        if cpu_ranks:  # torch's unfused AdamW
+            largest = adam_temporaries(lay, strategy, dp, None, e) if sharded else None
+            temps.append(largest or Item("buffers", "adam_temporaries", 8 * max(lay.numels)))
+        activations, loss = stage_held(config, micro_batch, seq_len, e, checkpointing, schedule, pp, micro_batches,
+                                       stage, hidden)  # fmt: skip
+        chunk = min(LOSS_CHUNK, tokens)
+        gpu = bytes_by_category(states)
+        row = {
+            "params": gpu["params"],
+            "grads": gpu["grads"],
+            "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
+            "activations": activations,
+            "logits": loss + ((4 + e) * chunk * v + e * v * h if stage == pp - 1 else 0),
+            "temporary": sum(it.nbytes for it in temps),
+            "held_for_backward": activations + loss,
+        }
+        row["model_states"] = row["params"] + row["grads"] + row["optimizer_states"]
+        row["total"] = row["model_states"] + row["activations"] + row["logits"] + row["temporary"]
+        # Every rank builds the whole model from the seed before it keeps its stage (training/pipeline.py).
+        row.update(host_ram=0, host_ram_at_start=4 * whole.psi, nvme=0)
+        row["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
+        row["inputs"] = dict(
+            strategy=strategy.name, world_size=strategy.world_size, precision=precision, micro_batch=micro_batch,
+            seq_len=seq_len, activation_checkpointing=checkpointing, psi=whole.psi, tensor_parallel_size=1,
+            pipeline_schedule=schedule, micro_batches=micro_batches, stage=stage, stage_psi=lay.psi,
+            layers=list(stage_layers(config.num_hidden_layers, pp, stage)),
+            micro_batches_in_flight=in_flight(schedule, pp, micro_batches, stage),
+        )  # fmt: skip
+        stages.append(row)
+    return stages
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO paper

@@ -1,0 +1,78 @@
+"""The bytes a rank holds for its backward, live: what its forwards saved (autograd's saved tensors) and what it
+keeps besides (a pipeline stage's outputs), counted as they are taken and as they are released, with their peak.
+
+Each storage counts once, whole, while anything holds it (a saved view keeps its whole storage alive), and the
+parameters' storages not at all: the planner's activation formulas count the same (tests/recipes/test_plan_memory.py).
+`torch.autograd.graph.saved_tensors_hooks` sees every tensor a forward saves, the model's own autograd Functions'
+included; the tensor is handed back to the backward unchanged, and its count released when autograd drops it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+
+class _Saved:
+    """A saved tensor as autograd keeps it between forward and backward: freed with the graph's node."""
+
+    __slots__ = ("tensor", "counter", "key", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, counter: HeldBytes):
+        self.tensor, self.counter = tensor, counter
+        self.key = counter.hold(tensor)
+
+    def __del__(self):
+        self.counter.release(self.key)
+
+
+class HeldBytes:
+    """Live bytes held for the backward (`now`) and their most since the last `reset` (`peak`)."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self.skip = {p.untyped_storage().data_ptr() for p in parameters}
+        self.storages: dict[int, list[int]] = {}  # storage address -> [holders, bytes]
+        self.now = self.peak = 0
+
+    def hold(self, tensor: torch.Tensor) -> int | None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skip or storage.nbytes() == 0:
+            return None
+        entry = self.storages.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        return key
+
+    def release(self, key: int | None) -> None:
+        if key is None:
+            return
+        entry = self.storages[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.storages[key]
+
+    def keep_until_freed(self, tensor: torch.Tensor) -> None:
+        """Count `tensor` until Python frees it (a pipeline stage's output, which the stage keeps for its backward)."""
+        weakref.finalize(tensor, self.release, self.hold(tensor))
+
+    def reset(self) -> None:
+        self.peak = self.now
+
+    def saving(self):
+        """The context under which forwards' saved tensors are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        # Detached: an op's saved output would otherwise keep its own node alive through the holder, a cycle that
+        # only the backward breaks (a forward with none, as a schedule's shape inference, would never be freed).
+        return _Saved(tensor.detach(), self)
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
