@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "point_to_point", "broadcast", "reduce",
@@ -135,6 +136,10 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            # A DTensor (FSDP2's parameters, a tensor-parallel plan's) runs first and comes back here with the
+            # collectives it lowers to (a norm's all-reduce); a mode would otherwise see the op, not them.
+            return NotImplemented
         found = OPERATORS.get(func.name())
         if found is not None:
             self._count(*found, func, args, kwargs)
@@ -211,3 +216,96 @@ class StepCommunication:
         if world > 1:
             torch.distributed.all_gather_object(ranks, mine)  # collective
         return {"step": self.measured, "world_size": world, "per_rank": ranks}
+
+
+# ---------------------------------------------------------------------------------------------- closed forms
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parameter counts, in elements, that decide what a data-parallel step moves."""
+
+    parameters: int
+    """Psi: every parameter element once (a tied embedding and head counted once)."""
+    outside_layers: int
+    """Elements outside the decoder layers (the embedding, the final norm, an untied head): FSDP2's root group."""
+    tied_embedding: int = 0
+    """The embedding's elements when the head shares it (used twice in each forward), else 0."""
+    persistent: int = 0
+    """Elements of parameters at most ZeRO-3's `stage3_param_persistence_threshold`, kept whole on every rank."""
+
+    @classmethod
+    def of(cls, config, persistence_threshold: int = 0) -> ModelShape:
+        """The shape of a ShardGPTConfig's model (a Llama: no biases, two RMSNorms per layer and a final one)."""
+        h, layers = config.hidden_size, config.num_hidden_layers
+        embedding = config.vocab_size * h
+        head = 0 if config.tie_word_embeddings else embedding
+        head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+        attention = 2 * h * h + 2 * h * config.num_key_value_heads * head_dim  # q and o; k and v
+        layer = attention + 3 * h * config.intermediate_size + 2 * h
+        sizes = [embedding, head, h] + [h, h] * layers  # the norms: each layer's two and the final one
+        persistent = sum(n for n in sizes if 0 < n <= persistence_threshold)
+        return cls(layers * layer + embedding + head + h, embedding + head + h,
+                   embedding if config.tie_word_embeddings else 0, persistent)  # fmt: skip
+
+
+def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4) -> dict[str, int] | None:
+    """The payload bytes of each kind of collective that carries parameters or gradients, per rank and step, for a
+    data-parallel strategy with the settings in force (fp32 communication; one micro batch per step, or
+    accumulation without a reduction between micro batches, as accelerate and DeepSpeed accumulate). The loss's and
+    the gradient norm's all-reduces (a few bytes) are not in it. None where no closed form is known here (tensor or
+    pipeline parallelism, hybrid sharding, ZeRO-3 with live-parameter limits between 0 and the model).
+
+    - DDP: one all-reduce of the gradients, Psi.
+    - FSDP2 (and FSDP1), FULL_SHARD: each decoder layer all-gathered in the forward and again in the backward, the
+      root group (the parameters outside the layers) once, since it stays gathered after the forward (accelerate
+      sets that for FSDP2; FSDP1's root unit does it by default): 2 Psi minus the root's; the gradients
+      reduce-scattered, Psi. SHARD_GRAD_OP: all-gathers of Psi, reduce-scatters of Psi.
+    - ZeRO-1/2: DeepSpeed's `use_multi_rank_bucket_allreduce` (default true) reduces each gradient bucket with an
+      all-reduce, where the paper has a reduce-scatter; false: a reduce to each partition's owner. Then an all-gather
+      of the updated partitions, Psi.
+    - ZeRO-3: the gradients reduce-scattered, Psi. With `stage3_max_live_parameters` and `stage3_max_reuse_distance`
+      at least Psi, every gathered parameter stays until the step ends: all-gathers of Psi. At 0, each module's
+      parameters are released after use and gathered again: in the forward and the backward, the tied embedding
+      once more in each (it is the head too), and the persistent parameters, whole everywhere, never again.
+    """
+    psi, ds = shape.parameters, (strategy.deepspeed or {}).get("zero_optimization", {})
+    if strategy.tp_size > 1 or strategy.pp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:
+        return None
+    if strategy.family == "ddp":
+        elements = {"all_reduce": psi}
+    elif strategy.family == "fsdp" and strategy.fsdp_sharding != "NO_SHARD":  # FSDP1 too: its root unit is kept
+        kept = strategy.fsdp_sharding == "SHARD_GRAD_OP"
+        elements = {"all_gather": psi if kept else 2 * psi - shape.outside_layers, "reduce_scatter": psi}
+    elif strategy.family == "deepspeed" and strategy.zero_stage in (1, 2):
+        reduction = "all_reduce" if ds.get("use_multi_rank_bucket_allreduce", True) else "reduce"
+        elements = {reduction: psi, "all_gather": psi}
+    elif strategy.family == "deepspeed" and strategy.zero_stage == 3:
+        live, reuse = (int(ds.get(k, 1e9)) for k in ("stage3_max_live_parameters", "stage3_max_reuse_distance"))
+        if min(live, reuse) >= psi:
+            gathered = psi
+        elif live == reuse == 0:
+            gathered = 2 * (psi - shape.persistent) + shape.persistent + 2 * shape.tied_embedding
+        else:
+            return None
+        elements = {"all_gather": gathered, "reduce_scatter": psi}
+    else:
+        return None
+    return {kind: n * bytes_per_element for kind, n in elements.items()}
+
+
+def paper_volume(strategy, psi: int, bytes_per_element: int = 4) -> int | None:
+    """The ZeRO paper's volume per rank and step (section 7) for `strategy`'s data-parallel sharding, in bytes:
+    2 Psi for DDP, ZeRO-1 and ZeRO-2 (FSDP's SHARD_GRAD_OP), 3 Psi for ZeRO-3 (FSDP's FULL_SHARD), offloaded or not.
+    None where the paper has no figure (tensor or pipeline parallelism, hybrid sharding)."""
+    if strategy.tp_size > 1 or strategy.pp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:
+        return None
+    if strategy.family == "ddp" or (strategy.family == "deepspeed" and strategy.zero_stage in (1, 2)):
+        units = 2
+    elif strategy.family == "deepspeed" and strategy.zero_stage == 3:
+        units = 3
+    elif strategy.family == "fsdp" and strategy.fsdp_sharding != "NO_SHARD":
+        units = 3 if strategy.fsdp_sharding == "FULL_SHARD" else 2
+    else:
+        return None
+    return units * psi * bytes_per_element
