@@ -5,6 +5,8 @@
     python recipes/plan_memory.py --preset llama-1b --hidden_size 2560 --num_gpus 16 --strategy all --json
     python recipes/plan_memory.py --largest --num_gpus 2 --strategy all --seq_len 128 --activation_checkpointing \
         --vocab_size 8192 --nvme_path /local_nvme
+    python recipes/plan_memory.py --preset llama-1b --num_gpus 8 --strategy fsdp --pipeline_parallel_degree 4 \
+        --pipeline_parallel_schedule 1F1B --gradient_accumulation_steps 8
 
 `--largest`: the largest preset (or shallower copy of the next preset, `--config_overrides num_hidden_layers=N`)
 that each strategy is predicted to train on this machine: its free GPU memory (or --gpu_memory_gb), available
@@ -13,6 +15,10 @@ before it starts. Pass --vocab_size of the tokenizer the run will use (the defau
 
 Per GPU: parameters, gradients, optimizer states (fp32 master copies and Adam's moments), activations,
 logits and temporary buffers; for offload, host RAM and NVMe per GPU. `predict()` returns the same as a dict.
+With --pipeline_parallel_degree P (GPipe or 1F1B; the micro batches are --gradient_accumulation_steps, as in
+recipes/train.py) one row per stage: its layers, the embedding on the first, the norm and the (tied) head on the last,
+each stage's states whole per rank (ddp, single) or FSDP2-sharded over its world / P ranks (fsdp), and the
+activations of the micro batches the schedule keeps in flight there.
 
 Model states (parameters, gradients, optimizer states) are counted exactly as DDP, FSDP2 and DeepSpeed 0.19
 allocate them for this model, tensor by tensor: DeepSpeed's flat buffers and their alignment, the ZeRO-1/2
@@ -27,12 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
 from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
-from training.memory.planner import BYTES, STRATEGIES, GiB, layout, predict
+from training.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
 from training.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -47,8 +54,9 @@ def table(rows: list[dict], gpu_memory_gb: float | None) -> str:
     if gpu_memory_gb:
         head.append(f"fits {gpu_memory_gb:g} GiB")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for r in rows:
-        cells = [r["inputs"]["strategy"]] + [_gib(r[k]) for k in
+    for r in (stage for row in rows for stage in row.get("stages", [row])):
+        stage = r["inputs"].get("stage")
+        cells = [r["inputs"]["strategy"] + (f" stage {stage}" if stage is not None else "")] + [_gib(r[k]) for k in
                  ("params", "grads", "optimizer_states", "activations", "logits", "temporary", "total", "host_ram",
                   "nvme")]  # fmt: skip
         if gpu_memory_gb:
@@ -104,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--ds_config", default=None, help="a DeepSpeed JSON instead of ds_configs/ (ZeRO strategies)")
     p.add_argument("--gpu_memory_gb", type=float, default=None, help="GPU memory in GiB: say what fits")
+    p.add_argument("--pipeline_parallel_degree", type=int, default=1, help="pipeline stages, one per rank")
+    p.add_argument("--pipeline_parallel_schedule", default="1F1B", choices=PIPELINE_SCHEDULES)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro batches per step (a pipeline's)")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.add_argument("--largest", action="store_true", help="name the largest size that fits, per strategy")
     p.add_argument("--host_memory_gb", type=float, default=None, help="--largest: RAM in GiB (default: available)")
@@ -116,8 +127,12 @@ def main(argv: list[str] | None = None) -> None:
                  "num_key_value_heads", "intermediate_size", "vocab_size") if getattr(args, k) is not None}  # fmt: skip
     try:
         config = ShardGPTConfig.from_preset(args.preset, **overrides)
-        names = STRATEGIES if args.strategy == "all" else args.strategy.split(",")
+        pp = args.pipeline_parallel_degree
+        pipelined = ("ddp", "fsdp", "fsdp-shard-grad-op")  # what a pipeline's stages run under (training/pipeline.py)
+        names = (pipelined if pp > 1 else STRATEGIES) if args.strategy == "all" else args.strategy.split(",")
         strategies = [Strategy.from_name(name, args.num_gpus) for name in names]
+        if pp > 1:
+            strategies = [replace(s, pp_size=pp, pp_schedule=args.pipeline_parallel_schedule) for s in strategies]
         ds = load_json(args.ds_config) if args.ds_config else None
         if args.largest:
             print(largest(args, overrides, strategies, ds))
@@ -125,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = [
             predict(config, s, args.precision, args.micro_batch, args.seq_len, args.activation_checkpointing,
                     ds if s.family == "deepspeed" else None,
-                    bf16_gradient_reduction=args.bf16_gradient_reduction)
+                    bf16_gradient_reduction=args.bf16_gradient_reduction,
+                    micro_batches=args.gradient_accumulation_steps)
             for s in strategies
         ]  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
@@ -139,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{model}: {psi / 1e9:.3f}B parameters, {args.num_gpus} GPUs, {args.precision}, "
           f"micro batch {args.micro_batch} x {args.seq_len} tokens, activation checkpointing "
           f"{'on' if args.activation_checkpointing else 'off'}; GiB per GPU (host and NVMe: per GPU)")  # fmt: skip
+    if args.pipeline_parallel_degree > 1:
+        print(f"pipeline: {args.pipeline_parallel_degree} stages, {args.pipeline_parallel_schedule}, "
+              f"{args.gradient_accumulation_steps} micro batches a step")  # fmt: skip
     print(table(rows, args.gpu_memory_gb))
     if len(rows) == 1:
         print("\n".join(f"  {k}: {_gib(v)} GiB" for k, v in rows[0]["detail"].items()))

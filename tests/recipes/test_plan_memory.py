@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -295,3 +296,62 @@ def test_zero2_offload_keeps_a_gradient_partition_on_the_device_in_the_accumulat
     part = sum(p for _, p, _ in pm.zero12_partitions(pm.layout(config), 2, 0))
     detail = pm.predict(config, named("zero2-offload-cpu", 2), "bf16")["detail"]
     assert detail["gpu:grads.averaged_gradients"] == 4 * part == detail["host:grads.fp32_partition.grad"]
+
+
+def pipeline(name: str, world: int, pp: int, schedule: str = "1F1B") -> Strategy:
+    return replace(named(name, world), pp_size=pp, pp_schedule=schedule)
+
+
+def test_pipeline_stages_hold_their_layers_and_the_tied_embedding_on_the_first_and_last():
+    """llama-1b in 4 stages of 4 layers on 8 GPUs: the first stage holds the embedding, the last the norm and a copy
+    of the tied embedding as its head; each stage's states whole per rank (ddp) or halved over its 2 ranks (fsdp)."""
+    config = ShardGPTConfig.from_preset("llama-1b")
+    lay = pm.layout(config)
+    embedding, norm = config.vocab_size * config.hidden_size, config.hidden_size
+    stages = pm.predict(config, pipeline("ddp", 8, 4), "bf16", micro_batches=8)["stages"]
+    psi = [s["inputs"]["stage_psi"] for s in stages]
+    assert psi == [embedding + 4 * lay.layer_numel, 4 * lay.layer_numel, 4 * lay.layer_numel,
+                   4 * lay.layer_numel + norm + embedding]  # fmt: skip
+    assert sum(psi) == lay.psi + embedding  # the tied weight twice
+    for stage, n in zip(stages, psi, strict=True):
+        assert stage["params"] == stage["grads"] == 4 * n
+        assert stage["detail"]["gpu:buffers.gradient_all_reduce"] == 4 * n  # 2 pipelines average their gradients
+    sharded = pm.predict(config, pipeline("fsdp", 8, 4), "bf16", micro_batches=8)["stages"]
+    assert [s["params"] for s in sharded] == [2 * n for n in psi]  # every row count here is even
+    assert all(s["logits"] == 0 for s in stages[:-1]) and stages[-1]["logits"] > 0
+
+
+def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_the_stages_after():
+    """GPipe's activations grow with M on every stage; 1F1B's stop at min(M, P - s) micro batches on stage s."""
+    config = ShardGPTConfig.from_preset("tiny", num_hidden_layers=4)
+
+    def held(schedule: str, m: int) -> list[int]:
+        stages = pm.predict(config, pipeline("ddp", 4, 4, schedule), "fp32", 1, 128, micro_batches=m)["stages"]
+        return [s["held_for_backward"] for s in stages]
+
+    assert [pm.in_flight("1F1B", 4, 8, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [pm.in_flight("GPipe", 4, 8, s) for s in range(4)] == [8] * 4
+    assert held("1F1B", 4)[1:] == held("1F1B", 16)[1:]  # the first stage's token ids grow with the step
+    assert all(g8 > g4 for g4, g8 in zip(held("GPipe", 4), held("GPipe", 8), strict=True))
+    assert all(gpipe > ours for gpipe, ours in zip(held("GPipe", 8), held("1F1B", 8), strict=True))
+    with pytest.raises(ValueError, match="fewer micro batches than the 4 stages of 1F1B"):
+        held("1F1B", 2)
+    with pytest.raises(ValueError, match="does not model zero2-pp2"):
+        pm.predict(config, pipeline("zero2", 2, 2), micro_batches=2)
+
+
+def test_command_line_pipeline(capsys):
+    flags = ["--preset", "llama-1b", "--num_gpus", "8", "--pipeline_parallel_degree", "4",
+             "--pipeline_parallel_schedule", "GPipe", "--gradient_accumulation_steps", "8"]  # fmt: skip
+    plan_memory.main(flags)
+    out = capsys.readouterr().out
+    assert "pipeline: 4 stages, GPipe, 8 micro batches a step" in out
+    assert all(f"\n{s}-pp4 stage {i} |" in out for s in ("ddp", "fsdp") for i in range(4))
+    plan_memory.main([*flags, "--strategy", "fsdp", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert [s["inputs"]["stage"] for s in out["stages"]] == [0, 1, 2, 3]
+    assert out["total"] == max(s["total"] for s in out["stages"])
+    with pytest.raises(SystemExit) as e:  # 1F1B needs a micro batch per stage: one line, the fix named
+        plan_memory.main([*flags[:7], "1F1B", "--gradient_accumulation_steps", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "pass --gradient_accumulation_steps 4 or more" in err and err.count("\n") == 1

@@ -19,3 +19,30 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_one_per_stage():
     for row in rows.values():
         assert row["step_seconds"] >= (m + pp - 1) * 3 * seconds  # sleeps never end early
         assert row["bubble"] >= theory(pp, m) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_models_stages_hold_for_their_backward_what_the_planner_predicts():
+    """The `debug` model in 2 stages (a layer each, the tied embedding on both), 4 micro batches of 2 x 32 tokens,
+    fp32: the peak bytes each stage holds for its backward (autograd's saved tensors and the stage's kept outputs,
+    counted live) equal the planner's to the byte, under GPipe (4 micro batches in flight) and 1F1B (2, then 1)."""
+    from dataclasses import replace
+
+    from model import ShardGPTConfig
+    from training.bubble import ModelCase, measure_model
+    from training.memory import planner as pm
+    from training.strategy import Strategy
+
+    case, m = ModelCase("debug", {}, micro_batch=2, seq_len=32), 4
+    records = measure_model(2, [("GPipe", m), ("1F1B", m)], case, steps=1, timeout=120)
+    config = ShardGPTConfig.from_preset(case.preset)
+    held = {}
+    for schedule in ("GPipe", "1F1B"):
+        strategy = replace(Strategy("single", 2, pp_size=2), pp_schedule=schedule)
+        stages = pm.predict(config, strategy, "fp32", case.micro_batch, case.seq_len, micro_batches=m)["stages"]
+        for r in (r for r in records if r["schedule"] == schedule):
+            assert r["peak_held_bytes"] == stages[r["stage"]]["held_for_backward"], r
+            assert r["held_after_step"] == 0, r  # every backward released what its forward held
+            held[schedule, r["stage"]] = r["peak_held_bytes"]
+    assert held["GPipe", 0] > held["1F1B", 0] and held["GPipe", 1] > held["1F1B", 1]

@@ -674,7 +674,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
             or strategy.offloads or strategy.replicas > 1 or strategy.tp_size > 1 or strategy.pp_stages_per_rank > 1
             or schedule not in PIPELINE_SCHEDULES):  # fmt: skip
         raise ValueError(
-            f"the planner does not model {strategy.name} under {schedule}: it plans pipelines of one stage per rank "
+            f"the planner does not model {strategy.name} ({schedule}): it plans pipelines of one stage per rank "
             f"under {' or '.join(PIPELINE_SCHEDULES)}, each stage one process, DDP or FSDP2 (single-pp, ddp-pp, "
             "fsdp-pp, fsdp-shard-grad-op-pp)"
         )
