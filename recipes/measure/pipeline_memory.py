@@ -1,0 +1,128 @@
+"""The model's own pipeline stages: their bubble as the micro batches grow, and the bytes each holds for its backward
+under GPipe and 1F1B, measured beside the memory planner's prediction.
+
+    python recipes/measure/pipeline_memory.py                 # tiny, P = 2, M in {2, 4, 8}: table and plot
+    python recipes/measure/pipeline_memory.py --pp 2 4 --micro_batches 4 8 16 --json rows.json
+    python recipes/measure/pipeline_memory.py --rows rows.json  # table and plot of an earlier run's --json
+
+One process per stage (gloo, one thread each), training/pipeline.py's stages of the model run by torch's schedules
+(training/bubble.measure_model). Per stage: the step (the fastest of --steps), the share of it the stage computed
+(its forward and backward, the training's busy clock) against M / (M + P - 1), and the most bytes it held for its
+backward at once (autograd's saved tensors and the stage's kept outputs, counted live), against the planner's
+`held_for_backward` (training/memory/planner.stage_held). fp32. More stages than cores slows every stage: the bytes
+stay exact, the times do not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from model import PRESETS, ShardGPTConfig
+from training.arguments import ArgumentParser
+from training.bubble import ModelCase, measure_model
+from training.memory.planner import predict
+from training.paths import ROOT
+from training.strategy import Strategy
+
+SCHEDULES = ("GPipe", "1F1B")
+MiB = 2**20
+
+
+def parse_args(argv: list[str] | None = None):
+    p = ArgumentParser(prog="recipes/measure/pipeline_memory.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", choices=tuple(PRESETS), help="The model (a preset).")
+    p.add_argument("--num_hidden_layers", type=int, default=None, help="Override the preset's layer count.")
+    p.add_argument("--vocab_size", type=int, default=None, help="Override the preset's vocabulary (the head's size).")
+    p.add_argument("--pp", type=int, nargs="+", default=[2], help="Pipeline stages (one process each).")
+    p.add_argument("--micro_batches", type=int, nargs="+", default=[2, 4, 8], help="Micro batches per step.")
+    p.add_argument("--micro_batch", type=int, default=2, help="Sequences per micro batch.")
+    p.add_argument("--seq_len", type=int, default=128, help="Tokens per sequence.")
+    p.add_argument("--steps", type=int, default=3, help="Timed steps per case (the fastest is kept).")
+    p.add_argument("--json", default=None, help="Also write the rows here.")
+    p.add_argument(
+        "--rows", default=None, help="Measure nothing: the table and plot of these rows (an earlier --json)."
+    )
+    p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "pipeline_memory.png"), help="The figure's path.")
+    return p.parse_args(argv)
+
+
+def predicted(case: ModelCase, schedule: str, pp: int, micro_batches: int) -> list[int]:
+    """The planner's bytes held for the backward, per stage."""
+    config = ShardGPTConfig.from_preset(case.preset, **case.overrides)
+    strategy = replace(Strategy("single", pp, pp_size=pp), pp_schedule=schedule)
+    stages = predict(config, strategy, "fp32", case.micro_batch, case.seq_len, micro_batches=micro_batches)
+    return [stage["held_for_backward"] for stage in stages["stages"]]
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| schedule | P | M | stage | step (s) | busy | M/(M+P-1) | held for backward (MiB) | planner (MiB) | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["schedule"] != "GPipe", r["pp"], r["micro_batches"], r["stage"])):
+        m, pp = r["micro_batches"], r["pp"]
+        lines.append(
+            f"| {r['schedule']} | {pp} | {m} | {r['stage']} | {r['step_seconds']:.3f} | "
+            f"{r['busy_seconds'] / r['step_seconds']:.2f} | {m / (m + pp - 1):.2f} | {r['peak_held_bytes'] / MiB:.2f} "
+            f"| {r['predicted_bytes'] / MiB:.2f} | {r['peak_held_bytes'] / r['predicted_bytes'] - 1:+.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (busy, held) = plt.subplots(1, 2, figsize=(10, 4))
+    ms = sorted({r["micro_batches"] for r in rows})
+    for pp in sorted({r["pp"] for r in rows}):
+        busy.plot(ms, [m / (m + pp - 1) for m in ms], "k:", label=f"P={pp}: M/(M+P-1)")
+        for stage in range(pp):
+            for schedule, style in (("GPipe", "o-"), ("1F1B", "s--")):
+                points = sorted((r for r in rows if (r["pp"], r["stage"], r["schedule"]) == (pp, stage, schedule)),
+                                key=lambda r: r["micro_batches"])  # fmt: skip
+                m = [r["micro_batches"] for r in points]
+                label = f"{schedule}, P={pp}, stage {stage}"
+                (line,) = held.plot(m, [r["peak_held_bytes"] / MiB for r in points], style, label=label)
+                held.plot(m, [r["predicted_bytes"] / MiB for r in points], "x", color=line.get_color(), ms=9)
+                busy.plot(m, [r["busy_seconds"] / r["step_seconds"] for r in points], style, color=line.get_color(),
+                          label=label)  # fmt: skip
+    busy.set(xlabel="micro batches M", ylabel="share of the step the stage computed", ylim=(0, 1),
+             title="The model's stages: busy share against M")  # fmt: skip
+    held.set(xlabel="micro batches M", ylabel="MiB held for the backward (peak)",
+             title="Measured (lines) and planned (x)")  # fmt: skip
+    for ax in (busy, held):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    overrides = {k: getattr(args, k) for k in ("num_hidden_layers", "vocab_size") if getattr(args, k) is not None}
+    case = ModelCase(args.preset, overrides, args.micro_batch, args.seq_len)
+    rows = json.loads(Path(args.rows).read_text()) if args.rows else []
+    for pp in [] if args.rows else args.pp:
+        # 1F1B needs at least one micro batch per stage (torch's Schedule1F1B)
+        cases = [(s, m) for s in SCHEDULES for m in args.micro_batches if s == "GPipe" or m >= pp]
+        print(f"measuring P={pp}: {len(cases)} cases", flush=True)
+        for r in measure_model(pp, cases, case, args.steps):
+            r["predicted_bytes"] = predicted(case, r["schedule"], pp, r["micro_batches"])[r["stage"]]
+            rows.append(r)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    plot(rows, args.plot)
+    print(f"figure: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
