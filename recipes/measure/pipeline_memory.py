@@ -57,17 +57,23 @@ def predicted(case: ModelCase, schedule: str, pp: int, micro_batches: int) -> li
 
 
 def table(rows: list[dict]) -> str:
+    """One line per (schedule, P, M); the per-stage figures stage 0 first, separated by slashes."""
     lines = [
-        "| schedule | P | M | stage | step (s) | busy | M/(M+P-1) | held for backward (MiB) | planner (MiB) | error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| schedule | P | M | step (s) | busy share per stage | M/(M+P-1) | MiB held for the backward per stage | "
+        "planner (MiB) | measured - planner (bytes) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["schedule"] != "GPipe", r["pp"], r["micro_batches"], r["stage"])):
-        m, pp = r["micro_batches"], r["pp"]
-        lines.append(
-            f"| {r['schedule']} | {pp} | {m} | {r['stage']} | {r['step_seconds']:.3f} | "
-            f"{r['busy_seconds'] / r['step_seconds']:.2f} | {m / (m + pp - 1):.2f} | {r['peak_held_bytes'] / MiB:.2f} "
-            f"| {r['predicted_bytes'] / MiB:.2f} | {r['peak_held_bytes'] / r['predicted_bytes'] - 1:+.1%} |"
-        )
+    cases = sorted({(r["schedule"], r["pp"], r["micro_batches"]) for r in rows}, key=lambda c: (c[0] != "GPipe", c))
+    for schedule, pp, m in cases:
+        stages = sorted((r for r in rows if (r["schedule"], r["pp"], r["micro_batches"]) == (schedule, pp, m)),
+                        key=lambda r: r["stage"])  # fmt: skip
+        busy = " / ".join(f"{r['busy_seconds'] / r['step_seconds']:.2f}" for r in stages)
+        held = " / ".join(f"{r['peak_held_bytes'] / MiB:.2f}" for r in stages)
+        planned = " / ".join(f"{r['predicted_bytes'] / MiB:.2f}" for r in stages)
+        error = " / ".join(str(r["peak_held_bytes"] - r["predicted_bytes"]) for r in stages)
+        step = max(r["step_seconds"] for r in stages)
+        lines.append(f"| {schedule} | {pp} | {m} | {step:.3f} | {busy} | {m / (m + pp - 1):.2f} | {held} | {planned} | "
+                     f"{error} |")  # fmt: skip
     return "\n".join(lines)
 
 
