@@ -50,13 +50,29 @@ def _as_long(rows: np.ndarray) -> torch.Tensor:
 
 
 def _shard(
-    inputs: torch.Tensor, labels: torch.Tensor, micro: int, accumulation: int, world: int, rank: int
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    micro: int,
+    accumulation: int,
+    world: int,
+    rank: int,
+    sequence: tuple[int, int] = (1, 0),
 ) -> list[MicroBatch]:
-    """This rank's micro-batches of one global batch (rows of `inputs`/`labels` in global order)."""
+    """This rank's micro-batches of one global batch (rows of `inputs`/`labels` in global order). With `sequence`
+    = (sp, sp_rank), sp > 1: only positions [sp_rank T / sp, (sp_rank + 1) T / sp) of each row, with their
+    `position_ids` (the labels were shifted over the whole row first, so a slice's last target is the next
+    slice's first input)."""
     num_items = (labels != IGNORE_INDEX).sum()
     inputs, labels = (t.reshape(accumulation, world, micro, -1)[:, rank] for t in (inputs, labels))
+    sp, sp_rank = sequence
+    extra = {}
+    if sp > 1:
+        length = inputs.shape[-1] // sp
+        positions = slice(sp_rank * length, (sp_rank + 1) * length)
+        inputs, labels = inputs[..., positions], labels[..., positions]
+        extra["position_ids"] = torch.arange(positions.start, positions.stop).expand(micro, length)
     return [
-        {"input_ids": i.contiguous(), "shift_labels": l.contiguous(), "num_items_in_batch": num_items}
+        {"input_ids": i.contiguous(), "shift_labels": l.contiguous(), "num_items_in_batch": num_items, **extra}
         for i, l in zip(inputs, labels, strict=True)
     ]
 
@@ -113,7 +129,11 @@ class ShardedLoader:
     across epochs, `epoch` counting up; stop it by step count.
 
     `blocks` is a (n, block_size + 1) integer array or tensor (-100 marks a target to ignore) or a
-    `PackedStream`.
+    `PackedStream`. `world_size` and `rank` count data-parallel ranks. Under sequence parallelism the
+    `sequence_parallel_size` ranks of a group read the same micro batches and keep their slice of each sequence
+    (rank r: positions [r T / sp, (r + 1) T / sp), with `position_ids`); `num_items_in_batch` still counts the
+    whole global batch, so the slices' losses add up to its mean. The order and a checkpoint's position do not
+    depend on it.
     """
 
     def __init__(
@@ -124,17 +144,25 @@ class ShardedLoader:
         world_size: int = 1,
         rank: int = 0,
         seed: int = 0,
+        sequence_parallel_size: int = 1,
+        sequence_parallel_rank: int = 0,
     ):
         if min(micro_batch_size, gradient_accumulation_steps, world_size) < 1 or not 0 <= rank < world_size:
             raise ValueError(
                 f"need micro_batch_size, gradient_accumulation_steps, world_size >= 1 and 0 <= rank < world_size; "
                 f"got {micro_batch_size}, {gradient_accumulation_steps}, {world_size}, rank {rank}"
             )
+        if not 0 <= sequence_parallel_rank < sequence_parallel_size:
+            raise ValueError(
+                f"need 0 <= sequence_parallel_rank < sequence_parallel_size; got {sequence_parallel_rank}, "
+                f"{sequence_parallel_size}"
+            )
         self.micro_batch_size = micro_batch_size
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
+        self.sequence = (sequence_parallel_size, sequence_parallel_rank)
         self.epoch = 0
         self.step = 0
         self.global_batch_size = micro_batch_size * gradient_accumulation_steps * world_size
@@ -176,6 +204,7 @@ class ShardedLoader:
                 self.gradient_accumulation_steps,
                 self.world_size,
                 self.rank,
+                self.sequence,
             )
 
     def state_dict(self) -> dict[str, Any]:

@@ -94,14 +94,16 @@ def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ data
     # Rank 0 tokenizes and caches while the others wait (collective barrier inside), then all read the cache.
     packed = prepare_data(cfg, config.max_position_embeddings, is_main, accelerator.wait_for_everyone)
-    # Ranks of one tensor-parallel group read the same batch (each computes its slice of every layer on it).
+    # Ranks of one tensor-parallel group read the same batch (each computes its slice of every layer on it); those of
+    # one sequence-parallel group too, each keeping its slice of every sequence.
     dp, dp_rank = strategy.data_parallel_size, strategy.data_parallel_rank(accelerator.process_index)
     if not cfg.streaming:  # a stream's length is unknown; the loader checks its first global batch
         cfg.check_data_size(len(packed.train), dp)
     tokenizer = packed.tokenizer
     loader = ShardedLoader(
-        packed.train, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, dp, dp_rank, cfg.seed
-    )
+        packed.train, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, dp, dp_rank, cfg.seed,
+        strategy.sp_size, strategy.sequence_parallel_rank(accelerator.process_index),
+    )  # fmt: skip
 
     # ------------------------------------------------------------------ model, optimizer, prepare
     # The model (fresh from the seed, or --model_name_or_path's weights), AdamW and the schedule, prepared for the

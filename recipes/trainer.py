@@ -63,6 +63,14 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--step_timeout {cfg.step_timeout:g} needs recipes/train.py: the Trainer has no watchdog")
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)  # the same checks of the JSON as recipes/train.py
+    if strategy.sp_size > 1:
+        # transformers' Trainer computes each rank's loss as the whole sequence's, from the gathered per-rank losses:
+        # under ZeRO-1/2, which divide by world / sp, every gradient is sp times too large (training/sequence.py).
+        raise ValueError(
+            f"sequence parallelism (sp_size {strategy.sp_size}) needs recipes/train.py: the HF Trainer's Ulysses loss "
+            f"gives gradients {strategy.sp_size} times too large under ZeRO-1/2 (its clipping and logged norms "
+            "with them); launch recipes/train.py with the same config and flags"
+        )
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     args = training_arguments(cfg, strategy)
     is_main = args.process_index == 0  # creating the arguments initialised the process group

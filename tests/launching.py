@@ -95,6 +95,13 @@ def launcher_command(launcher: str, config: str | None = None, nproc: int = 2, s
     raise ValueError(launcher)
 
 
+def accelerate_with(config: str) -> list[str]:
+    """`accelerate launch` with the accelerate config file at `config` (a user's, not one of accelerate_configs/)."""
+    cmd = launcher_command("accelerate", "ddp")
+    cmd[cmd.index("--config_file") + 1] = config
+    return cmd
+
+
 def launch(
     cmd: list[str], args: list[str], output_dir: Path, check: bool = True, timeout: int = TIMEOUT, env=None
 ) -> Run:

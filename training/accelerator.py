@@ -19,6 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from training.compat import keep_zero3_param_dtype
 from training.config import RunConfig
+from training.sequence import accelerator_parallelism_config
 from training.strategy import Strategy, parallelism_config
 
 
@@ -46,6 +47,9 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         # accelerate refuses a config dict beside them ("the following accelerate config variables will be ignored").
         os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
+        # Ulysses from the JSON's sequence_parallel_size: the parallelism config with which `prepare` registers
+        # DeepSpeed's sequence-parallel attention and groups (an accelerate YAML's own block is read by accelerate).
+        kwargs["parallelism_config"] = accelerator_parallelism_config(strategy.world_size, strategy.sp_size)
     elif on_cpu:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
     fsdp_on_cpu = strategy.family == "fsdp" and on_cpu

@@ -31,7 +31,7 @@ DEEPSPEED_KEYS = {
     "curriculum_learning", "pipeline", "hybrid_engine", "nebula", "timers", "quantize_training", "eigenvalue",
     "progressive_layer_drop", "sparse_attention", "weight_quantization", "compile", "tensor_parallel",
     "use_data_before_expert_parallel", "graph_harvesting", "log_level", "disable_python_gc",
-    "zenflow", "use_node_local_storage", "legacy_fusion",
+    "zenflow", "use_node_local_storage", "legacy_fusion", "sequence_parallel_size",
 }  # fmt: skip
 
 
@@ -60,16 +60,28 @@ def autotp_size(ds: dict) -> int:
     return max(int((ds.get("tensor_parallel") or {}).get("autotp_size", 1) or 1), 1)
 
 
+def sequence_parallel_size(ds: dict) -> int:
+    """Ranks each sequence is split over (DeepSpeed Ulysses' `sequence_parallel_size`); 1 without it."""
+    return max(int(ds.get("sequence_parallel_size", 1) or 1), 1)
+
+
 def data_parallel_size(ds: dict, world_size: int, source: str) -> int:
-    """Ranks that train on different data: the world divided by the tensor-parallel size."""
-    tp = autotp_size(ds)
-    if world_size % tp:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    """Ranks that train on different data: the world divided by the tensor-parallel and sequence-parallel sizes."""
+    if autotp_size(ds) > 1 and sequence_parallel_size(ds) > 1:
         raise ValueError(
-            f"DeepSpeed config {source}: tensor_parallel.autotp_size = {tp} does not divide the {world_size} "
-            f"launched ranks; set it to one of {divisors}, or launch a multiple of {tp} ranks"
+            f"sequence parallelism (sp_size {sequence_parallel_size(ds)}) with DeepSpeed AutoTP (autotp_size "
+            f"{autotp_size(ds)}) in {source}: DeepSpeed does not combine the two; remove tensor_parallel from the "
+            "DeepSpeed config, or the sequence-parallel setting"
         )
-    return world_size // tp
+    for key, size in (("tensor_parallel.autotp_size", autotp_size(ds)),
+                      ("sequence_parallel_size", sequence_parallel_size(ds))):  # fmt: skip
+        if world_size % size:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"DeepSpeed config {source}: {key} = {size} does not divide the {world_size} "
+                f"launched ranks; set it to one of {divisors}, or launch a multiple of {size} ranks"
+            )
+    return world_size // (autotp_size(ds) * sequence_parallel_size(ds))
 
 
 def gradient_reduction_dtype(bf16: bool, bf16_gradient_reduction: bool) -> str:
@@ -181,8 +193,9 @@ def resolve_batch(ds: dict, cfg: RunConfig, world_size: int, source: str) -> Non
         )
     # DeepSpeed's own batch check (runtime/config.py:602, 0.19.8) counts every rank as data-parallel, as it is
     # given no mpu when it is built (accelerate and the Trainer give none): under AutoTP its train_batch_size
-    # counts each tensor-parallel group's one batch autotp_size times.
-    ds["train_batch_size"] = micro * accum * world_size
+    # counts each tensor-parallel group's one batch autotp_size times. Under sequence parallelism accelerate hands
+    # it the sequence-parallel groups and it counts world / sequence_parallel_size (runtime/config.py:458-469).
+    ds["train_batch_size"] = micro * accum * world_size // sequence_parallel_size(ds)
     own(ds, "gradient_clipping", float(cfg.max_grad_norm), "--max_grad_norm", source)
 
 

@@ -25,6 +25,7 @@ from training.export import full_state_dict
 from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.pipeline import Pipeline, build_pipeline, fsdp2_stages
+from training.sequence import gradient_divisor
 from training.step import StepResult, train_step
 from training.strategy import Strategy
 
@@ -62,8 +63,12 @@ class Replicated(Engine):
         return seen | observe_strategy(self.net, self.optimizer)  # engine, optimizer, offload, resharding
 
     def step(self, micro_batches: list[dict], step: int) -> StepResult:
-        # Token-weighted accumulation across micro batches and data-parallel ranks (see training/step.py).
-        loss_scale = self.strategy.data_parallel_size * self.cfg.gradient_accumulation_steps
+        # Token-weighted accumulation across micro batches and data-parallel ranks (see training/step.py); under
+        # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (training/sequence.py).
+        zero = (self.strategy.deepspeed or {}).get("zero_optimization") or {}
+        divisor = gradient_divisor(self.strategy.data_parallel_size, self.strategy.sp_size, self.strategy.zero_stage,
+                                   zero)  # fmt: skip
+        loss_scale = divisor * self.cfg.gradient_accumulation_steps
         return train_step(self.accelerator, self.net, self.optimizer, self.scheduler, micro_batches, loss_scale,
                           self.cfg.max_grad_norm, step, self.strategy.tp_size)  # fmt: skip
 

@@ -66,6 +66,8 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
             refuse(f"this rank holds {local} of {total} parameters (ZeRO-3 should hold about 1/{world})")
         if strategy.tp_size > 1:
             seen["tensor_parallel"] = verify_autotp(model, unwrapped, strategy, refuse)
+        if strategy.sp_size > 1:
+            seen["sequence_parallel"] = verify_ulysses(model, unwrapped, strategy, refuse)
     elif strategy.family == "fsdp":
         if accelerator.distributed_type != DistributedType.FSDP:
             refuse(f"accelerate runs {accelerator.distributed_type}")
@@ -103,6 +105,29 @@ def verify_autotp(engine, unwrapped: torch.nn.Module, strategy: Strategy, refuse
             refuse(f"{name} ({style}) holds a weight of {split}, not 1/{tp} of {whole or split} along dim {dim}")
         counts[style] = counts.get(style, 0) + 1
     return {"size": tp, "data_parallel_size": strategy.data_parallel_size, "split_modules": counts}
+
+
+def verify_ulysses(engine, unwrapped: torch.nn.Module, strategy: Strategy,
+                   refuse: Callable[[str], NoReturn]) -> dict:  # fmt: skip
+    """Ulysses in force as asked: the engine's sequence-parallel size, this rank's place in DeepSpeed's groups (the
+    loader's slice and shard), and transformers' attention for the model's implementation replaced by DeepSpeed's
+    all-to-all wrapper (without it each rank would attend within its own slice only)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sp = strategy.sp_size
+    if engine.sequence_parallel_size != sp:
+        refuse(f"the engine splits sequences over {engine.sequence_parallel_size} ranks")
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as groups
+
+    rank = torch.distributed.get_rank()
+    place = (groups.get_sequence_parallel_rank(), groups.get_sequence_data_parallel_world_size() // sp)
+    if place != (strategy.sequence_parallel_rank(rank), strategy.data_parallel_size):
+        refuse(f"rank {rank} holds slice {place[0]} of the sequences among {place[1]} data-parallel groups")
+    implementation = unwrapped.config._attn_implementation
+    attention = ALL_ATTENTION_FUNCTIONS.get(implementation)
+    if getattr(attention, "__name__", "") != "uattn_wrapper":
+        refuse(f"transformers' {implementation} attention is not DeepSpeed's Ulysses wrapper")
+    return {"size": sp, "data_parallel_size": strategy.data_parallel_size, "attention": implementation}
 
 
 def uncompiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -30,10 +30,12 @@ from training.deepspeed_config import (
     load_json,
     offload_devices,
     resolve_deepspeed,
+    sequence_parallel_size,
     zero_stage,
 )
 from training.ops import check_op_cache, launch_ops
 from training.pipeline import ZERO_BUBBLE
+from training.sequence import check_sequence_parallel, launched_sequence_parallel_size, yaml_sequence_parallel_size
 
 Family = Literal["single", "ddp", "fsdp", "deepspeed"]
 Device = Literal["none", "cpu", "nvme"]
@@ -80,6 +82,10 @@ class Strategy:
     without pipeline parallelism."""
     pp_stages_per_rank: int = 1
     """Stages each pipeline rank holds: 1, or more under the interleaved and V-shaped schedules."""
+    sp_size: int = 1
+    """Ranks each sequence is split over (DeepSpeed's Ulysses sequence parallelism, training/sequence.py): each
+    holds block_size / sp_size positions of the same sequences and the attention exchanges heads for positions
+    (all-to-all). Consecutive ranks form a group, as DeepSpeed's `initialize_sequence_parallel` builds them."""
     deepspeed: dict | None = field(default=None, compare=False)
     """The DeepSpeed config with every "auto" resolved from the flags; None outside DeepSpeed."""
     deepspeed_source: str | None = field(default=None, compare=False)
@@ -98,6 +104,8 @@ class Strategy:
                 f"Strategy: {self.world_size} ranks cannot hold {self.pp_size} pipelines' ranks of "
                 f"{self.pp_stages_per_rank} stages each"
             )
+        if self.sp_size < 1 or self.world_size % (self.sp_size * self.tp_size * self.pp_size):
+            raise ValueError(f"Strategy: {self.world_size} ranks cannot split sequences over {self.sp_size}")
         if self.replicas > 1 and self.fsdp_version != 2:
             raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
         for name, kind in (("family", Family), ("offload_param", Device), ("offload_optimizer", Device),
@@ -110,11 +118,13 @@ class Strategy:
     @property
     def name(self) -> str:
         """How people and records spell the strategy: single, ddp, fsdp[-hybrid][-shard-grad-op][-offload],
-        fsdp1[-shard-grad-op|-no-shard][-offload], zero{0-3}[-offload-cpu|-offload-nvme][-autotp]."""
+        fsdp1[-shard-grad-op|-no-shard][-offload], zero{0-3}[-offload-cpu|-offload-nvme][-autotp][-spN], each with
+        -ppN under pipeline parallelism."""
         pipeline = f"-pp{self.pp_size}" if self.pp_size > 1 else ""
         if self.family == "deepspeed":
             offload = f"-offload-{self.offload_device}" if self.offloads else ""
-            return f"zero{self.zero_stage}{offload}" + ("-autotp" if self.tp_size > 1 else "") + pipeline
+            sequence = f"-sp{self.sp_size}" if self.sp_size > 1 else ""
+            return f"zero{self.zero_stage}{offload}" + ("-autotp" if self.tp_size > 1 else "") + sequence + pipeline
         if self.family == "fsdp":
             version = "1" if self.fsdp_version == 1 else ""
             hybrid = "-hybrid" if self.replicas > 1 else ""
@@ -139,7 +149,7 @@ class Strategy:
             raise ValueError(
                 f"strategy {name!r} is unknown: a strategy is spelled single, ddp, fsdp[-hybrid][-shard-grad-op]"
                 "[-offload], fsdp1[-shard-grad-op|-no-shard][-offload] or zero{0-3}[-offload-cpu|-offload-nvme]"
-                "[-autotp]"
+                "[-autotp][-spN], with -ppN for a pipeline"
             )
         return strategy
 
@@ -164,14 +174,20 @@ class Strategy:
     @property
     def data_parallel_size(self) -> int:
         """Ranks that train on different data: the global batch is micro x accumulation x this. The world over the
-        pipeline and tensor-parallel degrees."""
-        return self.world_size // (self.tp_size * self.pp_size)
+        pipeline, sequence-parallel and tensor-parallel degrees."""
+        return self.world_size // (self.tp_size * self.sp_size * self.pp_size)
 
     def data_parallel_rank(self, rank: int) -> int:
-        """Which share of the global batch `rank` trains on. The mesh is (pp, dp, tp), tp innermost as in
-        DeepSpeed's and accelerate's meshes and pp outermost as in torchtitan's: ranks 0..tp-1 share one share, and
-        so do the ranks of one pipeline (rank, rank + world / pp, ...)."""
-        return (rank // self.tp_size) % self.data_parallel_size
+        """Which share of the global batch `rank` trains on. The mesh is (pp, dp, sp, tp), tp innermost as in
+        DeepSpeed's and accelerate's meshes, sp next as DeepSpeed groups consecutive ranks, and pp outermost as in
+        torchtitan's: ranks 0..tp-1 share one share, so do the ranks of one sequence-parallel group and those of
+        one pipeline (rank, rank + world / pp, ...)."""
+        return (rank // (self.tp_size * self.sp_size)) % self.data_parallel_size
+
+    def sequence_parallel_rank(self, rank: int) -> int:
+        """Which slice of each sequence `rank` holds: positions [r T / sp, (r + 1) T / sp); 0 without sequence
+        parallelism."""
+        return (rank // self.tp_size) % self.sp_size
 
     def pipeline_rank(self, rank: int) -> int:
         """Which of the pipeline's ranks `rank` is (0 holds the first stage); 0 without pipeline parallelism."""
@@ -181,7 +197,8 @@ class Strategy:
 # A name as `Strategy.name` spells it; `from_name` builds from its parts and checks that the name reads back.
 NAME = re.compile(
     r"(?P<family>single|ddp|fsdp|zero)(?P<number>[0-3])?(?P<hybrid>-hybrid)?(?P<sharding>-shard-grad-op|-no-shard)?"
-    r"(?P<offload>-offload(?:-(?P<device>cpu|nvme))?)?(?P<autotp>-autotp)?(?:-pp(?P<pp>[2-9]|[1-9][0-9]+))?"
+    r"(?P<offload>-offload(?:-(?P<device>cpu|nvme))?)?(?P<autotp>-autotp)?(?:-sp(?P<sp>[2-9]|[1-9][0-9]+))?"
+    r"(?:-pp(?P<pp>[2-9]|[1-9][0-9]+))?"
 )
 
 
@@ -193,7 +210,10 @@ def spelled(match: re.Match, world: int) -> Strategy:
     if part["family"] == "zero":
         stage = int(part["number"] or 0)
         return Strategy("deepspeed", world, zero_stage=stage, offload_param=device if stage == 3 else "none",
-                        offload_optimizer=device, tp_size=2 if part["autotp"] else 1, pp_size=pp)  # fmt: skip
+                        offload_optimizer=device, tp_size=2 if part["autotp"] else 1, pp_size=pp,
+                        sp_size=int(part["sp"] or 1))  # fmt: skip
+    if part["sp"]:
+        return None  # Ulysses runs under DeepSpeed only
     if part["family"] == "fsdp":
         return Strategy(
             "fsdp", world, offload_param=device, offload_optimizer=device, fsdp_version=int(part["number"] or 2),
@@ -204,11 +224,13 @@ def spelled(match: re.Match, world: int) -> Strategy:
 
 
 def deepspeed_strategy(ds: dict, world: int, source: str | None = None) -> Strategy:
-    """The strategy a resolved DeepSpeed config runs on `world` ranks: its stage, offload devices and AutoTP size."""
+    """The strategy a resolved DeepSpeed config runs on `world` ranks: its stage, offload devices, AutoTP size and
+    sequence-parallel size."""
     devices = offload_devices(ds)
     return Strategy(
         "deepspeed", world, zero_stage=zero_stage(ds), offload_param=devices["offload_param"],
-        offload_optimizer=devices["offload_optimizer"], tp_size=autotp_size(ds), deepspeed=ds, deepspeed_source=source,
+        offload_optimizer=devices["offload_optimizer"], tp_size=autotp_size(ds), sp_size=sequence_parallel_size(ds),
+        deepspeed=ds, deepspeed_source=source,
     )  # fmt: skip
 
 
@@ -282,7 +304,8 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             "accelerate config): launch with one of them"
         )
     check_parallelism_config_tp()
-    check_parallelism_config_sp_cp()
+    sp = sequence_parallel_size(launched[0]) if launched else yaml_sequence_parallel_size()
+    check_sequence_parallel(cfg, cfg.model_config() if sp > 1 else None, sp, world, launched is not None)
     if launched is not None:
         raw, source = launched
         check_pipeline_with_deepspeed(cfg, raw, source)
@@ -364,10 +387,14 @@ def launched_deepspeed_config(cfg: RunConfig) -> tuple[dict, str] | None:
     outside DeepSpeed."""
     ds_file = cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
     if ds_file:
-        return load_json(ds_file), repr(ds_file)
-    if env_flag("ACCELERATE_USE_DEEPSPEED"):  # inline fields: the JSON accelerate would build from them
-        return inline_deepspeed_config(), "from the accelerate config's deepspeed_config"
-    return None
+        launched = load_json(ds_file), repr(ds_file)
+    elif env_flag("ACCELERATE_USE_DEEPSPEED"):  # inline fields: the JSON accelerate would build from them
+        launched = inline_deepspeed_config(), "from the accelerate config's deepspeed_config"
+    else:
+        return None
+    # The accelerate YAML's sequence-parallel degree joins the JSON, where DeepSpeed and the batch arithmetic read it.
+    sp = launched_sequence_parallel_size(*launched)
+    return ({**launched[0], "sequence_parallel_size": sp} if sp > 1 else launched[0]), launched[1]
 
 
 def launched_data_parallel_size(cfg: RunConfig) -> int:
@@ -478,33 +505,6 @@ def check_parallelism_config_tp() -> None:
             f"the accelerate config's parallelism_config sets tp_size: {tp}, which accelerate 1.15 cannot prepare with "
             f"transformers 5.23 ({blocker}): for tensor parallelism launch accelerate_configs/autotp.yaml or "
             "--deepspeed ds_configs/autotp.json (DeepSpeed AutoTP), or remove parallelism_config_tp_size"
-        )
-
-
-def check_parallelism_config_sp_cp() -> None:
-    """Sequence and context parallelism from an accelerate config's parallelism_config (`sp_size`, `cp_size`) are
-    refused before the process group. With `sp_backend: deepspeed` accelerate 1.15 registers DeepSpeed's Ulysses
-    attention and hands the engine its sequence-parallel groups, but this script's loader gives every rank whole
-    sequences and its loss is not reduced over the sequence-parallel group: the run trained without a word and
-    trained something else (debug preset, 2 ranks, step 1: one process's loss 9.0276 and gradient norm 0.915, the
-    ZeRO-2 sp YAML 9.0179 and 1.259, the ZeRO-3 one 9.0179 and 0.630). torch's ring context parallelism (`cp_size`)
-    needs FSDP2 and CUDA's flash or efficient attention kernels."""
-    if not parallelism_config():
-        return
-    sp = int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
-    cp = int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1"))
-    if sp > 1:
-        raise ValueError(
-            f"the accelerate config's parallelism_config sets sp_size: {sp} (Ulysses sequence parallelism), which "
-            "this training script does not run: its loader does not split sequences over the sequence-parallel "
-            "ranks nor its loss reduce over them, so the run would train a different model without a word; "
-            "remove parallelism_config_sp_size (and parallelism_config_sp_backend) from the YAML"
-        )
-    if cp > 1:
-        raise ValueError(
-            f"the accelerate config's parallelism_config sets cp_size: {cp} (torch's ring context parallelism), "
-            "which this training script does not run (it needs FSDP2 with CUDA's flash or efficient attention "
-            "kernels, and sequences split by the loader): remove parallelism_config_cp_size from the YAML"
         )
 
 

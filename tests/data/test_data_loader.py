@@ -207,3 +207,26 @@ def test_epoch_sampler_through_accelerate_matches_the_loader():
             for mine, batch in zip(ours, theirs, strict=True):
                 assert torch.equal(mine["input_ids"], batch["input_ids"])
                 assert torch.equal(mine["shift_labels"], batch["shift_labels"])
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sequence_parallel_ranks_hold_slices_of_the_same_sequences(sp):
+    """Under sequence parallelism the ranks of a group read the same micro batches and keep consecutive slices of
+    each sequence with their positions: put side by side they are the whole sequences, shifted labels included (a
+    slice's last target is the next slice's first input), and the global count of targets is unchanged. The order
+    and the loader's position do not depend on sp, so a checkpoint resumes under any degree."""
+    blocks, steps = numbered_blocks(24), 4
+    reference = ShardedLoader(blocks, 2, 2, 2, 1, seed=3)  # 3 steps an epoch: the 4th starts the next one
+    whole = list(itertools.islice(reference, steps))
+    loaders = [ShardedLoader(blocks, 2, 2, 2, 1, 3, sp, r) for r in range(sp)]
+    slices = [list(itertools.islice(loader, steps)) for loader in loaders]
+    for step in range(steps):
+        for a, micro in enumerate(whole[step]):
+            parts = [slices[r][step][a] for r in range(sp)]
+            for key in ("input_ids", "shift_labels"):
+                assert torch.equal(torch.cat([p[key] for p in parts], dim=1), micro[key])
+            positions = torch.cat([p["position_ids"] for p in parts], dim=1)
+            assert torch.equal(positions, torch.arange(BLOCK).expand(2, BLOCK))
+            assert {int(p["num_items_in_batch"]) for p in parts} == {int(micro["num_items_in_batch"])}
+    assert all(loader.state_dict() == reference.state_dict() for loader in loaders)
+    assert "position_ids" not in whole[0][0]  # without sequence parallelism the batches are as they were

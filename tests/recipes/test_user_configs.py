@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from launching import BIN, ROOT, free_port, launch, launcher_command
+from launching import BIN, ROOT, accelerate_with, free_port, launch, launcher_command
 
 STEPS = 6
 TRAIN = [
@@ -121,12 +121,6 @@ def write(tmp_path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
     return str(path)
-
-
-def accelerate_with(config: str) -> list[str]:
-    cmd = launcher_command("accelerate", "ddp")
-    cmd[cmd.index("--config_file") + 1] = config
-    return cmd
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import HfArgumentParser
 
 from training.config import RunConfig
 from training.deepspeed_config import check_deepspeed_keys, resolve_deepspeed
 from training.optim import lr_lambda, param_groups
+from training.strategy import Strategy, launched_data_parallel_size
 
 ROOT = Path(__file__).resolve().parents[2]
 DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -173,9 +175,7 @@ def test_autotp_global_batch_counts_data_parallel_ranks(monkeypatch, world, flag
     """--global_batch_size under AutoTP: the accumulation is the global batch over micro x data-parallel ranks
     (world / autotp_size), so the loader, DeepSpeed and the resume check train the global batch asked for (a global
     batch of 16 with micro 8 on 2 ranks once trained 8 sequences a step: the accumulation counted the world)."""
-    from transformers import HfArgumentParser
-
-    from training.strategy import launched_data_parallel_size, requested_strategy
+    from training.strategy import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     autotp = str(ROOT / "ds_configs" / "autotp.json")
@@ -190,29 +190,81 @@ def test_autotp_global_batch_counts_data_parallel_ranks(monkeypatch, world, flag
     assert ds["gradient_accumulation_steps"] == accumulation and ds["train_batch_size"] == 16 * strategy.tp_size
 
 
-@pytest.mark.parametrize(("variables", "refusal"), [
-    ({"PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"},
-     "parallelism_config sets sp_size: 2 (Ulysses sequence parallelism)"),
-    ({"PARALLELISM_CONFIG_CP_SIZE": "2"}, "parallelism_config sets cp_size: 2 (torch's ring context parallelism)"),
+SP_YAML = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2",
+           "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}  # fmt: skip
+ZERO3_YAML = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ROOT / "ds_configs" / "zero3.json"),
+}
+
+
+@pytest.mark.parametrize(("variables", "flags", "refusal"), [
+    ({**SP_YAML, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, [],
+     "sequence parallelism (sp_size 2) needs DeepSpeed"),
+    (SP_YAML, [], "sequence parallelism (sp_size 2) needs DeepSpeed"),  # DDP (no distributed_type: DEEPSPEED)
+    ({**SP_YAML, **ZERO3_YAML, "PARALLELISM_CONFIG_SP_SIZE": "3", "WORLD_SIZE": "3",
+      "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}, [], "sp_size 3 does not divide the model's 4 attention heads"),
+    ({**SP_YAML, **ZERO3_YAML}, ["--block_size=63"], "--block_size 63 is not divisible by sp_size 2"),
+    ({**SP_YAML, **ZERO3_YAML, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}, [],
+     "parallelism_config_dp_shard_size is 2: with sp_size 2 on 2 ranks it must be 1"),
+    ({**SP_YAML, **ZERO3_YAML, "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "eager"}, [],
+     "parallelism_config_sp_attn_implementation: eager"),
+    ({**SP_YAML, **ZERO3_YAML, "PARALLELISM_CONFIG_CP_SIZE": "2"}, [], "sets both sp_size: 2 and cp_size: 2"),
+    ({**SP_YAML, "PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_CP_SIZE": "2"}, [],
+     "cp_size: 2 (torch's ring context parallelism), which needs FSDP2 with CUDA's"),
+    ({**SP_YAML, "ACCELERATE_USE_DEEPSPEED": "true",
+      "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ROOT / "ds_configs" / "autotp.json")}, [],
+     "sequence parallelism (sp_size 2) with DeepSpeed AutoTP"),
+    ({**SP_YAML, **ZERO3_YAML}, ["--pipeline_parallel_degree=2"], "--pipeline_parallel_degree"),
 ])  # fmt: skip
-@pytest.mark.parametrize("yaml", ["zero2", "zero3"])
-def test_sequence_parallel_accelerate_yamls_are_refused(monkeypatch, variables, refusal, yaml):
-    """A ZeRO-2 or ZeRO-3 accelerate YAML with a parallelism_config block (sp_size 2, sp_backend deepspeed) trained
-    without a word and trained something else (its loss and gradient norm were not one process's): refused before
-    the process group, in one line naming the key and the fix. The variables are those `accelerate launch` exports
-    from the YAML."""
+def test_sequence_parallel_bad_launches_are_refused(monkeypatch, variables, flags, refusal):
+    """What Ulysses cannot train as asked is refused before the process group in one line naming the setting and
+    the fix. The variables are those `accelerate launch` exports from a YAML's parallelism_config block."""
     from training.strategy import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs" / f"{yaml}.json"))
-    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
-    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
     for key, value in variables.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError) as err:
-        requested_strategy(cfg(), hidden_size=64)
-    assert refusal in str(err.value) and "remove parallelism_config_" in str(err.value) and "\n" not in str(err.value)
+        (parsed,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(
+            args=[*flags, "--output_dir", "/nonexistent/shardgpt-test"]
+        )
+        requested_strategy(parsed.resolve(launched_data_parallel_size(parsed)), hidden_size=64)
+    assert refusal in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_sequence_parallel_refuses_key_value_heads_it_cannot_split():
+    """DeepSpeed's rule: the key-value heads are split over sp ranks or replicated to them."""
+    from model import ShardGPTConfig
+    from training.sequence import check_sequence_parallel
+
+    config = ShardGPTConfig.from_preset("debug", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
+    with pytest.raises(ValueError, match="model's 3 key-value heads are neither a multiple nor a divisor of sp_size 2"):
+        check_sequence_parallel(RunConfig(output_dir="/nonexistent/shardgpt-test"), config, 2, 2, True)
+
+
+def test_sequence_parallel_degrees_from_yaml_and_json(monkeypatch, tmp_path):
+    """The degree comes from the YAML's parallelism_config or the JSON's sequence_parallel_size; a mismatch between
+    the two is refused; the global batch counts data-parallel ranks, world / sp, as DeepSpeed's batch check does."""
+    from training.strategy import requested_strategy
+
+    ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    (tmp_path / "sp4.json").write_text(json.dumps({**ds, "sequence_parallel_size": 4}))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    (parsed,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(
+        args=["--deepspeed", str(tmp_path / "sp4.json"), "--global_batch_size=8", "--per_device_train_batch_size=4",
+              "--output_dir", "/nonexistent/shardgpt-test"]
+    )  # fmt: skip
+    resolved = parsed.resolve(launched_data_parallel_size(parsed))
+    strategy = requested_strategy(resolved, hidden_size=64)
+    assert (strategy.name, strategy.sp_size, strategy.data_parallel_size) == ("zero3-sp4", 4, 1)
+    assert resolved.gradient_accumulation_steps == 2 and strategy.deepspeed["train_batch_size"] == 8
+    assert [strategy.sequence_parallel_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    assert Strategy.from_name("zero3-sp4", 4) == strategy
+    for key, value in {**SP_YAML, **ZERO3_YAML}.items():  # a YAML saying sp 2 beside the JSON's 4
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match="parallelism_config_sp_size is 2 but the DeepSpeed config .* 4"):
+        requested_strategy(resolved, hidden_size=64)
 
 
 def test_the_default_learning_rate_follows_the_models_size(tmp_path):
@@ -250,3 +302,14 @@ def test_cpu_ranks_cap_the_gpu_sized_buckets(caplog):
                 assert gpu[key] == raw["zero_optimization"][key] > cap  # as shipped
                 assert cpu["zero_optimization"][key] == cap
         assert "CPU ranks: DeepSpeed reduce_bucket_size 5e+08 -> 1e+07" in caplog.text
+
+
+def test_the_trainer_refuses_sequence_parallelism(monkeypatch):
+    """The HF Trainer's Ulysses loss is sp times too large under ZeRO-1/2: refused in one line naming train.py."""
+    from recipes import trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key, value in {**SP_YAML, **ZERO3_YAML}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"sequence parallelism \(sp_size 2\) needs recipes/train.py: the HF Trainer"):
+        trainer.main(["--output_dir", "/nonexistent/shardgpt-test"])

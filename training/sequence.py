@@ -1,0 +1,156 @@
+"""Ulysses sequence parallelism (Jacobs et al. 2023, DeepSpeed-Ulysses): each sequence split over `sp` ranks.
+
+Each rank of a sequence-parallel group holds block_size / sp consecutive positions of the same sequences (the
+loader slices them: `data.ShardedLoader`, `sequence_parallel_size`); its embeddings, norms, MLPs and loss see only
+those. Attention needs every position: DeepSpeed's `UlyssesSPAttentionHF`, registered with transformers' attention
+interface, exchanges the q, k and v of the local positions for all positions of heads / sp heads (an all-to-all),
+attends, and exchanges back (an all-to-all). The degree comes from the launch's configuration: an accelerate YAML's
+`parallelism_config` block (`parallelism_config_sp_size`, `parallelism_config_sp_backend: deepspeed`), or the
+DeepSpeed JSON's own `sequence_parallel_size` under the `deepspeed` launcher and torchrun. Either way accelerate's
+`prepare` registers the attention and hands DeepSpeed its groups (`accelerator_parallelism_config`).
+
+The loss, done so that the gradients are the one process's: each rank's loss is the sum of its positions'
+cross-entropy over the targets of the whole global batch (the loader's `num_items_in_batch`, as without sequence
+parallelism), so the ranks' losses add up to the global batch's mean. DeepSpeed then averages each gradient over
+the sequence-and-data-parallel ranks, dividing by a count that depends on the ZeRO stage (`gradient_divisor`); the
+step multiplies the loss by that count. The recipe in DeepSpeed's tutorial, accelerate's docs and the HF Trainer
+(every rank computes the sequence's whole loss from the gathered per-rank losses) makes each rank's gradient sp
+times its share: right where DeepSpeed divides by the world (ZeRO-3's reduce-scatter) and sp times too large where it
+divides by world / sp (ZeRO-1 and 2).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model import ShardGPTConfig
+    from training.config import RunConfig
+
+# Attention kernels DeepSpeed's Ulysses wraps (it needs one that masks causally by itself: eager builds a 4D mask).
+ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def yaml_sequence_parallel() -> dict[str, str] | None:
+    """The accelerate YAML's `parallelism_config` block as `accelerate launch` exports it (PARALLELISM_CONFIG_*),
+    or None without one."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
+    prefix = "PARALLELISM_CONFIG_"
+    return {k[len(prefix) :].lower(): v for k, v in os.environ.items() if k.startswith(prefix)}
+
+
+def yaml_sequence_parallel_size() -> int:
+    """The accelerate YAML's `parallelism_config_sp_size`; 1 without it."""
+    return int((yaml_sequence_parallel() or {}).get("sp_size", "1") or 1)
+
+
+def launched_sequence_parallel_size(ds: dict, source: str) -> int:
+    """The launch's sequence-parallel degree: the accelerate YAML's `parallelism_config_sp_size` or the DeepSpeed
+    JSON `ds`'s `sequence_parallel_size` (1 without either); the two must agree where both are given."""
+    from_yaml = yaml_sequence_parallel_size()
+    from_json = int(ds.get("sequence_parallel_size", 1) or 1)
+    if from_yaml > 1 and from_json > 1 and from_yaml != from_json:
+        raise ValueError(
+            f"the accelerate config's parallelism_config_sp_size is {from_yaml} but the DeepSpeed config {source} "
+            f"sets sequence_parallel_size: {from_json}; give the degree in one of them, or the same in both"
+        )
+    return max(from_yaml, from_json)
+
+
+def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: int, world: int,
+                            deepspeed: bool) -> None:  # fmt: skip
+    """Refuse, before any process group, a sequence-parallel launch that could not train as asked. Each message
+    names the setting, its value and the fix."""
+    block = yaml_sequence_parallel() or {}
+    cp = int(block.get("cp_size", "1") or 1)
+    if cp > 1 and sp > 1:
+        raise ValueError(
+            f"the accelerate config's parallelism_config sets both sp_size: {sp} and cp_size: {cp}: sequence "
+            "parallelism (Ulysses) and context parallelism (ring attention) split the same sequence; keep one"
+        )
+    if cp > 1:
+        raise ValueError(
+            f"the accelerate config's parallelism_config sets cp_size: {cp} (torch's ring context parallelism), which "
+            "needs FSDP2 with CUDA's flash or memory-efficient attention kernels and cannot run on CPU ranks, and "
+            "which this training script does not run; for long sequences use Ulysses: parallelism_config_sp_size "
+            "with a DeepSpeed config (docs/strategies.md), or remove parallelism_config_cp_size"
+        )
+    if sp == 1:
+        return
+    if not deepspeed:
+        raise ValueError(
+            f"sequence parallelism (sp_size {sp}) needs DeepSpeed, whose engine reduces the gradients over the "
+            "sequence-parallel ranks (accelerate's sp_backend: deepspeed): launch with a ZeRO config "
+            "(accelerate_configs/zero1.yaml ... zero3.yaml with a parallelism_config block, or --deepspeed "
+            "ds_configs/zero3.json with sequence_parallel_size), or remove the sequence-parallel setting"
+        )
+    backend = block.get("sp_backend", "deepspeed")
+    if backend != "deepspeed":
+        raise ValueError(f"parallelism_config_sp_backend: {backend}; the only backend is deepspeed: set it so")
+    if cfg.pipeline_parallel_degree > 1:
+        raise ValueError(
+            f"sequence parallelism (sp_size {sp}) with --pipeline_parallel_degree {cfg.pipeline_parallel_degree}: "
+            "a pipeline does not run under DeepSpeed here; choose one of them"
+        )
+    if world % sp:
+        divisors = [d for d in range(2, world + 1) if world % d == 0]
+        raise ValueError(f"sp_size {sp} does not divide the {world} launched ranks: set it to one of {divisors}")
+    shard = block.get("dp_shard_size")
+    replicate = int(block.get("dp_replicate_size", "1") or 1)
+    if block and shard is not None and int(shard) * replicate * sp != world:
+        raise ValueError(
+            f"the accelerate config's parallelism_config_dp_shard_size is {shard}: with sp_size {sp} on {world} "
+            f"ranks it must be {world // sp // replicate} (dp_shard_size x dp_replicate_size x sp_size = ranks)"
+        )
+    attention = block.get("sp_attn_implementation", "None")
+    if attention not in ("None", *ULYSSES_ATTENTION):
+        raise ValueError(
+            f"parallelism_config_sp_attn_implementation: {attention}; Ulysses wraps {', '.join(ULYSSES_ATTENTION)} "
+            "(eager attention builds a full mask over the sequence): set sdpa, or remove the key"
+        )
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if heads % sp:
+        raise ValueError(
+            f"sp_size {sp} does not divide the model's {heads} attention heads (each rank attends with heads / sp "
+            f"heads): choose an sp_size that divides {heads}"
+        )
+    if kv % sp and sp % kv:
+        raise ValueError(
+            f"the model's {kv} key-value heads are neither a multiple nor a divisor of sp_size {sp} (DeepSpeed "
+            "Ulysses splits or replicates them): choose such an sp_size"
+        )
+    if cfg.block_size % sp:
+        raise ValueError(
+            f"--block_size {cfg.block_size} is not divisible by sp_size {sp}: each rank holds block_size / sp "
+            f"positions; pass a multiple of {sp}"
+        )
+
+
+def gradient_divisor(data_parallel: int, sp: int, zero_stage: int, zero: dict) -> int:
+    """What DeepSpeed 0.19.8 divides each summed gradient by under sequence parallelism (`sp` ranks a sequence,
+    `data_parallel` groups of them, `zero` the config's zero_optimization): ZeRO-3's reduce-scatter
+    (`reduce_scatter`, true by default) by every rank of the sequence-and-data-parallel group
+    (runtime/comm/coalesced_collectives.py: `reduce_scatter_coalesced` pre-divides by the group's size); ZeRO-1 and
+    2, and ZeRO-3 without reduce_scatter, by that count over sp (runtime/zero/stage_1_and_2.py `average_tensor`,
+    stage3.py `__avg_scatter_contiguous_grads`: `world_size / sequence_parallel_size`). The data-parallel count
+    without sequence parallelism."""
+    if sp > 1 and zero_stage == 3 and zero.get("reduce_scatter", True):
+        return data_parallel * sp
+    return data_parallel
+
+
+def accelerator_parallelism_config(world: int, sp: int):
+    """The accelerate `ParallelismConfig` that turns Ulysses on in `prepare` for a launch whose degree came from
+    the DeepSpeed JSON (no accelerate YAML block): sp over consecutive ranks, the rest data-parallel. None where
+    the YAML's own block is in force (accelerate reads it) or without sequence parallelism."""
+    if sp == 1 or yaml_sequence_parallel() is not None:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    return ParallelismConfig(
+        dp_shard_size=world // sp, sp_size=sp, sp_backend="deepspeed",
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+    )  # fmt: skip
