@@ -15,7 +15,9 @@ to the last digit on 2 ranks; at most 1.1e-7 relative on 4 ranks, 2 data-paralle
 What each rank holds is read from the prepared objects (`strategy.json`, written by the script after its
 first optimizer step): the wrapper and optimizer classes, the ZeRO stage, where parameters and Adam's states
 live, FSDP2's resharding and offload policy, and this rank's share of parameters, gradients and optimizer
-states, counted in the tensors the engine, FSDP or the optimizer really hold.
+states, counted in the tensors the engine, FSDP or the optimizer really hold; and what each rank sent in the third
+step, by kind of collective, equal to training/comms.py's closed form for the settings in force (tests/recipes/
+communication.py), or, for a pipeline, its stages' activations and gradients.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from communication import assert_closed_form
 from launching import ROOT, launch, launcher_command, quiet_console_problems
 from safetensors.torch import load_file
 from trackers import assert_same_as_metrics, tensorboard_scalars, wandb_history
@@ -180,6 +183,7 @@ def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, refe
     # The strategy in force is the one asked for, as the prepared objects show it.
     assert run.strategy["strategy"] == strategy
     assert_in_force(run.strategy, strategy)
+    assert_closed_form(run)  # what every rank sent in the third step, to the byte
 
     # It trains: metrics for every step, a falling loss, an evaluation.
     losses = run.losses
@@ -276,6 +280,7 @@ def test_autotp_with_two_data_parallel_ranks_trains_the_same_model(corpus, refer
     # Each rank: half of the model (its tensor-parallel slice), a quarter of Adam's states (ZeRO-1 over 2 of it).
     shares = (seen["local_parameter_fraction"], seen["local_optimizer_state_fraction"])
     assert shares == pytest.approx((0.5, 0.25), abs=0.02), seen
+    assert_closed_form(run)  # no closed form for tensor parallelism here: recorded on every rank
     assert_same_training(run, reference)
 
 
@@ -321,6 +326,12 @@ def test_pipeline_trains_the_same_model(launcher, config, nproc, schedule, micro
     assert seen["local_parameter_fraction"] < (0.5 if config == "fsdp" else 0.9), seen  # a stage, FSDP2: its half
     assert quiet_console_problems(run.stdout + run.stderr, launcher) == []
     assert_same_training(run, reference)
+    # Each rank sends its stage's output (activations forward, gradients backward) once per micro batch: micro x
+    # block x hidden fp32 values, 2 micro batches per step; what it receives is as large.
+    sent = 2 * micro * 64 * 64 * 4  # the corpus's block of 64 tokens, the debug preset's hidden size of 64
+    for record in seen["communication"]["per_rank"]:
+        assert record["kinds"]["point_to_point"]["volume_bytes"] == sent, record
+        assert record["kinds"]["point_to_point"]["payload_bytes"] == 2 * sent, record
     # Each pipeline rank's share of the schedule spent in its stages, logged with every record; the rest is bubble
     # (at most 1 - 1/(M + P - 1) = 2/3 busy here, less the time the schedule itself and the sends take).
     busy = [[r[f"pp_rank{p}_busy"] for p in range(2)] for r in run.records if "loss" in r]
