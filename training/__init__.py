@@ -32,7 +32,8 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
     ops.py           DeepSpeed's compiled ops: which a launch needs, their build cache
     faults.py        faults the tests inject (kills, signals, a stall, a full disk)
     synthetic.py     train.py's setup on random tokens, for the tools that measure it
-    bubble.py        the pipeline bubble and the activations a schedule holds, on stages of fixed cost
+    bubble.py        the pipeline bubble and the activations a schedule holds, on stages of fixed cost and on the
+                     model's own (recipes/measure/pipeline_bubble.py, pipeline_memory.py)
     paths.py         the repository root
     compat.py        the torch, transformers, accelerate and deepspeed floors, checked at start-up; the few private
                      APIs used, each with why
@@ -43,7 +44,7 @@ The parts of the other tools:
     doctor/          recipes/doctor.py: the report, checks of the machine, checks of one launch
     memory/          the planner's model (recipes/plan_memory.py), whether a launch fits this machine and the
                      largest size that does, the ledger of what a rank really holds (recipes/measure/measure_memory.py),
-                     and measured against planned
+                     and measured against planned; the bytes a rank holds for its backward, counted live
 
 Imports run one way: recipes/ -> training/ -> data/, model/.
 """

@@ -1,6 +1,7 @@
 """The bubble measurement (training/bubble.py) on 2 fixed-cost stages: what the schedules hold is exact, and a
 step can only be longer than the papers' (M + P - 1) x (forward + backward). The bubble's size against
-(P - 1) / (M + P - 1) is a measured number: recipes/measure/pipeline_bubble.py prints it (docs/strategies.md)."""
+(P - 1) / (M + P - 1) is a measured number: recipes/measure/pipeline_bubble.py prints it (docs/strategies.md).
+On the model's own 2 stages, the bytes each holds for its backward are the memory planner's, to the byte."""
 
 from __future__ import annotations
 
