@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import queue as queue_module
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,6 +78,55 @@ class FixedCostStage(nn.Module):
 def theory(pp: int, micro_batches: int) -> float:
     """The bubble's share of a GPipe or 1F1B step: (P - 1) / (M + P - 1)."""
     return (pp - 1) / (micro_batches + pp - 1)
+
+
+SCHEDULES = ("GPipe", "1F1B")  # the papers' two, whose bubble is the same and whose activations are not
+
+
+def schedule_cases(pp: int, micro_batches: list[int]) -> list[tuple[str, int]]:
+    """Every (schedule, M) torch runs on `pp` stages: 1F1B needs at least one micro batch per stage."""
+    return [(s, m) for s in SCHEDULES for m in micro_batches if s != "1F1B" or m >= pp]
+
+
+def add_run_flags(p, pp: list[int], figure: Path) -> None:
+    """The flags both measurement scripts take: the stages and micro batches measured, the timed steps, where the
+    rows and the figure go, or an earlier run's rows to show instead."""
+    p.add_argument("--pp", type=int, nargs="+", default=pp, help="Pipeline stages (one process each).")
+    p.add_argument("--micro_batches", type=int, nargs="+", default=[2, 4, 8], help="Micro batches per step.")
+    p.add_argument("--steps", type=int, default=3, help="Timed steps per case (the fastest is kept).")
+    p.add_argument("--json", default=None, help="Also write the rows here.")
+    p.add_argument(
+        "--rows", default=None, help="Measure nothing: the table and plot of these rows (an earlier --json)."
+    )
+    p.add_argument("--plot", default=str(figure), help="The figure's path.")
+
+
+def run_recipe(args, measure_pp, table, plot) -> None:
+    """A measurement script's body: the rows of `args.rows` (an earlier --json), or each P of `args.pp` measured
+    over `args.micro_batches` by `measure_pp(pp, cases)`; then their `table` printed, --json and the plot written."""
+    rows = json.loads(Path(args.rows).read_text()) if args.rows else []
+    for pp in [] if args.rows else args.pp:
+        cases = schedule_cases(pp, args.micro_batches)
+        print(f"measuring P={pp}: {len(cases)} cases", flush=True)
+        rows += measure_pp(pp, cases)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    plot(rows, args.plot)
+    print(f"figure: {args.plot}")
+
+
+def save_against_micro_batches(fig, axes, micro_batches: list[int], path: str, legend_size: int = 8) -> None:
+    """`fig`, whose `axes` plot against M: a log-2 axis with a tick at each of `micro_batches`, a grid and legends;
+    written to `path`."""
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(micro_batches, [str(m) for m in micro_batches])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
 
 
 def _rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], seconds: float, steps: int, queue) -> None:

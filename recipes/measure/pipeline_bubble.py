@@ -12,27 +12,15 @@ all M; 1F1B: at most P). More processes than cores is fine: the stages sleep.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from training.arguments import ArgumentParser
-from training.bubble import measure, summarize
+from training.bubble import add_run_flags, measure, run_recipe, save_against_micro_batches, summarize
 from training.paths import ROOT
-
-SCHEDULES = ("GPipe", "1F1B")
 
 
 def parse_args(argv: list[str] | None = None):
     p = ArgumentParser(prog="recipes/measure/pipeline_bubble.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="Pipeline stages (one process each).")
-    p.add_argument("--micro_batches", type=int, nargs="+", default=[2, 4, 8], help="Micro batches per step.")
+    add_run_flags(p, pp=[2, 4], figure=ROOT / "docs" / "img" / "pipeline_bubble.png")
     p.add_argument("--seconds", type=float, default=0.1, help="A stage's forward time; its backward takes twice.")
-    p.add_argument("--steps", type=int, default=3, help="Timed steps per case (the fastest is kept).")
-    p.add_argument("--json", default=None, help="Also write the rows here.")
-    p.add_argument(
-        "--rows", default=None, help="Measure nothing: the table and plot of these rows (an earlier --json)."
-    )
-    p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "pipeline_bubble.png"), help="The figure's path.")
     args = p.parse_args(argv)
     if min(args.pp) < 2 or min(args.micro_batches) < 1 or args.seconds <= 0:
         p.error(f"--pp {args.pp} needs 2 or more stages, --micro_batches {args.micro_batches} 1 or more, --seconds > 0")
@@ -75,31 +63,12 @@ def plot(rows: list[dict], path: str) -> None:
     bubble.set(xlabel="micro batches M", ylabel="bubble (share of the step)", title="GPipe's bubble shrinks with M")
     held.set(xlabel="micro batches M", ylabel="micro batches' activations held (peak)",
              title="GPipe holds M, 1F1B at most P")  # fmt: skip
-    for ax in (bubble, held):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(
-            sorted({r["micro_batches"] for r in rows}), [str(m) for m in sorted({r["micro_batches"] for r in rows})]
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_against_micro_batches(fig, (bubble, held), sorted({r["micro_batches"] for r in rows}), path)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rows = json.loads(Path(args.rows).read_text()) if args.rows else []
-    for pp in [] if args.rows else args.pp:
-        # 1F1B needs at least one micro batch per stage (torch's Schedule1F1B)
-        cases = [(s, m) for s in SCHEDULES for m in args.micro_batches if s == "GPipe" or m >= pp]
-        print(f"measuring P={pp}: {len(cases)} cases", flush=True)
-        rows += summarize(measure(pp, cases, args.seconds, args.steps))
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    plot(rows, args.plot)
-    print(f"figure: {args.plot}")
+    run_recipe(args, lambda pp, cases: summarize(measure(pp, cases, args.seconds, args.steps)), table, plot)
 
 
 if __name__ == "__main__":

@@ -15,18 +15,15 @@ stay exact, the times do not.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
-from training.bubble import ModelCase, measure_model
+from training.bubble import ModelCase, add_run_flags, measure_model, run_recipe, save_against_micro_batches
 from training.memory.planner import predict
 from training.paths import ROOT
 from training.strategy import Strategy
 
-SCHEDULES = ("GPipe", "1F1B")
 MiB = 2**20
 
 
@@ -35,17 +32,14 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--preset", default="tiny", choices=tuple(PRESETS), help="The model (a preset).")
     p.add_argument("--num_hidden_layers", type=int, default=None, help="Override the preset's layer count.")
     p.add_argument("--vocab_size", type=int, default=None, help="Override the preset's vocabulary (the head's size).")
-    p.add_argument("--pp", type=int, nargs="+", default=[2], help="Pipeline stages (one process each).")
-    p.add_argument("--micro_batches", type=int, nargs="+", default=[2, 4, 8], help="Micro batches per step.")
     p.add_argument("--micro_batch", type=int, default=2, help="Sequences per micro batch.")
     p.add_argument("--seq_len", type=int, default=128, help="Tokens per sequence.")
-    p.add_argument("--steps", type=int, default=3, help="Timed steps per case (the fastest is kept).")
-    p.add_argument("--json", default=None, help="Also write the rows here.")
-    p.add_argument(
-        "--rows", default=None, help="Measure nothing: the table and plot of these rows (an earlier --json)."
-    )
-    p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "pipeline_memory.png"), help="The figure's path.")
-    return p.parse_args(argv)
+    add_run_flags(p, pp=[2], figure=ROOT / "docs" / "img" / "pipeline_memory.png")
+    args = p.parse_args(argv)
+    if min(args.pp) < 2 or min(args.micro_batches) < 1 or args.micro_batch < 1 or args.seq_len < 1:
+        p.error(f"--pp {args.pp} needs 2 or more stages; --micro_batches {args.micro_batches}, --micro_batch "
+                f"{args.micro_batch} and --seq_len {args.seq_len} 1 or more")  # fmt: skip
+    return args
 
 
 def predicted(case: ModelCase, schedule: str, pp: int, micro_batches: int) -> list[int]:
@@ -101,33 +95,21 @@ def plot(rows: list[dict], path: str) -> None:
              title="The model's stages: busy share against M")  # fmt: skip
     held.set(xlabel="micro batches M", ylabel="MiB held for the backward (peak)",
              title="Measured (lines) and planned (x)")  # fmt: skip
-    for ax in (busy, held):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ms, [str(m) for m in ms])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_against_micro_batches(fig, (busy, held), ms, path, legend_size=7)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     overrides = {k: getattr(args, k) for k in ("num_hidden_layers", "vocab_size") if getattr(args, k) is not None}
     case = ModelCase(args.preset, overrides, args.micro_batch, args.seq_len)
-    rows = json.loads(Path(args.rows).read_text()) if args.rows else []
-    for pp in [] if args.rows else args.pp:
-        # 1F1B needs at least one micro batch per stage (torch's Schedule1F1B)
-        cases = [(s, m) for s in SCHEDULES for m in args.micro_batches if s == "GPipe" or m >= pp]
-        print(f"measuring P={pp}: {len(cases)} cases", flush=True)
-        for r in measure_model(pp, cases, case, args.steps):
+
+    def measure_pp(pp: int, cases: list[tuple[str, int]]) -> list[dict]:
+        rows = measure_model(pp, cases, case, args.steps)
+        for r in rows:
             r["predicted_bytes"] = predicted(case, r["schedule"], pp, r["micro_batches"])[r["stage"]]
-            rows.append(r)
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    plot(rows, args.plot)
-    print(f"figure: {args.plot}")
+        return rows
+
+    run_recipe(args, measure_pp, table, plot)
 
 
 if __name__ == "__main__":

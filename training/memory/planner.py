@@ -668,7 +668,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     torch 2.13; from its source, not measured); the in-flight micro batches' saved layer inputs are those buffers
     in fp32, counted twice here (4h of a layer's tens of h per token).
     """
-    pp, schedule, dp = strategy.pp_size, strategy.pp_schedule, strategy.data_parallel_size
+    pp, schedule = strategy.pp_size, strategy.pp_schedule
     sharded = strategy.family == "fsdp"
     if (strategy.family not in ("single", "ddp", "fsdp") or (sharded and strategy.fsdp_version != 2)
             or strategy.offloads or strategy.replicas > 1 or strategy.tp_size > 1 or strategy.pp_stages_per_rank > 1
@@ -688,20 +688,9 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     stages = []
     for stage in range(pp):
         lay = stage_layout(whole, pp, stage)
-        if sharded:
-            states = max((fsdp_states(lay, dp, r, offload=False) for r in _ranks_to_check(strategy, dp)),
-                         key=lambda items: sum(it.nbytes for it in items))  # fmt: skip
-            temps = temporaries(lay, strategy, dp, precision, None)
-        else:
-            states = [Item("params", "weights", 4 * lay.psi), Item("grads", "param.grad", 4 * lay.psi)]
-            adam(states, lay.psi, len(lay.numels), "gpu")
-            temps = [Item("buffers", "autocast_weight_copies", e * lay.psi if precision != "fp32" else 0),
-                     Item("buffers", "gradient_all_reduce", 4 * lay.psi if dp > 1 else 0)]  # fmt: skip
+        states, temps = stage_states(lay, strategy, precision, cpu_ranks)
         boundaries = (stage > 0) + (stage < pp - 1)
         temps.append(Item("buffers", "pipeline_receive_buffers", boundaries * micro_batches * tokens * h * hidden))
-        if cpu_ranks:  # torch's unfused AdamW
-            largest = adam_temporaries(lay, strategy, dp, None, e) if sharded else None
-            temps.append(largest or Item("buffers", "adam_temporaries", 8 * max(lay.numels)))
         activations, loss = stage_held(config, micro_batch, seq_len, e, checkpointing, schedule, pp, micro_batches,
                                        stage, hidden)  # fmt: skip
         chunk = min(LOSS_CHUNK, tokens)
@@ -729,6 +718,27 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
         )  # fmt: skip
         stages.append(row)
     return stages
+
+
+def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: bool) -> tuple[list[Item], list[Item]]:
+    """One rank's model states of the stage `lay` holds, and its temporaries: FSDP2's over the stage's
+    data-parallel ranks, or the stage whole (fp32 weights, gradients and AdamW; autocast's weight copies in bf16; the
+    flat copy of the gradients that their all-reduce over the data-parallel ranks averages). On CPU ranks, unfused
+    AdamW's two fp32 temporaries of the largest tensor it steps."""
+    dp, e = strategy.data_parallel_size, BYTES[precision]
+    if strategy.family == "fsdp":
+        states = max((fsdp_states(lay, dp, r, offload=False) for r in _ranks_to_check(strategy, dp)),
+                     key=lambda items: sum(it.nbytes for it in items))  # fmt: skip
+        temps = temporaries(lay, strategy, dp, precision, None)
+        if cpu_ranks:
+            temps.append(adam_temporaries(lay, strategy, dp, None, e))
+        return states, temps
+    states = [Item("params", "weights", 4 * lay.psi), Item("grads", "param.grad", 4 * lay.psi)]
+    adam(states, lay.psi, len(lay.numels), "gpu")
+    temps = [Item("buffers", "autocast_weight_copies", e * lay.psi if precision != "fp32" else 0),
+             Item("buffers", "gradient_all_reduce", 4 * lay.psi if dp > 1 else 0),
+             Item("buffers", "adam_temporaries", 8 * max(lay.numels) if cpu_ranks else 0)]  # fmt: skip
+    return states, temps
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO paper
