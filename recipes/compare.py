@@ -228,18 +228,23 @@ def collect(res: Result, out: Path, sampler: Sampler, args) -> None:
     res.final_loss = train[-1]["loss"] if train else None
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     res.final_eval_loss = evals[-1] if evals else None
-    res.tokens_per_sec = median_after_first(train, "tokens_per_sec")
-    res.step_time_s = median_after_first(train, "step_time_s")
-    res.mfu = median_after_first(train, "mfu")
+    seen = json.loads((out / "strategy.json").read_text()) if (out / "strategy.json").is_file() else {}
+    comm = seen.get("communication")
+    # The step whose collectives were counted ran slower (every operator through the counter): not timed here.
+    timed = [r for r in train if not comm or r["step"] != comm["step"]]
+    res.tokens_per_sec = median_after_first(timed, "tokens_per_sec")
+    res.step_time_s = median_after_first(timed, "step_time_s")
+    res.mfu = median_after_first(timed, "mfu")
     rss = [r["cpu_rss_gb"] for r in train if r.get("cpu_rss_gb") is not None]
     res.train_rss_gb = max(rss) if rss else None
     gpu = [r["gpu_max_allocated_gb"] for r in train if r.get("gpu_max_allocated_gb") is not None]
     res.gpu_max_allocated_gb = max(gpu) if gpu else None
     res.peak_rss_gb = sampler.per_rank_gb()
-    if (out / "strategy.json").is_file():
-        seen = json.loads((out / "strategy.json").read_text())
+    if seen:
         res.strategy, res.world_size = seen.get("strategy"), seen.get("world_size")
         res.local_parameter_fraction = seen.get("local_parameter_fraction")
+    if comm:  # the busiest rank's bytes in the counted step
+        res.volume_mb, res.sent_mb = (max(r[k] for r in comm["per_rank"]) / 1e6 for k in ("volume_bytes", "wire_bytes"))
     res.checkpoint_mb, res.save_s = checkpoint_measures(out, args.steps)
     predict_memory(res, out, args)
 

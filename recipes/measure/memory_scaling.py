@@ -72,12 +72,19 @@ def plot(rows: list[dict], path: Path) -> None:
         color = f"C{STRATEGIES.index(configs[0])}"
         n, paper_bytes = zip(*line, strict=True)
         ax.plot(n, paper_bytes, "--", color=color, alpha=0.7, label=f"{' = '.join(configs)} paper")
+    title = f"Model states per rank, fp32 Adam, Ψ = {rows[0]['psi']:,} (measured: solid, paper: dashed)"
+    save_against_ranks(fig, ax, rows, "model-state bytes per parameter per rank", title, path)
+
+
+def save_against_ranks(fig, ax, rows: list[dict], ylabel: str, title: str, path: Path) -> None:
+    """The figure of a per-rank quantity against the ranks (`rows`' "world"), on a log-2 axis, saved to `path`."""
+    worlds = sorted({r["world"] for r in rows})
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r["world"] for r in rows}), [str(w) for w in sorted({r["world"] for r in rows})])
+    ax.set_xticks(worlds, [str(w) for w in worlds])
     ax.set_xlabel("ranks N")
-    ax.set_ylabel("model-state bytes per parameter per rank")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Model states per rank, fp32 Adam, Ψ = {rows[0]['psi']:,} (measured: solid, paper: dashed)")
+    ax.set_title(title)
     ax.title.set_fontsize(9)
     ax.legend(ncol=2, fontsize=7)
     ax.grid(alpha=0.3)

@@ -13,51 +13,36 @@ DeepSpeed settings that change the traffic, each beside the shipped JSON's value
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from communication import assert_closed_form, launched
-from launching import ROOT, launch, launcher_command
+from launching import launch, launcher_command
+
+from recipes.measure.comm_scaling import NO_LIVE, NO_MULTI_RANK, accelerate_config_with
 
 ARGS = [
     "--preset=debug", "--max_steps=3", "--warmup_steps=1", "--per_device_train_batch_size=2", "--logging_steps=1",
     "--eval_steps=0", "--max_eval_batches=1", "--save_steps=0", "--sample_max_new_tokens=0",
 ]  # fmt: skip
-NO_MULTI_RANK = {"use_multi_rank_bucket_allreduce": False}
-NO_LIVE = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}
-
-# (accelerate config, changes to its DeepSpeed JSON's zero_optimization, the volume in Psi: the paper's, measured)
+MATRIX = pytest.mark.matrix  # the shipped configs that the 2-rank launches already hold to their closed forms
 CELLS = [
-    pytest.param("ddp", {}, (2, 2), marks=pytest.mark.matrix),
-    ("fsdp", {}, (3, None)),  # 3 Psi less the root group's once (kept after the forward): the closed form's
-    pytest.param("fsdp_shard_grad_op", {}, (2, 2), marks=pytest.mark.matrix),
-    pytest.param("zero1", {}, (2, 3), marks=pytest.mark.matrix),
-    ("zero2", {}, (2, 3)),
-    ("zero2", NO_MULTI_RANK, (2, 2)),
-    ("zero3", {}, (3, 2)),
-    ("zero3", NO_LIVE, (3, None)),  # 3 Psi and twice the tied embedding, less the persistent norms'
+    pytest.param("ddp", {}, (2, 2), marks=MATRIX, id="ddp"),
+    pytest.param("fsdp", {}, (3, None), id="fsdp"),  # 3 Psi less the root group's once (kept after the forward)
+    pytest.param("fsdp_shard_grad_op", {}, (2, 2), marks=MATRIX, id="fsdp_shard_grad_op"),
+    pytest.param("zero1", {}, (2, 3), marks=MATRIX, id="zero1"),
+    pytest.param("zero2", {}, (2, 3), id="zero2"),
+    pytest.param("zero2", NO_MULTI_RANK, (2, 2), id="zero2-multi-rank-all-reduce-off"),
+    pytest.param("zero3", {}, (3, 2), id="zero3"),
+    # 3 Psi and twice the tied embedding, less the persistent norms'
+    pytest.param("zero3", NO_LIVE, (3, None), id="zero3-live-parameters-0"),
 ]
-
-
-def config_with(config: str, zero: dict, tmp_path) -> str:
-    """accelerate_configs/<config>.yaml, or a copy of it pointing at its JSON with `zero` applied."""
-    yaml = ROOT / "accelerate_configs" / f"{config}.yaml"
-    if not zero:
-        return str(yaml)
-    ds = json.loads((ROOT / "ds_configs" / f"{config}.json").read_text())
-    ds["zero_optimization"].update(zero)
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    text = yaml.read_text().replace(f"ds_configs/{config}.json", str(tmp_path / "ds.json"))
-    (tmp_path / "launch.yaml").write_text(text)
-    return str(tmp_path / "launch.yaml")
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("config", "zero", "volumes"), CELLS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("config", "zero", "volumes"), CELLS)
 def test_four_ranks_send_the_closed_form(config, zero, volumes, corpus, tmp_path):
     cmd = launcher_command("accelerate", config)
-    cmd[cmd.index("--config_file") + 1] = config_with(config, zero, tmp_path)
+    cmd[cmd.index("--config_file") + 1] = str(accelerate_config_with(config, zero, tmp_path))
     cmd[-1:-1] = ["--num_processes", "4"]  # before the script: an accelerate flag
     run = launch(cmd, [*corpus["flags"], *ARGS], tmp_path / "out")
     assert run.strategy["world_size"] == 4

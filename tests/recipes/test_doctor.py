@@ -188,3 +188,20 @@ def test_memory_plan_refuses_what_the_training_script_refuses(tmp_path, capfd):
     assert code != 0 and plan["status"] == "FAIL", plan
     assert "ddp on 2 rank(s), fp32" in plan["detail"] and "is predicted not to fit: host RAM needs" in plan["detail"]
     assert "cheapest fix: " in plan["detail"]
+
+
+def test_communication_shows_what_a_deepspeed_setting_costs(tmp_path, capfd):
+    """The per-step traffic of the launch, in the closed form the 4-rank launches measure to the byte
+    (tests/recipes/test_communication.py), and the DeepSpeed settings that change it: ZeRO-2's all-reduced buckets
+    against reduced ones, ZeRO-3's live-parameter limits at 0 against limits above the model's size."""
+    from recipes.measure.comm_scaling import NO_LIVE, accelerate_config_with
+
+    flags = ["--json", "--", "--preset", "debug", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path)]
+    code, out = run_doctor(capfd, "--config_file", "accelerate_configs/zero2.yaml", *flags)
+    detail = checks(out)["communication"]["detail"]
+    assert code == 0 and detail.startswith("3.00 Psi") and "the ZeRO paper's 2 Psi" in detail, detail
+    assert "use_multi_rank_bucket_allreduce is true" in detail and "false reduces them, 2.00 Psi" in detail, detail
+    code, out = run_doctor(capfd, "--config_file", str(accelerate_config_with("zero3", NO_LIVE, tmp_path)), *flags)
+    detail = checks(out)["communication"]["detail"]
+    assert code == 0 and "the ZeRO paper's 3 Psi" in detail and "re-gather in the backward" in detail, detail
+    assert "at least that, 2.00 Psi" in detail, detail

@@ -58,6 +58,8 @@ class Result:
     predicted_gb: float | None = None
     prediction: dict | None = None
     prediction_note: str | None = None
+    volume_mb: float | None = None  # a step's communication volume (the ZeRO paper's), the busiest rank
+    sent_mb: float | None = None  # what that rank sends in a step on a ring
     checkpoint_mb: float | None = None
     save_s: float | None = None
     load_s: float | None = None
@@ -134,7 +136,7 @@ def table(results: list[Result]) -> str:
     head = ["strategy", "launcher", "in force (params/rank)", "tokens/s", "MFU", "step time (s)"]
     head += ["GPU max alloc. rank 0 (GB)"] * gpu + ["peak RSS per rank (GB)"] + ["predicted (GB)"] * planned
     precisions = any(r.precision for r in results)
-    head += ["checkpoint (MB)", "save (s)", "load (s)", "final loss"]
+    head += ["comm. volume/step (MB)", "sent/rank/step (MB)", "checkpoint (MB)", "save (s)", "load (s)", "final loss"]
     head += ["max abs loss diff vs ddp" + " (same precision)" * precisions] + ["max abs loss diff vs fp32"] * precisions
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -154,6 +156,7 @@ def table(results: list[Result]) -> str:
             cells += [fmt(r.gpu_max_allocated_gb, ".3f")] * gpu
             cells += [" / ".join(f"{v:.3f}" for v in r.peak_rss_gb) or fmt(r.train_rss_gb, ".3f")]
             cells += [fmt(r.predicted_gb, ".3f")] * planned
+            cells += [fmt(r.volume_mb, ".3f"), fmt(r.sent_mb, ".3f")]
             cells += [fmt(r.checkpoint_mb, ".2f"), fmt(r.save_s, ".3f"), fmt(r.load_s, ".3f")]
             cells += [fmt(r.final_loss, ".4f"), fmt(r.loss_diff_vs_ddp, ".1e")]
             cells += [fmt(r.loss_diff_vs_fp32, ".1e", none="")] * precisions
@@ -185,7 +188,12 @@ def write_report(results: list[Result], args, extra: list[str], out: Path, machi
         "- **in force**: the strategy the training script verified after `prepare` and read from the prepared "
         "objects at its first step (`strategy.json`), and the share of the parameters one rank holds.",
         "- **tokens/s**, **step time**, **MFU**: medians over the logged steps after the first (the script "
-        "times the training step only, logging every step); MFU is n/a on CPU (no peak FLOP/s).",
+        "times the training step only, logging every step), but for the step whose collectives were counted; MFU "
+        "is n/a on CPU (no peak FLOP/s).",
+        "- **comm. volume/step**, **sent/rank/step**: every collective of the third step (the last, in a shorter "
+        "run), counted by training/comms.py on every rank (`strategy.json`, `communication`), the busiest rank: the "
+        "ZeRO paper's volume (an all-reduce of S bytes counts 2S, any other collective S, point-to-point what is "
+        "sent) and what the rank sends on a ring ((n - 1) / n of it).",
         "- **peak RSS per rank**: each worker's resident host memory, sampled every "
         f"{SAMPLE_EVERY_S} s over the whole run (start-up, training, save, export), ranks in order. It includes "
         "the Python, torch and DeepSpeed runtime of each process, so on a small model the differences between "

@@ -1,5 +1,5 @@
 """Checks of one launch: its accelerate YAML and DeepSpeed JSON resolved for its world size, the
-training flags validated as the training script would, and the planner's memory for it.
+training flags validated as the training script would, the planner's memory for it, and what it sends per step.
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -220,6 +221,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     if args.nvme_path and nvme_paths:
         args.nvme_need = need
     plan(report, config, strategy, per_node, cfg, ds)
+    traffic(report, config, strategy, cfg, ds)
 
 
 def global_batch_line(ds: dict, world: int) -> str:
@@ -288,3 +290,45 @@ def plan(report: Report, config, strategy: Strategy, per_node: int, cfg, ds) -> 
     status = WARN if any(n > 0.9 * free[where] for where, n in need if free[where] is not None) else OK
     host = f"predicted for the {launch.ranks_per_host} rank(s) of this host: "
     report.add("memory plan", status, host + "; ".join(parts))
+
+
+def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) -> None:
+    """What each rank will send per step (training/comms.py's closed form for the settings in force, measured to the
+    byte on CPU ranks), against the ZeRO paper's volume, and what the DeepSpeed settings that change it would save."""
+    from training.comms import ModelShape, expected_payloads, paper_volume
+    from training.memory.fit import planned_config
+
+    zero = (ds or {}).get("zero_optimization") or {}
+    threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if strategy.zero_stage == 3 else 0
+    shape = ModelShape.of(planned_config(cfg, config), threshold)
+    element = 2 if (ds or {}).get("communication_data_type") in ("bf16", "fp16") else 4  # else fp32 gradients
+
+    def volume(s: Strategy) -> float | None:  # the paper's volume in Psi: an all-reduce of S counts 2S
+        payloads = expected_payloads(s, shape, element)
+        if payloads is None:
+            return None
+        return sum(2 * n if kind == "all_reduce" else n for kind, n in payloads.items()) / (element * shape.parameters)
+
+    psi = volume(strategy)
+    if psi is None:
+        report.add("communication", NA, f"no closed form for {strategy.name} (measured in strategy.json by a run)")
+        return
+    step = size(psi * element * shape.parameters)
+    detail = f"{psi:.2f} Psi ({step}) per rank and step, {element}-byte elements"
+    paper = paper_volume(strategy, shape.parameters)
+    if paper is not None:
+        detail += f"; the ZeRO paper's {paper // (4 * shape.parameters)} Psi"
+    # The settings that change it, each against the value in force (ds_configs' JSONs ship DeepSpeed's defaults).
+    if strategy.zero_stage in (1, 2) and zero.get("use_multi_rank_bucket_allreduce", True):
+        reduced = {**zero, "use_multi_rank_bucket_allreduce": False}
+        other = replace(strategy, deepspeed={**ds, "zero_optimization": reduced})
+        detail += (f"; use_multi_rank_bucket_allreduce is true (all-reduced gradient buckets): false reduces them, "
+                   f"{volume(other):.2f} Psi")  # fmt: skip
+    if strategy.zero_stage == 3:
+        limits = ("stage3_max_live_parameters", "stage3_max_reuse_distance")
+        kept = {**zero, **dict.fromkeys(limits, max(shape.parameters, int(1e9)))}
+        saved = psi - volume(replace(strategy, deepspeed={**ds, "zero_optimization": kept}))
+        if saved > 0:
+            detail += (f"; {' and '.join(limits)} below the {shape.parameters:,} parameters re-gather in the backward: "
+                       f"at least that, {psi - saved:.2f} Psi (more memory held)")  # fmt: skip
+    report.add("communication", OK, detail)
