@@ -28,6 +28,8 @@ TOLERANCE = 1e-5  # fp32: the strategies sum gradients in different orders
 
 # Two pipeline stages on 2 ranks: the global batch of 8 as 2 micro batches of 4 (training/pipeline.py).
 PIPELINE = ["--pipeline_parallel_degree=2", "--gradient_accumulation_steps=2"]
+# Ulysses over the 2 ranks (one data-parallel rank): the global batch of 8 in one micro batch.
+SEQUENCE = ["--per_device_train_batch_size=8"]
 # Source runs: the accelerate config and number of ranks (and flags).
 SOURCES = {
     "zero2@2": ("zero2", 2),
@@ -36,6 +38,7 @@ SOURCES = {
     "ddp@1": ("single", 1),
     "zero3-offload-cpu@2": ("zero3_offload_cpu", 2),
     "pp2@2": ("ddp", 2, PIPELINE),
+    "zero3-sp2@2": ("zero3_sp", 2, SEQUENCE),
 }
 # (source, target config, target ranks, flags that keep the global batch)
 TRANSITIONS = [
@@ -76,6 +79,12 @@ TRANSITIONS = [
         id="fsdp@2->fsdp-pp2@4",
         marks=pytest.mark.matrix,
     ),  # fmt: skip
+    # Sequence-parallel checkpoints (ZeRO-3's partitions over every rank of the sequence-and-data-parallel group).
+    pytest.param("zero3-sp2@2", "fsdp", 2, [], id="zero3-sp2@2->fsdp@2"),
+    pytest.param("fsdp@2", "zero3_sp", 2, SEQUENCE, id="fsdp@2->zero3-sp2@2"),
+    pytest.param("zero3-sp2@2", "zero3_sp", 2, SEQUENCE, id="zero3-sp2@2->zero3-sp2@2", marks=pytest.mark.matrix),
+    pytest.param("zero3-sp2@2", "single", 1, SEQUENCE, id="zero3-sp2@2->one@1", marks=pytest.mark.matrix),
+    pytest.param("zero3-sp2@2", "zero3", 2, [], id="zero3-sp2@2->zero3@2", marks=pytest.mark.matrix),
 ]
 
 

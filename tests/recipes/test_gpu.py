@@ -35,6 +35,10 @@ NOT_ON_ONE_GPU = {
     "accelerate_configs/fsdp_tp.yaml": "refused before the process group on any device (docs/strategies.md)",
     "accelerate_configs/fsdp_hybrid_multinode.yaml": "two machines",
     "accelerate_configs/multinode_zero3.yaml": "two machines",
+    **{
+        f"accelerate_configs/{c}_sp.yaml": "sequence parallelism splits each sequence over 2 ranks"
+        for c in ("zero1", "zero2", "zero3", "zero3_offload_cpu")
+    },  # fmt: skip
 }
 
 

@@ -9,8 +9,8 @@ logged norm. Measured on 2 CPU cores (debug preset, fp32): the losses equal to t
 ZeRO-3; the norms within 2e-7 of the reference's.
 
 The user-written launches: an accelerate YAML with a `parallelism_config` block (as accelerate's docs write it) and
-the DeepSpeed JSON's own `sequence_parallel_size` under torchrun. The widest cells (ZeRO-1, ZeRO-3 with CPU offload,
-2 data-parallel x 2 sequence-parallel ranks, bf16) run in `make test-matrix`.
+the DeepSpeed JSON's own `sequence_parallel_size` under torchrun. The widest cells (the repo's YAMLs for ZeRO-1,
+ZeRO-2 and ZeRO-3 with CPU offload; 2 data-parallel x 2 sequence-parallel ranks on 4) run in `make test-matrix`.
 """
 
 from __future__ import annotations
@@ -106,19 +106,22 @@ def test_deepspeed_json_zero3_under_torchrun(corpus, reference, tmp_path):
 
 @pytest.mark.matrix
 @pytest.mark.parametrize(
-    ("zero_json", "strategy", "processes"),
-    [
-        ("zero1.json", "zero1-sp2", 2),
-        ("zero3_offload_cpu.json", "zero3-offload-cpu-sp2", 2),
-        ("zero3.json", "zero3-sp2", 4),
-    ],
-    ids=["zero1", "zero3-offload-cpu", "zero3-dp2-sp2"],
+    ("config", "strategy"),
+    [("zero1_sp", "zero1-sp2"), ("zero2_sp", "zero2-sp2"), ("zero3_offload_cpu_sp", "zero3-offload-cpu-sp2")],
 )
-def test_every_zero_stage(zero_json, strategy, processes, corpus, reference, tmp_path):
-    """ZeRO-1 and ZeRO-3 with CPU offload on 2 ranks, and 2 data-parallel x 2 sequence-parallel ranks on 4."""
-    yaml = sp_yaml(tmp_path / "sp.yaml", zero_json, processes)
-    micro = 8 * 2 // processes
-    run = launch(accelerate_with(yaml), [*corpus["flags"], *TRAIN, f"--per_device_train_batch_size={micro}"],
-                 tmp_path / "o")  # fmt: skip
+def test_shipped_configs(config, strategy, corpus, reference, tmp_path):
+    """The repo's sequence-parallel YAMLs (ZeRO-3's is launched by tests/recipes/test_convert.py): ZeRO-1, ZeRO-2
+    and ZeRO-3 with CPU offload."""
+    args = [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=8"]
+    run = launch(launcher_command("accelerate", config), args, tmp_path / "o")
     assert run.strategy["strategy"] == strategy
-    assert_trains_like_one_process(run, reference, data_parallel=processes // 2)
+    assert_trains_like_one_process(run, reference)
+
+
+@pytest.mark.matrix
+def test_data_parallel_groups_of_sequence_parallel_ranks(corpus, reference, tmp_path):
+    """2 data-parallel x 2 sequence-parallel ranks on 4 under ZeRO-3: ranks 0-1 and 2-3 each split a sequence."""
+    yaml = sp_yaml(tmp_path / "sp.yaml", "zero3.json", processes=4)
+    run = launch(accelerate_with(yaml), [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=4"], tmp_path / "o")
+    assert run.strategy["strategy"] == "zero3-sp2"
+    assert_trains_like_one_process(run, reference, data_parallel=2)
