@@ -76,7 +76,7 @@ def plot(rows: list[dict], path: Path) -> None:
     save_against_ranks(fig, ax, rows, "model-state bytes per parameter per rank", title, path)
 
 
-def save_against_ranks(fig, ax, rows: list[dict], ylabel: str, title: str, path: Path) -> None:
+def save_against_ranks(fig, ax, rows: list[dict], ylabel: str, title: str, path: Path, legend_columns: int = 2) -> None:
     """The figure of a per-rank quantity against the ranks (`rows`' "world"), on a log-2 axis, saved to `path`."""
     worlds = sorted({r["world"] for r in rows})
     ax.set_xscale("log", base=2)
@@ -86,7 +86,7 @@ def save_against_ranks(fig, ax, rows: list[dict], ylabel: str, title: str, path:
     ax.set_ylim(bottom=0)
     ax.set_title(title)
     ax.title.set_fontsize(9)
-    ax.legend(ncol=2, fontsize=7)
+    ax.legend(ncol=legend_columns, fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
