@@ -3,8 +3,7 @@
 A `CommCounter` is a torch dispatch mode: every torch.distributed collective, whoever calls it (DDP's reducer from
 C++ inside the backward, FSDP2's hooks, DeepSpeed through `deepspeed.comm`, DTensor's functional collectives), is
 a `c10d::*` or `_c10d_functional::*` operator that passes through it. It counts each one's tensors and lets it run.
-`torch.utils._python_dispatch.TorchDispatchMode` is the documented way to intercept operators (torch's own
-`CommDebugMode` is built on it, but counts calls only); it is checked on torch 2.11-2.14.
+The dispatch mode and the group of an operator are torch internals, kept in training/compat.py (checked on 2.13).
 
 Three numbers per collective, the convention of the ZeRO paper (Rajbhandari et al. 2020, section 7) and of
 nccl-tests' PERFORMANCE.md; S is the collective's whole tensor in bytes, n the size of its process group:
@@ -30,9 +29,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from training.compat import TorchDispatchMode, collective_group_size
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "point_to_point", "broadcast", "reduce",
          "gather", "scatter", "barrier")  # fmt: skip
@@ -116,10 +115,6 @@ class Communication:
         kinds = {k: asdict(self.kinds[k]) for k in KINDS if k in self.kinds}
         return {"kinds": kinds, "volume_bytes": self.volume_bytes, "wire_bytes": self.wire_bytes}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> Communication:
-        return cls({k: KindCount(**v) for k, v in d["kinds"].items()})
-
 
 class CommCounter(TorchDispatchMode):
     """Counts every collective called while it is active, on this thread and the autograd engine's (the mode is
@@ -146,7 +141,7 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _count(self, kind: str, side: str, func, args, kwargs) -> None:
-        n = group_size(func, args, kwargs)
+        n = collective_group_size(func, args, kwargs)
         if side == "none":
             self.record.add(kind, 0, 0, 0)
             return
@@ -168,24 +163,6 @@ def tensor_bytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)
     return 0
-
-
-def group_size(func, args, kwargs) -> int:
-    """The size of the process group a collective runs over: its `process_group` argument (c10d operators) or its
-    `group_name` (functional collectives)."""
-    schema = func._schema.arguments
-    for i, arg in enumerate(schema):
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if arg.name == "process_group":  # the dispatcher passes the group as a TorchScript object
-            group = value if isinstance(value, ProcessGroup) else ProcessGroup.unbox(value)
-            return group.size()
-        if arg.name == "group_size" and value is not None:
-            return int(value)
-        if arg.name == "group_name":
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            return _resolve_process_group(value).size()
-    return torch.distributed.get_world_size()
 
 
 class StepCommunication:

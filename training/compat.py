@@ -11,6 +11,9 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   returns for a function): to report the compiled decoder layers in strategy.json.
 - how torch's JIT extension build locks its directory (whether `torch.utils.cpp_extension` still uses `FileBaton`):
   see `build_lock_blocks`.
+- torch's dispatch mode (`torch.utils._python_dispatch.TorchDispatchMode`, which torch's own `CommDebugMode` is built
+  on, but that counts calls only), an operator's schema (`OpOverload._schema`) and a functional collective's group
+  (`_resolve_process_group`): to count every collective a step calls, in bytes (training/comms.py); checked on 2.13.
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
 """
@@ -21,6 +24,7 @@ from importlib.metadata import version
 
 import torch
 from packaging.version import Version
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (training/comms.py's base class)
 
 # The oldest release of each that the suite runs on (pyproject.toml's lower bounds).
 FLOORS = {"torch": "2.11", "transformers": "5.24", "accelerate": "1.15", "deepspeed": "0.19.8"}
@@ -61,6 +65,24 @@ def build_lock_blocks() -> bool:
 def is_compiled_function(fn) -> bool:
     """Whether `fn` is what `torch.compile` returned for a function or method."""
     return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def collective_group_size(func, args: tuple, kwargs: dict) -> int:
+    """The size of the process group a collective operator `func` runs over: its `process_group` argument (c10d
+    operators, passed by the dispatcher as a TorchScript object) or its `group_size` / `group_name` (functional
+    collectives)."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if arg.name == "process_group":
+            return (value if isinstance(value, ProcessGroup) else ProcessGroup.unbox(value)).size()
+        if arg.name == "group_size" and value is not None:
+            return int(value)
+        if arg.name == "group_name":
+            return _resolve_process_group(value).size()
+    return torch.distributed.get_world_size()
 
 
 def record_cuda_memory_history() -> None:
