@@ -130,3 +130,22 @@ def test_largest_that_fits_is_the_last_size_whose_needs_fit():
     following = sizes[[n for n, _ in sizes].index(name) + 1][1]
     assert not shortfalls(config, launch, have) and shortfalls(following, launch, have)
     assert largest_that_fits(launch, Capacity(None, 1), {"vocab_size": 8192}) is None
+
+
+def test_a_pipeline_is_checked_by_its_largest_stage():
+    """pp 2 on 2 CPU ranks, 1F1B over 2 micro batches: each rank needs the process and its stage's prediction; the
+    fit check counts the larger stage on both ranks of the host. Schedules the planner does not model are not
+    checked, and a fix that halves the micro batch keeps the global batch (twice the micro batches)."""
+    strategy = replace(Strategy("single", 2, pp_size=2), pp_schedule="1F1B")
+    assert planner_strategy(strategy) == strategy
+    assert planner_strategy(replace(strategy, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)) is None
+    launch = Launch(strategy, 2, "fp32", 2, 128, True, micro_batches=2)
+    stages = predict(LLAMA_1B, strategy, "fp32", 2, 128, True, micro_batches=2, cpu_ranks=True)["stages"]
+    largest = max(max(s["total"], s["host_ram_at_start"]) for s in stages)
+    need = dict(needs(LLAMA_1B, launch, on_gpu=False))["host RAM"]
+    assert need == 2 * (PROCESS_BYTES + largest)
+    halved = dict(needs(LLAMA_1B, replace(launch, micro_batch=1, micro_batches=4), on_gpu=False))["host RAM"]
+    assert halved < need  # 1F1B keeps 2 micro batches in flight on the first stage, whatever their count
+    with pytest.raises(MemoryFitError, match="pass --per_device_train_batch_size 1 and x2") as e:
+        check_memory_fit(LLAMA_1B, launch, Capacity(None, halved))
+    assert "zero3" not in str(e.value)  # ZeRO does not run under a pipeline

@@ -55,6 +55,7 @@ class Launch:
     checkpointing: bool
     ds_config: dict | None = None
     bf16_gradient_reduction: bool = False  # what "auto" gradient dtypes of ds_config resolve to
+    micro_batches: int = 1  # a pipeline's micro batches per step (--gradient_accumulation_steps)
 
     @property
     def world_size(self) -> int:
@@ -74,9 +75,11 @@ class Capacity:
 def planner_strategy(strategy: Strategy) -> Strategy | None:
     """A launch's strategy as the planner models it: one process as DDP on one rank, FSDP1's flat parameters as
     FSDP2's shards (NO_SHARD as DDP), hybrid FSDP as FSDP over one shard group (the memory of a rank is that);
-    None for what the planner does not model."""
-    from training.memory.planner import STRATEGIES
+    a pipeline stage by stage (`planner.models_pipeline`); None for what the planner does not model."""
+    from training.memory.planner import STRATEGIES, models_pipeline
 
+    if strategy.pp_size > 1:
+        return strategy if models_pipeline(strategy) else None
     if strategy.family == "single" or strategy.fsdp_sharding == "NO_SHARD":
         strategy = Strategy("ddp", strategy.world_size)
     elif strategy.family == "fsdp":
@@ -99,7 +102,8 @@ def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
 
     pred = predict(config, launch.strategy, launch.precision, launch.micro_batch, launch.seq_len,
                    launch.checkpointing, ds_config=launch.ds_config,
-                   bf16_gradient_reduction=launch.bf16_gradient_reduction, cpu_ranks=not on_gpu)  # fmt: skip
+                   bf16_gradient_reduction=launch.bf16_gradient_reduction, cpu_ranks=not on_gpu,
+                   micro_batches=launch.micro_batches)  # fmt: skip
     # On CPU ranks the "GPU" figures live in host RAM too. The full fp32 model a rank builds before `prepare`
     # shards it is the peak when it exceeds what the rank keeps afterwards.
     resident = pred["host_ram"] + (0 if on_gpu else pred["total"])
@@ -129,15 +133,16 @@ def cheapest_fix(config, launch: Launch, have: Capacity) -> str:
         accumulation = f"x{launch.micro_batch // micro}" if launch.micro_batch % micro == 0 else "more"
         candidates.append((
             f"pass --per_device_train_batch_size {micro} and {accumulation} --gradient_accumulation_steps "
-            "(same global batch)", replace(launch, micro_batch=micro),
+            "(same global batch)", replace(launch, micro_batch=micro,
+                                           micro_batches=launch.micro_batches * launch.micro_batch // micro),
         ))  # fmt: skip
         micro //= 2
     world, now = launch.world_size, launch.strategy
     zero3 = Strategy("deepspeed", world, zero_stage=3)
-    if world > 1 and now != zero3:
+    if world > 1 and now != zero3 and now.pp_size == 1:  # ZeRO does not run under a pipeline
         candidates.append(("launch with accelerate_configs/zero3.yaml (ZeRO-3 shards every state)",
                            replace(launch, strategy=zero3, ds_config=None)))  # fmt: skip
-    if on_gpu and not now.offloads and world > 1:
+    if on_gpu and not now.offloads and world > 1 and now.pp_size == 1:
         offloaded = replace(zero3, offload_param="cpu", offload_optimizer="cpu")
         candidates.append(("launch with accelerate_configs/zero3_offload_cpu.yaml (states in host RAM)",
                            replace(launch, strategy=offloaded, ds_config=None)))  # fmt: skip
@@ -191,6 +196,7 @@ def training_launch(cfg, strategy: Strategy, per_host: int, ds: dict | None) -> 
     return Launch(
         planned, min(per_host, planned.world_size), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
         cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, ds,
+        micro_batches=cfg.gradient_accumulation_steps,
     )  # fmt: skip
 
 

@@ -653,6 +653,15 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
     return n * per_micro + once, n * saved_loss_bytes(c, micro_batch, seq_len, e) if last else 0
 
 
+def models_pipeline(strategy: Strategy) -> bool:
+    """Whether `pipeline_stages` plans `strategy`: one stage per rank under GPipe or 1F1B, each stage one process,
+    DDP or FSDP2 (full shard or shard-grad-op), as training/pipeline.py runs them."""
+    if strategy.family == "fsdp" and (strategy.fsdp_version != 2 or strategy.offloads or strategy.replicas > 1):
+        return False
+    return (strategy.family in ("single", "ddp", "fsdp") and strategy.tp_size == 1
+            and strategy.pp_stages_per_rank == 1 and strategy.pp_schedule in PIPELINE_SCHEDULES)  # fmt: skip
+
+
 def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, micro_batch: int, seq_len: int,
                     micro_batches: int, checkpointing: bool = False, decay_embeddings: bool = False,
                     cpu_ranks: bool = False) -> list[dict]:  # fmt: skip
@@ -670,9 +679,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     """
     pp, schedule = strategy.pp_size, strategy.pp_schedule
     sharded = strategy.family == "fsdp"
-    if (strategy.family not in ("single", "ddp", "fsdp") or (sharded and strategy.fsdp_version != 2)
-            or strategy.offloads or strategy.replicas > 1 or strategy.tp_size > 1 or strategy.pp_stages_per_rank > 1
-            or schedule not in PIPELINE_SCHEDULES):  # fmt: skip
+    if not models_pipeline(strategy):
         raise ValueError(
             f"the planner does not model {strategy.name} ({schedule}): it plans pipelines of one stage per rank "
             f"under {' or '.join(PIPELINE_SCHEDULES)}, each stage one process, DDP or FSDP2 (single-pp, ddp-pp, "
