@@ -210,6 +210,8 @@ class ModelShape:
     """The embedding's elements when the head shares it (used twice in each forward), else 0."""
     persistent: int = 0
     """Elements of parameters at most ZeRO-3's `stage3_param_persistence_threshold`, kept whole on every rank."""
+    norms: int = 0
+    """Elements of the RMSNorm weights, which tensor parallelism leaves whole on every rank."""
 
     @classmethod
     def of(cls, config, persistence_threshold: int = 0) -> ModelShape:
@@ -223,7 +225,7 @@ class ModelShape:
         sizes = [embedding, head, h] + [h, h] * layers  # the norms: each layer's two and the final one
         persistent = sum(n for n in sizes if 0 < n <= persistence_threshold)
         return cls(layers * layer + embedding + head + h, embedding + head + h,
-                   embedding if config.tie_word_embeddings else 0, persistent)  # fmt: skip
+                   embedding if config.tie_word_embeddings else 0, persistent, (2 * layers + 1) * h)  # fmt: skip
 
 
 def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4) -> dict[str, int] | None:
@@ -269,6 +271,31 @@ def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4) -
     else:
         return None
     return {kind: n * bytes_per_element for kind, n in elements.items()}
+
+
+def autotp_payloads(strategy, shape: ModelShape, split_modules: dict[str, int], micro_tokens: int, micro_batches: int,
+                    hidden_size: int, bytes_per_element: int = 4) -> dict[str, int]:  # fmt: skip
+    """The payload bytes per rank and step under DeepSpeed AutoTP with ZeRO-1 (ds_configs/autotp.json), measured to the
+    byte on 2 and 4 CPU ranks. `split_modules`: the count of each style the model's plan split (strategy.json's
+    `tensor_parallel.split_modules`); `micro_tokens`: a micro batch's sequences x block; fp32 activations.
+
+    - Each micro batch, in the forward, the partial outputs of every row-split module (o_proj, down_proj) and of the
+      vocabulary-split embedding are all-reduced; in the backward, the partial input gradients of every column-split
+      module (q, k, v, gate, up, the head). Each is micro_tokens x hidden.
+    - The loss over the vocabulary-split logits (DeepSpeed's vocab-parallel cross entropy): 3 all-reduces of one
+      value per token (the maximum, the target's logit, the sum of exponentials).
+    - ZeRO-1 over the data-parallel ranks, on this rank's slice (1/tp of the split weights, the norms whole): an
+      all-reduce of its gradients (`use_multi_rank_bucket_allreduce`, even over a single data-parallel rank) and, with
+      more than one, an all-gather of the updated partitions.
+    """
+    activations = split_modules.get("rowwise", 0) + split_modules.get("embedding_rowwise", 0)
+    activations += split_modules.get("colwise", 0) + split_modules.get("colwise_gather_output", 0)
+    per_micro = activations * micro_tokens * hidden_size + 3 * micro_tokens
+    local = (shape.parameters - shape.norms) // strategy.tp_size + shape.norms
+    payloads = {"all_reduce": (micro_batches * per_micro + local) * bytes_per_element}
+    if strategy.data_parallel_size > 1:
+        payloads["all_gather"] = local * bytes_per_element
+    return payloads
 
 
 def paper_volume(strategy, psi: int, bytes_per_element: int = 4) -> int | None:

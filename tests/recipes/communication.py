@@ -1,5 +1,5 @@
 """What a launch's strategy.json says its ranks sent in the counted step, against the closed form for the settings
-in force (training/comms.py's `expected_payloads`)."""
+in force (training/comms.py's `expected_payloads`, and `autotp_payloads` under AutoTP)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 from model import ShardGPTConfig
-from training.comms import ModelShape, expected_payloads, paper_volume
+from training.comms import ModelShape, autotp_payloads, expected_payloads, paper_volume
 from training.strategy import Strategy
 
 # The all-reduces of the step's loss and gradient norm (and DeepSpeed's overflow check): a few scalars, 84 bytes at
@@ -28,24 +28,34 @@ def launched(run) -> tuple[Strategy, ModelShape]:
     return strategy, shape
 
 
-def assert_closed_form(run, step: int = 3) -> dict | None:
-    """Every rank's record of `step`: where a closed form is known, each kind's payload equals it to the byte, but
-    for the scalars' all-reduces (at most SCALARS bytes), and no other kind of collective ran. Returns the closed
-    form (None: unknown for this strategy; then the record is only checked to exist on every rank)."""
+def closed_form(run, strategy: Strategy, shape: ModelShape) -> dict[str, int]:
+    """training/comms.py's closed form for the launch: AutoTP's from the split modules strategy.json lists and the
+    micro batches run_config.json holds, the data-parallel strategies' from the strategy alone."""
+    if strategy.tp_size == 1:
+        want = expected_payloads(strategy, shape)
+        assert want is not None, f"no closed form for {strategy.name}"
+        return want
+    flags = json.loads((run.output_dir / "run_config.json").read_text())
+    tokens = flags["per_device_train_batch_size"] * flags["block_size"]
+    hidden = ShardGPTConfig.from_pretrained(run.output_dir).hidden_size
+    split = run.strategy["tensor_parallel"]["split_modules"]
+    return autotp_payloads(strategy, shape, split, tokens, flags["gradient_accumulation_steps"], hidden)
+
+
+def assert_closed_form(run, step: int = 3) -> dict[str, int]:
+    """Every rank's record of `step`: each kind's payload equals the closed form to the byte, but for the scalars'
+    all-reduces (at most SCALARS bytes), and no other kind of collective ran. Returns the closed form."""
     seen = run.strategy
     comm = seen["communication"]
     assert (comm["step"], comm["world_size"], len(comm["per_rank"])) == (step, seen["world_size"], seen["world_size"])
     strategy, shape = launched(run)
-    want = expected_payloads(strategy, shape)
+    want = closed_form(run, strategy, shape)
     for rank, record in enumerate(comm["per_rank"]):
         got = {kind: count["payload_bytes"] for kind, count in record["kinds"].items()}
-        if want is None:
-            assert record["volume_bytes"] > 0, (rank, record)
-            continue
         extra = {kind: got.get(kind, 0) - want.get(kind, 0) for kind in got.keys() | want.keys()}
         scalars = extra.pop("all_reduce", 0)
         assert 0 < scalars <= SCALARS and not any(extra.values()), (rank, got, want)
         paper = paper_volume(strategy, shape.parameters)
-        print(f"rank {rank}: {record['volume_bytes'] / 4 / shape.parameters:.4f} Psi per step; the paper's "
-              f"{paper / 4 / shape.parameters:.0f} Psi")  # fmt: skip
+        paper = "none" if paper is None else f"{paper / 4 / shape.parameters:.0f} Psi"
+        print(f"rank {rank}: {record['volume_bytes'] / 4 / shape.parameters:.4f} Psi per step; the paper's {paper}")
     return want

@@ -280,7 +280,7 @@ def test_autotp_with_two_data_parallel_ranks_trains_the_same_model(corpus, refer
     # Each rank: half of the model (its tensor-parallel slice), a quarter of Adam's states (ZeRO-1 over 2 of it).
     shares = (seen["local_parameter_fraction"], seen["local_optimizer_state_fraction"])
     assert shares == pytest.approx((0.5, 0.25), abs=0.02), seen
-    assert_closed_form(run)  # no closed form for tensor parallelism here: recorded on every rank
+    assert_closed_form(run)  # activations all-reduced over each tensor-parallel pair, ZeRO-1 over the other
     assert_same_training(run, reference)
 
 

@@ -19,6 +19,7 @@ columns), the norms stay whole; ZeRO-1 then partitions that local model over the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import math
 import sys
@@ -338,7 +339,7 @@ def bytes_by_category(items: list[Item], where: str = "gpu") -> dict[str, int]:
 
 
 def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool,
-                     tp: int = 1) -> int:  # fmt: skip
+                     tp: int = 1, sp: int = 1) -> int:  # fmt: skip
     """Tensors autograd saves for the backward (not the loss's: see `saved_loss_bytes`), at the start of the
     backward.
 
@@ -357,14 +358,28 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     Under tensor parallelism (`tp` ranks) each rank attends with a/tp heads and computes f/tp of the MLP, so
     q, the attention output, k, v, the log-sum-exp and the MLP's four tensors are 1/tp as large; the norms'
     tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (the formula; not measured under TP).
+    Under Ulysses sequence parallelism (`sp` ranks) a rank holds seq_len / sp positions of each sequence
+    (`ulysses_layer_bytes`), and rotary's cos and sin are per sample (the loader passes each slice's positions).
     """
     c = config
-    tokens = micro_batch * seq_len
-    layer = layer_activation_bytes(c, e, tp)
+    tokens = micro_batch * seq_len // sp
+    layer = layer_activation_bytes(c, e, tp) if sp == 1 else ulysses_layer_bytes(c, e, sp)
     once = 8 + final_norm_bytes(c, e)
     kept = e * c.hidden_size if checkpointing else layer  # per layer: its input only, or everything it saves
     recomputed = layer if checkpointing else 0  # the one layer being recomputed in the backward
-    return (c.num_hidden_layers * kept + recomputed + once) * tokens + rotary_bytes(c, seq_len, e)
+    rotary = rotary_bytes(c, seq_len, e) if sp == 1 else rotary_bytes(c, tokens, e)
+    return (c.num_hidden_layers * kept + recomputed + once) * tokens + rotary
+
+
+def ulysses_layer_bytes(config: ShardGPTConfig, e: int, sp: int) -> int:
+    """What one decoder layer saves per position a rank holds under Ulysses over `sp` ranks: the layer's own
+    (`layer_activation_bytes`), where after the all-to-all each rank attends over all positions with heads / sp
+    query heads (q, the output and the log-sum-exp: the same bytes) and kv / sp key-value heads, or one head
+    replicated when sp exceeds kv (k and v: 2 e head_dim max(kv, sp) per position held); plus o_proj's input, the
+    output traded back to this rank's positions (e h), a tensor apart from the one SDPA saved."""
+    kv = config.num_key_value_heads
+    replicated = 2 * e * config.head_dim * (max(kv, sp) - kv)
+    return layer_activation_bytes(config, e) + replicated + e * config.hidden_size
 
 
 def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1) -> int:
@@ -520,8 +535,12 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         stages = pipeline_stages(config, strategy, precision, micro_batch, seq_len, micro_batches,
                                  activation_checkpointing, decay_embeddings, cpu_ranks)  # fmt: skip
         return {**max(stages, key=lambda stage: stage["total"]), "stages": stages}
+    sp, asked = strategy.sp_size, strategy.name  # Ulysses: ZeRO partitions over every rank, each holds T / sp
+    strategy = dataclasses.replace(strategy, sp_size=1)
     if strategy.name not in STRATEGIES:
         raise ValueError(f"the planner does not model {strategy.name}; choose one of {', '.join(STRATEGIES)} or all")
+    if seq_len % sp:
+        raise ValueError(f"seq_len {seq_len} is not divisible by sequence-parallel size {sp}")
     if precision not in BYTES:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(BYTES)}")
     if world_size < 1 or micro_batch < 1 or seq_len < 1:
@@ -548,8 +567,8 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         "params": gpu["params"],
         "grads": gpu["grads"],
         "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
-        "activations": activation_bytes(config, micro_batch, seq_len, e, activation_checkpointing, tp),
-        "logits": logits_bytes(config, micro_batch, seq_len, e)
+        "activations": activation_bytes(config, micro_batch, seq_len, e, activation_checkpointing, tp, sp),
+        "logits": logits_bytes(config, micro_batch, seq_len // sp, e)
         if tp == 1
         else whole_logits_bytes(config, micro_batch, seq_len, e),
         "temporary": sum(it.nbytes for it in temps if it.where == "gpu"),
@@ -573,9 +592,9 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         )
     out["nvme"] = sum(it.nbytes for it in states + temps if it.where == "nvme")
     out["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
-    out["inputs"] = dict(strategy=strategy.name, world_size=world_size, precision=precision, micro_batch=micro_batch,
+    out["inputs"] = dict(strategy=asked, world_size=world_size, precision=precision, micro_batch=micro_batch,
                          seq_len=seq_len, activation_checkpointing=activation_checkpointing, psi=whole.psi,
-                         tensor_parallel_size=tp)  # fmt: skip
+                         tensor_parallel_size=tp, sequence_parallel_size=sp)  # fmt: skip
     return out
 
 
