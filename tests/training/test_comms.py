@@ -72,7 +72,7 @@ def test_model_shape_is_the_models():
     assert shape.parameters == sum(p.numel() for p in named.values())
     assert shape.outside_layers == shape.parameters - layers
     assert shape.tied_embedding == named["model.embed_tokens.weight"].numel()
-    assert shape.persistent == norms
+    assert shape.persistent == shape.norms == norms  # the norms are the parameters of at most hidden elements
     untied = ModelShape.of(replace(config, tie_word_embeddings=False))
     assert (untied.parameters - shape.parameters, untied.tied_embedding) == (shape.tied_embedding, 0)
 
