@@ -41,7 +41,7 @@ import os
 import platform
 import shutil
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -281,21 +281,23 @@ def predict_memory(res: Result, out: Path, args) -> None:
 
     try:
         strategy = Strategy.from_name(res.strategy, res.world_size)  # what the run recorded in strategy.json
-        if strategy.pp_size > 1:
-            res.prediction_note = f"{strategy.name}: the planner does not model pipeline stages yet"
-            return
-        if strategy.family == "single":
+        if strategy.family == "single" and strategy.pp_size == 1:
             res.prediction_note = "single: the planner models multi-rank strategies only"
             return
         import model as shardgpt
 
         config = shardgpt.ShardGPTConfig.from_pretrained(out)
         run = json.loads((out / "run_config.json").read_text())
+        if strategy.pp_size > 1:  # planned stage by stage: the run's schedule and micro batches
+            strategy = pipeline_strategy(strategy, run)
+            if strategy is None:
+                res.prediction_note = f"{res.strategy}: the planner models GPipe and 1F1B pipelines only"
+                return
         ds = json.loads((out / "ds_config.json").read_text()) if (out / "ds_config.json").is_file() else None
         precision = "bf16" if run["bf16"] else "fp16" if run["fp16"] else "fp32"
         pred = predict(
             config, strategy, precision, run["per_device_train_batch_size"], run["block_size"],
-            run["gradient_checkpointing"], ds_config=ds,
+            run["gradient_checkpointing"], ds_config=ds, micro_batches=run["gradient_accumulation_steps"],
         )  # fmt: skip
         res.prediction = {k: v for k, v in pred.items() if k != "detail"}
         # On GPUs the planner's "total" is the GPU's share; on CPU ranks the host holds that and the offload too.
@@ -303,6 +305,18 @@ def predict_memory(res: Result, out: Path, args) -> None:
         res.predicted_gb = (pred["total"] + on_host) / 1e9
     except Exception as e:  # the planner is another module: its failure must not lose the measurement
         res.prediction_note = f"plan_memory.predict failed: {type(e).__name__}: {e}"
+
+
+def pipeline_strategy(strategy, run: dict):
+    """`strategy` with the schedule and stages per rank of the run's flags (`run_config.json`), or None where the
+    planner does not model that pipeline."""
+    from training.memory.planner import models_pipeline
+    from training.pipeline import stages_per_rank
+
+    schedule = run["pipeline_parallel_schedule"]
+    per_rank = stages_per_rank(schedule, run.get("pipeline_parallel_virtual_stages"))
+    strategy = replace(strategy, pp_schedule=schedule, pp_stages_per_rank=per_rank)
+    return strategy if models_pipeline(strategy) else None
 
 
 def config_device() -> str:

@@ -141,6 +141,8 @@ def test_compare_reports_autotp_and_a_pipeline_beside_ddp(corpus, tmp_path):
     runs = {r["name"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
     assert runs["autotp"]["local_parameter_fraction"] == pytest.approx(0.5, abs=0.02)
     assert runs["autotp"]["prediction"]["model_states"] < runs["ddp"]["prediction"]["model_states"]
+    stages = runs["ddp+pp2"]["prediction"]["stages"]  # planned stage by stage: 1F1B keeps 2, then 1 in flight
+    assert [s["inputs"]["micro_batches_in_flight"] for s in stages] == [2, 1]
 
 
 def test_error_line_and_log_parsing():
