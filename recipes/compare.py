@@ -118,7 +118,7 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
                 )
             elif launch.get("num_processes", 1) == 1 or launch.get("distributed_type") == "NO":
                 spec.nproc = 1  # one process: its micro batch is scaled up to keep the global batch
-            spec.tp = tensor_parallel_size(launch)
+            spec.tp = tensor_parallel_size(launch) * sequence_parallel_size(launch)
         specs.append(spec)
     trainer_script = ROOT / "recipes" / "trainer.py"
     if trainer and trainer_script.is_file():
@@ -149,6 +149,12 @@ def tensor_parallel_size(launch: dict) -> int:
         except (OSError, ValueError):
             return 1  # the launch itself fails and reports why
     return int((launch.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+
+
+def sequence_parallel_size(launch: dict) -> int:
+    """Ranks each sequence is split over in an accelerate config (its parallelism_config's sp size): they train on
+    one micro batch, as a tensor-parallel group does."""
+    return int((launch.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1))
 
 
 def launch_command(spec: Spec, port: int | None) -> list[str]:

@@ -46,10 +46,17 @@ def yaml_sequence_parallel_size() -> int:
     return int((yaml_sequence_parallel() or {}).get("sp_size", "1") or 1)
 
 
-def launched_sequence_parallel_size(ds: dict, source: str) -> int:
-    """The launch's sequence-parallel degree: the accelerate YAML's `parallelism_config_sp_size` or the DeepSpeed
-    JSON `ds`'s `sequence_parallel_size` (1 without either); the two must agree where both are given."""
-    from_yaml = yaml_sequence_parallel_size()
+def with_sequence_parallel(ds: dict, source: str, from_yaml: int | None = None) -> dict:
+    """The DeepSpeed JSON `ds` with the launch's sequence-parallel degree in it, where DeepSpeed and the batch
+    arithmetic read it: the accelerate YAML's `parallelism_config_sp_size` (`from_yaml`; by default as `accelerate
+    launch` exported it) or the JSON's own `sequence_parallel_size`; the two must agree where both are given."""
+    sp = launched_sequence_parallel_size(ds, source, yaml_sequence_parallel_size() if from_yaml is None else from_yaml)
+    return {**ds, "sequence_parallel_size": sp} if sp > 1 else ds
+
+
+def launched_sequence_parallel_size(ds: dict, source: str, from_yaml: int) -> int:
+    """The sequence-parallel degree of the YAML's `from_yaml` and the JSON `ds`'s `sequence_parallel_size` (1
+    without either); a mismatch is refused."""
     from_json = int(ds.get("sequence_parallel_size", 1) or 1)
     if from_yaml > 1 and from_json > 1 and from_yaml != from_json:
         raise ValueError(

@@ -35,7 +35,7 @@ from training.deepspeed_config import (
 )
 from training.ops import check_op_cache, launch_ops
 from training.pipeline import ZERO_BUBBLE
-from training.sequence import check_sequence_parallel, launched_sequence_parallel_size, yaml_sequence_parallel_size
+from training.sequence import check_sequence_parallel, with_sequence_parallel, yaml_sequence_parallel_size
 
 Family = Literal["single", "ddp", "fsdp", "deepspeed"]
 Device = Literal["none", "cpu", "nvme"]
@@ -104,7 +104,7 @@ class Strategy:
                 f"Strategy: {self.world_size} ranks cannot hold {self.pp_size} pipelines' ranks of "
                 f"{self.pp_stages_per_rank} stages each"
             )
-        if self.sp_size < 1 or self.world_size % (self.sp_size * self.tp_size * self.pp_size):
+        if self.sp_size < 1 or self.world_size % (self.sp_size * self.pp_size):
             raise ValueError(f"Strategy: {self.world_size} ranks cannot split sequences over {self.sp_size}")
         if self.replicas > 1 and self.fsdp_version != 2:
             raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
@@ -393,8 +393,7 @@ def launched_deepspeed_config(cfg: RunConfig) -> tuple[dict, str] | None:
     else:
         return None
     # The accelerate YAML's sequence-parallel degree joins the JSON, where DeepSpeed and the batch arithmetic read it.
-    sp = launched_sequence_parallel_size(*launched)
-    return ({**launched[0], "sequence_parallel_size": sp} if sp > 1 else launched[0]), launched[1]
+    return with_sequence_parallel(*launched), launched[1]
 
 
 def launched_data_parallel_size(cfg: RunConfig) -> int:

@@ -205,3 +205,17 @@ def test_communication_shows_what_a_deepspeed_setting_costs(tmp_path, capfd):
     detail = checks(out)["communication"]["detail"]
     assert code == 0 and "the ZeRO paper's 3 Psi" in detail and "re-gather in the backward" in detail, detail
     assert "at least that, 2.00 Psi" in detail, detail
+
+
+def test_a_sequence_parallel_launch_is_read_as_the_training_script_reads_it(tmp_path, capfd):
+    """zero3_sp.yaml: the YAML's sp degree joins the JSON, the global batch counts world / sp data-parallel ranks,
+    the strategy is named as strategy.json names it and the planner plans each rank's share of the sequence."""
+    flags = ["--json", "--", "--preset", "debug", "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path)]
+    code, out = run_doctor(capfd, "--config_file", "accelerate_configs/zero3_sp.yaml", *flags)
+    assert code == 0, out
+    resolved = json.loads(out)["resolved"]
+    assert resolved["strategy"] == "zero3-sp2 on 2 rank(s)"
+    assert resolved["global batch"].startswith("8 (= micro x accumulation x data-parallel ranks 1: world 2 / sp 2)")
+    found = checks(out)
+    assert "data-parallel ranks 1" in found["training flags"]["detail"]
+    assert found["memory plan"]["status"] == "OK", found["memory plan"]

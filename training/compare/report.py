@@ -26,7 +26,7 @@ class Spec:
     nproc: int = 2
     error: str | None = None  # why it cannot be launched at all
     precision: str | None = None  # with --precisions: fp32, bf16 or fp16, also the end of `name`
-    tp: int = 1  # ranks each layer is split over; they share one micro batch, so it is tp times larger
+    tp: int = 1  # ranks that share one micro batch (each layer or each sequence split over them): tp times larger
     pp: int = 1  # pipeline stages' ranks; they share the data-parallel share, run as pp times more micro batches
 
     @property

@@ -130,6 +130,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     """RunConfig.resolve and resolve_deepspeed exactly as the training script runs them at start-up."""
     from training.config import RunConfig
     from training.deepspeed_config import load_json, resolve_deepspeed
+    from training.sequence import with_sequence_parallel
     from training.strategy import data_parallel_ranks
 
     flags = list(args.train_flags)
@@ -141,12 +142,15 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     if cfg is None:
         return
     world = launch["_world"] if launch else args.num_processes or max(len(found), 1)
+    # Ulysses: the YAML's parallelism_config degree joins the JSON, as the training script joins them.
+    yaml_sp = int(((launch or {}).get("parallelism_config") or {}).get("parallelism_config_sp_size", 1))
     ds_file = cfg.deepspeed or ((launch or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
     try:
         # The ranks that train on different data: the world over the pipeline's and AutoTP's degrees, as the
         # training script counts them (a missing or broken JSON is reported under "DeepSpeed config" below).
         present = ds_file and find_file(ds_file).is_file()
-        dp = data_parallel_ranks(cfg, world, (load_json(find_file(ds_file)), repr(str(ds_file))) if present else None)
+        raw = with_sequence_parallel(load_json(find_file(ds_file)), repr(str(ds_file)), yaml_sp) if present else None
+        dp = data_parallel_ranks(cfg, world, (raw, repr(str(ds_file))) if present else None)
         cfg = cfg.resolve(dp)  # the accelerate config's precision is checked below, against the flags
     except Exception as e:
         report.add("training flags", FAIL, str(e))
@@ -185,7 +189,8 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         try:
             import torch
 
-            raw, source = load_json(find_file(ds_file)), repr(str(ds_file))
+            source = repr(str(ds_file))
+            raw = with_sequence_parallel(load_json(find_file(ds_file)), source, yaml_sp)
             ds = resolve_deepspeed(raw, cfg, world, config.hidden_size, source, cpu_ranks=not torch.cuda.is_available())
         except Exception as e:
             report.add("DeepSpeed config", FAIL, str(e))
@@ -227,10 +232,12 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
 def global_batch_line(ds: dict, world: int) -> str:
     """The global batch of a resolved DeepSpeed config: micro x accumulation x data-parallel ranks (a tensor-parallel
     group trains on one batch; DeepSpeed's own `train_batch_size` counts every rank)."""
-    from training.deepspeed_config import autotp_size
+    from training.deepspeed_config import autotp_size, sequence_parallel_size
 
-    tp = autotp_size(ds)
-    batch = ds["train_batch_size"] // tp
+    tp, sp = autotp_size(ds), sequence_parallel_size(ds)
+    batch = ds["train_batch_size"] // tp  # under sequence parallelism DeepSpeed's count is world / sp already
+    if sp > 1:
+        return f"{batch} (= micro x accumulation x data-parallel ranks {world // sp}: world {world} / sp {sp})"
     if tp == 1:
         return f"{batch} (= micro x accumulation x world {world})"
     return f"{batch} (= micro x accumulation x data-parallel ranks {world // tp}: world {world} / autotp_size {tp})"

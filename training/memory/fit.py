@@ -75,7 +75,8 @@ class Capacity:
 def planner_strategy(strategy: Strategy) -> Strategy | None:
     """A launch's strategy as the planner models it: one process as DDP on one rank, FSDP1's flat parameters as
     FSDP2's shards (NO_SHARD as DDP), hybrid FSDP as FSDP over one shard group (the memory of a rank is that);
-    a pipeline stage by stage (`planner.models_pipeline`); None for what the planner does not model."""
+    a pipeline stage by stage (`planner.models_pipeline`); Ulysses by each rank's share of the sequence; None for
+    what the planner does not model."""
     from training.memory.planner import STRATEGIES, models_pipeline
 
     if strategy.pp_size > 1:
@@ -84,7 +85,8 @@ def planner_strategy(strategy: Strategy) -> Strategy | None:
         strategy = Strategy("ddp", strategy.world_size)
     elif strategy.family == "fsdp":
         strategy = replace(strategy, fsdp_version=2, world_size=strategy.shard_size, replicas=1)
-    return strategy if strategy.name in STRATEGIES else None
+    # Ulysses: the planner plans the ZeRO strategy with each rank's seq_len / sp positions.
+    return strategy if replace(strategy, sp_size=1).name in STRATEGIES else None
 
 
 def capacity(nvme_path: str | None, local_rank: int = 0) -> Capacity:
