@@ -61,6 +61,8 @@ OPERATORS = {
     "c10d::alltoall_base_": ("all_to_all", "second"),
     "c10d::alltoall_": ("all_to_all", "second"),
     "_c10d_functional::all_to_all_single": ("all_to_all", "first"),
+    # A custom operator that wraps a collective runs it below the mode, unseen: DeepSpeed's Ulysses exchange is one.
+    "deepspeed::dim_zero_all_to_all": ("all_to_all", "first"),
     "c10d::send": ("point_to_point", "sent"),
     "_c10d_functional::isend": ("point_to_point", "sent"),
     "c10d::recv_": ("point_to_point", "received"),
@@ -295,6 +297,32 @@ def autotp_payloads(strategy, shape: ModelShape, split_modules: dict[str, int], 
     payloads = {"all_reduce": (micro_batches * per_micro + local) * bytes_per_element}
     if strategy.data_parallel_size > 1:
         payloads["all_gather"] = local * bytes_per_element
+    return payloads
+
+
+def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
+                     bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
+    """The payload bytes per rank and step under DeepSpeed's Ulysses sequence parallelism (training/sequence.py),
+    measured to the byte on 2 and 4 CPU ranks; None where the ZeRO stage has no closed form. `config`: the model's
+    ShardGPTConfig; `micro_tokens`: a micro batch's sequences x block (whole sequences; each rank holds 1/sp of them).
+
+    - Each micro batch and decoder layer, forward and backward: an all-to-all of this rank's q, k, v before the
+      attention and one of its output after it (q and the output hidden wide, k and v key-value heads x head_dim),
+      each over micro_tokens / sp positions; and, in the forward, an all-gather of the position ids (int64).
+    - The ZeRO stage's own traffic over every rank, as without sequence parallelism (`expected_payloads`).
+    """
+    from dataclasses import replace
+
+    base = expected_payloads(replace(strategy, sp_size=1), shape, bytes_per_element)
+    if base is None:
+        return None
+    h, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    local = micro_tokens // strategy.sp_size  # positions this rank holds
+    exchanged = 2 * layers * local * (2 * h + 2 * config.num_key_value_heads * head_dim)  # forward and backward
+    payloads = dict(base)
+    payloads["all_to_all"] = micro_batches * exchanged * bytes_per_element
+    payloads["all_gather"] = payloads.get("all_gather", 0) + micro_batches * layers * micro_tokens * 8
     return payloads
 
 

@@ -1,5 +1,6 @@
 """What a launch's strategy.json says its ranks sent in the counted step, against the closed form for the settings
-in force (training/comms.py's `expected_payloads`, and `autotp_payloads` under AutoTP)."""
+in force (training/comms.py's `expected_payloads`; `autotp_payloads` under AutoTP, `ulysses_payloads` under
+sequence parallelism)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from dataclasses import replace
 
 from model import ShardGPTConfig
-from training.comms import ModelShape, autotp_payloads, expected_payloads, paper_volume
+from training.comms import ModelShape, autotp_payloads, expected_payloads, paper_volume, ulysses_payloads
 from training.strategy import Strategy
 
 # The all-reduces of the step's loss and gradient norm (and DeepSpeed's overflow check): a few scalars, 84 bytes at
@@ -29,17 +30,22 @@ def launched(run) -> tuple[Strategy, ModelShape]:
 
 
 def closed_form(run, strategy: Strategy, shape: ModelShape) -> dict[str, int]:
-    """training/comms.py's closed form for the launch: AutoTP's from the split modules strategy.json lists and the
-    micro batches run_config.json holds, the data-parallel strategies' from the strategy alone."""
-    if strategy.tp_size == 1:
-        want = expected_payloads(strategy, shape)
-        assert want is not None, f"no closed form for {strategy.name}"
-        return want
+    """training/comms.py's closed form for the launch: AutoTP's from the split modules strategy.json lists, AutoTP's
+    and Ulysses' from the micro batches run_config.json holds, the data-parallel strategies' from the strategy
+    alone."""
     flags = json.loads((run.output_dir / "run_config.json").read_text())
-    tokens = flags["per_device_train_batch_size"] * flags["block_size"]
-    hidden = ShardGPTConfig.from_pretrained(run.output_dir).hidden_size
-    split = run.strategy["tensor_parallel"]["split_modules"]
-    return autotp_payloads(strategy, shape, split, tokens, flags["gradient_accumulation_steps"], hidden)
+    tokens = flags["per_device_train_batch_size"] * flags["block_size"]  # a micro batch's, whole sequences
+    micro_batches = flags["gradient_accumulation_steps"]
+    config = ShardGPTConfig.from_pretrained(run.output_dir)
+    if strategy.tp_size > 1:
+        split = run.strategy["tensor_parallel"]["split_modules"]
+        want = autotp_payloads(strategy, shape, split, tokens, micro_batches, config.hidden_size)
+    elif strategy.sp_size > 1:
+        want = ulysses_payloads(strategy, shape, config, tokens, micro_batches)
+    else:
+        want = expected_payloads(strategy, shape)
+    assert want is not None, f"no closed form for {strategy.name}"
+    return want
 
 
 def assert_closed_form(run, step: int = 3) -> dict[str, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 from communication import assert_closed_form, launched
-from launching import launch, launcher_command
+from launching import ROOT, launch, launcher_command
 
 from recipes.measure.comm_scaling import NO_LIVE, NO_MULTI_RANK, accelerate_config_with
 
@@ -56,3 +56,22 @@ def test_four_ranks_send_the_closed_form(config, zero, volumes, corpus, tmp_path
         if measured is not None:
             assert psi == measured, (psi, record)
         assert (psi == paper) == (measured == paper), f"{psi} Psi against the paper's {paper}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_sequence_parallel_sends_the_closed_form(corpus, tmp_path):
+    """Ulysses over 2 ranks under ZeRO-3, twice (2 data-parallel x 2 sequence-parallel ranks): the all-to-alls of each
+    layer's q, k, v and output (DeepSpeed runs them inside a custom operator, counted by name), the position ids'
+    all-gathers, and ZeRO-3's own traffic over the 4 ranks, each to the byte."""
+    yaml = (ROOT / "accelerate_configs" / "zero3_sp.yaml").read_text()
+    yaml = yaml.replace("parallelism_config_dp_shard_size: 1", "parallelism_config_dp_shard_size: 2")
+    yaml = yaml.replace("ds_configs/zero3.json", str(ROOT / "ds_configs" / "zero3.json"))
+    (tmp_path / "sp.yaml").write_text(yaml)
+    cmd = launcher_command("accelerate", "zero3_sp")
+    cmd[cmd.index("--config_file") + 1] = str(tmp_path / "sp.yaml")
+    cmd[-1:-1] = ["--num_processes", "4"]
+    run = launch(cmd, [*corpus["flags"], *ARGS], tmp_path / "out")
+    assert (run.strategy["strategy"], run.strategy["world_size"]) == ("zero3-sp2", 4)
+    want = assert_closed_form(run)
+    assert want["all_to_all"] > 0 and run.strategy["sequence_parallel"]["data_parallel_size"] == 2
