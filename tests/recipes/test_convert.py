@@ -85,6 +85,8 @@ TRANSITIONS = [
     pytest.param("zero3-sp2@2", "zero3_sp", 2, SEQUENCE, id="zero3-sp2@2->zero3-sp2@2", marks=pytest.mark.matrix),
     pytest.param("zero3-sp2@2", "single", 1, SEQUENCE, id="zero3-sp2@2->one@1", marks=pytest.mark.matrix),
     pytest.param("zero3-sp2@2", "zero3", 2, [], id="zero3-sp2@2->zero3@2", marks=pytest.mark.matrix),
+    pytest.param("ddp@1", "zero3_sp", 2, [], id="ddp@1->zero3-sp2@2", marks=pytest.mark.matrix),
+    pytest.param("zero3@2", "zero3_sp", 2, SEQUENCE, id="zero3@2->zero3-sp2@2", marks=pytest.mark.matrix),
 ]
 
 
