@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -230,12 +230,14 @@ class ModelShape:
                    embedding if config.tie_word_embeddings else 0, persistent, (2 * layers + 1) * h)  # fmt: skip
 
 
-def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4) -> dict[str, int] | None:
+def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4,
+                      micro_batches: int = 1) -> dict[str, int] | None:  # fmt: skip
     """The payload bytes of each kind of collective that carries parameters or gradients, per rank and step, for a
-    data-parallel strategy with the settings in force (fp32 communication; one micro batch per step, or
-    accumulation without a reduction between micro batches, as accelerate and DeepSpeed accumulate). The loss's and
-    the gradient norm's all-reduces (a few bytes) are not in it. None where no closed form is known here (tensor or
-    pipeline parallelism, hybrid sharding, ZeRO-3 with live-parameter limits between 0 and the model).
+    data-parallel strategy with the settings in force (`bytes_per_element`: the communication dtype's). The loss's
+    and the gradient norm's all-reduces (a few bytes) are not in it. None where no closed form is known here: tensor or
+    pipeline parallelism, hybrid sharding, ZeRO-3 with live-parameter limits between 0 and the model, and more than
+    one micro batch per step but under DDP (which reduces once, after the last; FSDP and ZeRO gather or reduce per
+    micro batch, not measured here).
 
     - DDP: one all-reduce of the gradients, Psi.
     - FSDP2 (and FSDP1), FULL_SHARD: each decoder layer all-gathered in the forward and again in the backward, the
@@ -252,6 +254,8 @@ def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4) -
     """
     psi, ds = shape.parameters, (strategy.deepspeed or {}).get("zero_optimization", {})
     if strategy.tp_size > 1 or strategy.pp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:
+        return None
+    if micro_batches > 1 and strategy.family != "ddp":
         return None
     if strategy.family == "ddp":
         elements = {"all_reduce": psi}
@@ -278,8 +282,9 @@ def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4) -
 def autotp_payloads(strategy, shape: ModelShape, split_modules: dict[str, int], micro_tokens: int, micro_batches: int,
                     hidden_size: int, bytes_per_element: int = 4) -> dict[str, int]:  # fmt: skip
     """The payload bytes per rank and step under DeepSpeed AutoTP with ZeRO-1 (ds_configs/autotp.json), measured to the
-    byte on 2 and 4 CPU ranks. `split_modules`: the count of each style the model's plan split (strategy.json's
-    `tensor_parallel.split_modules`); `micro_tokens`: a micro batch's sequences x block; fp32 activations.
+    byte on 2 and 4 CPU ranks with one micro batch per step. `split_modules`: the count of each style the model's plan
+    split (strategy.json's `tensor_parallel.split_modules`); `micro_tokens`: a micro batch's sequences x block; fp32
+    activations.
 
     - Each micro batch, in the forward, the partial outputs of every row-split module (o_proj, down_proj) and of the
       vocabulary-split embedding are all-reduced; in the backward, the partial input gradients of every column-split
@@ -311,9 +316,7 @@ def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mic
       each over micro_tokens / sp positions; and, in the forward, an all-gather of the position ids (int64).
     - The ZeRO stage's own traffic over every rank, as without sequence parallelism (`expected_payloads`).
     """
-    from dataclasses import replace
-
-    base = expected_payloads(replace(strategy, sp_size=1), shape, bytes_per_element)
+    base = expected_payloads(replace(strategy, sp_size=1), shape, bytes_per_element, micro_batches)
     if base is None:
         return None
     h, layers = config.hidden_size, config.num_hidden_layers

@@ -43,7 +43,7 @@ def closed_form(run, strategy: Strategy, shape: ModelShape) -> dict[str, int]:
     elif strategy.sp_size > 1:
         want = ulysses_payloads(strategy, shape, config, tokens, micro_batches)
     else:
-        want = expected_payloads(strategy, shape)
+        want = expected_payloads(strategy, shape, micro_batches=micro_batches)
     assert want is not None, f"no closed form for {strategy.name}"
     return want
 

@@ -311,14 +311,16 @@ def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) ->
     element = 2 if (ds or {}).get("communication_data_type") in ("bf16", "fp16") else 4  # else fp32 gradients
 
     def volume(s: Strategy) -> float | None:  # the paper's volume in Psi: an all-reduce of S counts 2S
-        payloads = expected_payloads(s, shape, element)
+        payloads = expected_payloads(s, shape, element, cfg.gradient_accumulation_steps)
         if payloads is None:
             return None
         return sum(2 * n if kind == "all_reduce" else n for kind, n in payloads.items()) / (element * shape.parameters)
 
     psi = volume(strategy)
     if psi is None:
-        report.add("communication", NA, f"no closed form for {strategy.name} (measured in strategy.json by a run)")
+        accumulation = cfg.gradient_accumulation_steps
+        per_step = f" with {accumulation} micro batches a step" if accumulation > 1 else ""
+        report.add("communication", NA, f"no closed form for {strategy.name}{per_step} (strategy.json measures a run)")
         return
     step = size(psi * element * shape.parameters)
     detail = f"{psi:.2f} Psi ({step}) per rank and step, {element}-byte elements"
