@@ -13,6 +13,8 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
     pipeline.py      pipeline parallelism: stages, torch's schedules, the tied embedding, clipping, the busy clock
     inspection.py    the strategy in force, read from the prepared objects; each rank's share of the states
     step.py          one optimizer step: micro batches, the token-weighted loss, clipping
+    comms.py         each rank's collectives in one step, by kind, in calls and bytes; the closed form of each
+                     strategy's traffic for its settings, and the ZeRO paper's
     checkpoint.py    save and resume: the completion marker, checksums, disk-space checks
     portable.py      the strategy-neutral form of a checkpoint, and resuming under another strategy or world size
     preemption.py    SIGTERM / SIGUSR1: stop after a checkpoint every rank agrees on
