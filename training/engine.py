@@ -25,7 +25,7 @@ from training.export import full_state_dict
 from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.pipeline import Pipeline, build_pipeline, fsdp2_stages
-from training.sequence import gradient_divisor
+from training.sequence import context_parallel, gradient_divisor
 from training.step import StepResult, train_step
 from training.strategy import Strategy
 
@@ -65,12 +65,13 @@ class Replicated(Engine):
     def step(self, micro_batches: list[dict], step: int) -> StepResult:
         # Token-weighted accumulation across micro batches and data-parallel ranks (see training/step.py); under
         # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (training/sequence.py).
-        zero = (self.strategy.deepspeed or {}).get("zero_optimization") or {}
-        divisor = gradient_divisor(self.strategy.data_parallel_size, self.strategy.sp_size, self.strategy.zero_stage,
-                                   zero)  # fmt: skip
+        s = self.strategy
+        zero = (s.deepspeed or {}).get("zero_optimization") or {}
+        divisor = gradient_divisor(s.data_parallel_size, s.sp_size, s.zero_stage, zero, s.cp_size)
         loss_scale = divisor * self.cfg.gradient_accumulation_steps
+        context = context_parallel(self.accelerator) if s.cp_size > 1 else None  # CUDA only: ring attention
         return train_step(self.accelerator, self.net, self.optimizer, self.scheduler, micro_batches, loss_scale,
-                          self.cfg.max_grad_norm, step, self.strategy.tp_size)  # fmt: skip
+                          self.cfg.max_grad_norm, step, s.tp_size, context)  # fmt: skip
 
     def evaluate(self, blocks, dp: int, dp_rank: int) -> float | None:
         return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank)  # collective: reduced sums

@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from model import ShardGPTConfig
     from training.config import RunConfig
@@ -77,13 +79,6 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
             f"the accelerate config's parallelism_config sets both sp_size: {sp} and cp_size: {cp}: sequence "
             "parallelism (Ulysses) and context parallelism (ring attention) split the same sequence; keep one"
         )
-    if cp > 1:
-        raise ValueError(
-            f"the accelerate config's parallelism_config sets cp_size: {cp} (torch's ring context parallelism), which "
-            "needs FSDP2 with CUDA's flash or memory-efficient attention kernels and cannot run on CPU ranks, and "
-            "which this training script does not run; for long sequences use Ulysses: parallelism_config_sp_size "
-            "with a DeepSpeed config (docs/strategies.md), or remove parallelism_config_cp_size"
-        )
     if sp == 1:
         return
     if not deepspeed:
@@ -135,17 +130,72 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
         )
 
 
-def gradient_divisor(data_parallel: int, sp: int, zero_stage: int, zero: dict) -> int:
-    """What DeepSpeed 0.19.8 divides each summed gradient by under sequence parallelism (`sp` ranks a sequence,
-    `data_parallel` groups of them, `zero` the config's zero_optimization): ZeRO-3's reduce-scatter
-    (`reduce_scatter`, true by default) by every rank of the sequence-and-data-parallel group
-    (runtime/comm/coalesced_collectives.py: `reduce_scatter_coalesced` pre-divides by the group's size); ZeRO-1 and
-    2, and ZeRO-3 without reduce_scatter, by that count over sp (runtime/zero/stage_1_and_2.py `average_tensor`,
-    stage3.py `__avg_scatter_contiguous_grads`: `world_size / sequence_parallel_size`). The data-parallel count
-    without sequence parallelism."""
+def yaml_context_parallel_size() -> int:
+    """The accelerate YAML's `parallelism_config_cp_size` (torch's ring context parallelism); 1 without it."""
+    return int((yaml_sequence_parallel() or {}).get("cp_size", "1") or 1)
+
+
+def check_context_parallel(cfg: RunConfig, cp: int, fsdp_version: int, cuda: bool) -> None:
+    """Torch's ring context parallelism, passed through to accelerate where it can run: FSDP2 on CUDA GPUs, whose
+    flash or memory-efficient attention kernels its ring attention needs (accelerate shards the batch's positions in
+    `maybe_context_parallel`, load-balanced: 2 x cp chunks of each sequence). Unproven here: this project has no
+    machine with several GPUs (docs/strategies.md). Refused elsewhere, in one line each."""
+    if cp == 1:
+        return
+    if not cuda:
+        raise ValueError(
+            f"the accelerate config's parallelism_config sets cp_size: {cp} (torch's ring context parallelism), which "
+            "needs CUDA's flash or memory-efficient attention kernels and cannot run on CPU ranks; for long sequences "
+            "here use Ulysses: parallelism_config_sp_size with a DeepSpeed config (docs/strategies.md), or remove "
+            "parallelism_config_cp_size"
+        )
+    if fsdp_version != 2:
+        raise ValueError(
+            f"parallelism_config_cp_size: {cp} needs FSDP2 (accelerate shards over its dp_shard x cp mesh): launch "
+            "with an FSDP config with fsdp_version: 2, or use parallelism_config_sp_size with a DeepSpeed config"
+        )
+    if cfg.pipeline_parallel_degree > 1:
+        raise ValueError(
+            f"parallelism_config_cp_size: {cp} with --pipeline_parallel_degree {cfg.pipeline_parallel_degree}: the "
+            "pipeline's stages run outside accelerate's context-parallel preparation; choose one of them"
+        )
+    if cfg.block_size % (2 * cp):
+        raise ValueError(
+            f"--block_size {cfg.block_size} is not divisible by 2 x cp_size = {2 * cp} (torch's load-balanced ring "
+            f"attention splits each sequence into 2 x cp chunks): pass a multiple of {2 * cp}"
+        )
+
+
+def gradient_divisor(data_parallel: int, sp: int, zero_stage: int, zero: dict, cp: int = 1) -> int:
+    """What the gradient reduction divides each summed gradient by, with `sp` (Ulysses) or `cp` (ring context)
+    ranks a sequence, `data_parallel` groups of them: the data-parallel count without either. DeepSpeed 0.19.8 under
+    Ulysses (`zero` the config's zero_optimization): ZeRO-3's reduce-scatter (`reduce_scatter`, true by default) by
+    every rank of the sequence-and-data-parallel group (runtime/comm/coalesced_collectives.py:
+    `reduce_scatter_coalesced` pre-divides by the group's size); ZeRO-1 and 2, and ZeRO-3 without reduce_scatter,
+    by that count over sp (runtime/zero/stage_1_and_2.py `average_tensor`, stage3.py
+    `__avg_scatter_contiguous_grads`: `world_size / sequence_parallel_size`). FSDP2 under ring context parallelism
+    reduce-scatters over accelerate's flattened dp_shard x cp mesh, averaging over all of its ranks."""
+    if cp > 1:
+        return data_parallel * cp
     if sp > 1 and zero_stage == 3 and zero.get("reduce_scatter", True):
         return data_parallel * sp
     return data_parallel
+
+
+def context_parallel(accelerator):
+    """The context each micro batch's forward and backward run in under ring context parallelism (CUDA only):
+    accelerate's `maybe_context_parallel`, which shards the positions of the inputs, the shifted labels and the
+    position ids over the cp ranks (load-balanced) and keeps them sharded; the loss of each shard is its share of
+    the global batch's mean, as under Ulysses."""
+
+    def enter(micro: dict):
+        batch, length = micro["input_ids"].shape
+        micro["position_ids"] = torch.arange(length, device=micro["input_ids"].device).expand(batch, length)
+        buffers = [micro["input_ids"], micro["shift_labels"], micro["position_ids"]]
+        return accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                                  no_restore_buffers=set(buffers))  # fmt: skip
+
+    return enter
 
 
 def accelerator_parallelism_config(world: int, sp: int):

@@ -6,6 +6,7 @@ Kept apart from the training script so that tests can drive exactly this code wi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ class StepResult:
 
 
 def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale: float, max_grad_norm: float,
-               step: int, tp_size: int = 1) -> StepResult:  # fmt: skip
+               step: int, tp_size: int = 1, context=None) -> StepResult:  # fmt: skip
     """Forward and backward every micro batch of this rank, then step the optimizer and the schedule.
 
     Each micro batch's loss is sum(CE) / (targets in the whole global batch). DDP, FSDP and DeepSpeed average
@@ -39,6 +40,9 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
     `loss_scale` = world size x accumulation steps makes the update the gradient of the token-mean loss of the
     global batch, however it is split into micro batches and ranks. `loss_scale` counts data-parallel ranks: the
     `tp_size` ranks of a tensor-parallel group compute the same loss on the same batch.
+
+    `context(micro)`, if given, is a context manager each micro batch's forward and backward run in (ring context
+    parallelism shards the micro batch's positions in it: training/sequence.py).
 
     Returns the global batch's loss, the gradient norm (before clipping) and whether fp16 loss scaling skipped the
     update. Raises `NonFiniteLossError` before the optimizer step if the loss or the norm is not finite (unless
@@ -49,7 +53,8 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
     scaled = loss_scaling(accelerator, net)  # fp16: an overflow skips the step instead of stopping the run
     for i, micro in enumerate(micro_batches):
         micro = {k: v.to(accelerator.device, non_blocking=True) for k, v in micro.items()}
-        with accelerator.accumulate(net):  # no gradient sync until the last micro batch
+        # no gradient sync until the last micro batch
+        with accelerator.accumulate(net), context(micro) if context else contextlib.nullcontext():
             loss = net(**micro).loss
             if faults.active("nan", step):
                 loss = loss * float("nan")

@@ -35,7 +35,13 @@ from training.deepspeed_config import (
 )
 from training.ops import check_op_cache, launch_ops
 from training.pipeline import ZERO_BUBBLE
-from training.sequence import check_sequence_parallel, with_sequence_parallel, yaml_sequence_parallel_size
+from training.sequence import (
+    check_context_parallel,
+    check_sequence_parallel,
+    with_sequence_parallel,
+    yaml_context_parallel_size,
+    yaml_sequence_parallel_size,
+)
 
 Family = Literal["single", "ddp", "fsdp", "deepspeed"]
 Device = Literal["none", "cpu", "nvme"]
@@ -86,6 +92,10 @@ class Strategy:
     """Ranks each sequence is split over (DeepSpeed's Ulysses sequence parallelism, training/sequence.py): each
     holds block_size / sp_size positions of the same sequences and the attention exchanges heads for positions
     (all-to-all). Consecutive ranks form a group, as DeepSpeed's `initialize_sequence_parallel` builds them."""
+    cp_size: int = 1
+    """Ranks each sequence is split over by torch's ring context parallelism (an accelerate YAML's
+    parallelism_config cp_size, FSDP2 on CUDA GPUs only: training/sequence.py); consecutive ranks, as accelerate's
+    mesh (dp_replicate, dp_shard, cp, tp) places them."""
     deepspeed: dict | None = field(default=None, compare=False)
     """The DeepSpeed config with every "auto" resolved from the flags; None outside DeepSpeed."""
     deepspeed_source: str | None = field(default=None, compare=False)
@@ -104,7 +114,7 @@ class Strategy:
                 f"Strategy: {self.world_size} ranks cannot hold {self.pp_size} pipelines' ranks of "
                 f"{self.pp_stages_per_rank} stages each"
             )
-        if self.sp_size < 1 or self.world_size % (self.sp_size * self.pp_size):
+        if min(self.sp_size, self.cp_size) < 1 or self.world_size % (self.sp_size * self.cp_size * self.pp_size):
             raise ValueError(f"Strategy: {self.world_size} ranks cannot split sequences over {self.sp_size}")
         if self.replicas > 1 and self.fsdp_version != 2:
             raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
@@ -129,7 +139,8 @@ class Strategy:
             version = "1" if self.fsdp_version == 1 else ""
             hybrid = "-hybrid" if self.replicas > 1 else ""
             offload = "-offload" if self.offloads else ""
-            return f"fsdp{version}{hybrid}{SHARDING_SUFFIX[self.fsdp_sharding]}{offload}{pipeline}"
+            context = f"-cp{self.cp_size}" if self.cp_size > 1 else ""
+            return f"fsdp{version}{hybrid}{SHARDING_SUFFIX[self.fsdp_sharding]}{offload}{context}{pipeline}"
         return self.family + pipeline
 
     @classmethod
@@ -149,7 +160,7 @@ class Strategy:
             raise ValueError(
                 f"strategy {name!r} is unknown: a strategy is spelled single, ddp, fsdp[-hybrid][-shard-grad-op]"
                 "[-offload], fsdp1[-shard-grad-op|-no-shard][-offload] or zero{0-3}[-offload-cpu|-offload-nvme]"
-                "[-autotp][-spN], with -ppN for a pipeline"
+                "[-autotp][-spN], fsdp[...][-cpN], with -ppN for a pipeline"
             )
         return strategy
 
@@ -169,20 +180,20 @@ class Strategy:
         sharding, 1 under NO_SHARD; 1 outside FSDP."""
         if self.family != "fsdp" or self.fsdp_sharding == "NO_SHARD":
             return 1
-        return self.data_parallel_size // self.replicas
+        return self.data_parallel_size * self.cp_size // self.replicas  # ring context: over dp_shard x cp
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks that train on different data: the global batch is micro x accumulation x this. The world over the
-        pipeline, sequence-parallel and tensor-parallel degrees."""
-        return self.world_size // (self.tp_size * self.sp_size * self.pp_size)
+        pipeline, sequence-parallel (Ulysses or ring context) and tensor-parallel degrees."""
+        return self.world_size // (self.tp_size * self.sp_size * self.cp_size * self.pp_size)
 
     def data_parallel_rank(self, rank: int) -> int:
         """Which share of the global batch `rank` trains on. The mesh is (pp, dp, sp, tp), tp innermost as in
         DeepSpeed's and accelerate's meshes, sp next as DeepSpeed groups consecutive ranks, and pp outermost as in
         torchtitan's: ranks 0..tp-1 share one share, so do the ranks of one sequence-parallel group and those of
         one pipeline (rank, rank + world / pp, ...)."""
-        return (rank // (self.tp_size * self.sp_size)) % self.data_parallel_size
+        return (rank // (self.tp_size * self.sp_size * self.cp_size)) % self.data_parallel_size
 
     def sequence_parallel_rank(self, rank: int) -> int:
         """Which slice of each sequence `rank` holds: positions [r T / sp, (r + 1) T / sp); 0 without sequence
@@ -198,6 +209,7 @@ class Strategy:
 NAME = re.compile(
     r"(?P<family>single|ddp|fsdp|zero)(?P<number>[0-3])?(?P<hybrid>-hybrid)?(?P<sharding>-shard-grad-op|-no-shard)?"
     r"(?P<offload>-offload(?:-(?P<device>cpu|nvme))?)?(?P<autotp>-autotp)?(?:-sp(?P<sp>[2-9]|[1-9][0-9]+))?"
+    r"(?:-cp(?P<cp>[2-9]|[1-9][0-9]+))?"
     r"(?:-pp(?P<pp>[2-9]|[1-9][0-9]+))?"
 )
 
@@ -213,12 +225,12 @@ def spelled(match: re.Match, world: int) -> Strategy:
                         offload_optimizer=device, tp_size=2 if part["autotp"] else 1, pp_size=pp,
                         sp_size=int(part["sp"] or 1))  # fmt: skip
     if part["sp"]:
-        return None  # Ulysses runs under DeepSpeed only
+        return None  # Ulysses runs under DeepSpeed only (a -cpN the spelled strategy has not fails the read-back)
     if part["family"] == "fsdp":
         return Strategy(
             "fsdp", world, offload_param=device, offload_optimizer=device, fsdp_version=int(part["number"] or 2),
             fsdp_sharding=next(s for s, suffix in SHARDING_SUFFIX.items() if suffix == (part["sharding"] or "")),
-            replicas=2 if part["hybrid"] else 1, pp_size=pp,
+            replicas=2 if part["hybrid"] else 1, pp_size=pp, cp_size=int(part["cp"] or 1),
         )  # fmt: skip
     return Strategy(part["family"], world, pp_size=pp)
 
@@ -306,6 +318,9 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
     check_parallelism_config_tp()
     sp = sequence_parallel_size(launched[0]) if launched else yaml_sequence_parallel_size()
     check_sequence_parallel(cfg, cfg.model_config() if sp > 1 else None, sp, world, launched is not None)
+    cp = yaml_context_parallel_size()
+    fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
+    check_context_parallel(cfg, cp, fsdp_version(fsdp_env) if use_fsdp else 0, torch.cuda.is_available())
     if launched is not None:
         raw, source = launched
         check_pipeline_with_deepspeed(cfg, raw, source)
@@ -313,15 +328,15 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         return deepspeed_strategy(ds, world, source)
     pipeline = pipeline_fields(cfg)
     if use_fsdp:
-        fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
-        # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards.
+        # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards; ring
+        # context parallelism shards over dp_shard x cp.
         shard_size = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", world)) if parallelism_config() else world
         if fsdp_version(fsdp_env) == 1:
             check_fsdp1_checkpoints(cfg, fsdp_env)
             check_fsdp1(fsdp_env)
-        strategy = fsdp_strategy(fsdp_env, world, shard_size)
+        strategy = fsdp_strategy(fsdp_env, world, shard_size * cp if cp > 1 else shard_size)
         check_pipeline_with_fsdp(cfg, strategy)
-        return replace(strategy, **pipeline)
+        return replace(strategy, cp_size=cp, **pipeline)
     return replicated_strategy(world, pipeline)
 
 
@@ -402,13 +417,14 @@ def launched_data_parallel_size(cfg: RunConfig) -> int:
     read before `RunConfig.resolve`, which fixes the accumulation that
     --global_batch_size gives from it (the DeepSpeed JSON's "auto" values are resolved afterwards, from the resolved
     config). The same count as `Strategy.data_parallel_size`, which the loader, DeepSpeed and the resume check use."""
-    return data_parallel_ranks(cfg, launched_world_size(), launched_deepspeed_config(cfg))
+    return data_parallel_ranks(cfg, launched_world_size(), launched_deepspeed_config(cfg), yaml_context_parallel_size())
 
 
-def data_parallel_ranks(cfg: RunConfig, world: int, launched: tuple[dict, str] | None) -> int:
-    """`launched_data_parallel_size` for `world` ranks and the DeepSpeed config `launched` ((JSON, how messages
-    name it), or None), as the doctor reads them from a launch's files."""
-    pp = cfg.pipeline_parallel_degree
+def data_parallel_ranks(cfg: RunConfig, world: int, launched: tuple[dict, str] | None, cp: int = 1) -> int:
+    """`launched_data_parallel_size` for `world` ranks, the DeepSpeed config `launched` ((JSON, how messages
+    name it), or None) and `cp` ring-context-parallel ranks a sequence, as the doctor reads them from a launch's
+    files."""
+    pp = cfg.pipeline_parallel_degree * cp
     if world % pp:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(

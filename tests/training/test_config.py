@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -211,7 +212,7 @@ ZERO3_YAML = {
      "parallelism_config_sp_attn_implementation: eager"),
     ({**SP_YAML, **ZERO3_YAML, "PARALLELISM_CONFIG_CP_SIZE": "2"}, [], "sets both sp_size: 2 and cp_size: 2"),
     ({**SP_YAML, "PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_CP_SIZE": "2"}, [],
-     "cp_size: 2 (torch's ring context parallelism), which needs FSDP2 with CUDA's"),
+     "cp_size: 2 (torch's ring context parallelism), which needs CUDA's flash or memory-efficient attention"),
     ({**SP_YAML, "ACCELERATE_USE_DEEPSPEED": "true",
       "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ROOT / "ds_configs" / "autotp.json")}, [],
      "sequence parallelism (sp_size 2) with DeepSpeed AutoTP"),
@@ -231,6 +232,44 @@ def test_sequence_parallel_bad_launches_are_refused(monkeypatch, variables, flag
         )
         requested_strategy(parsed.resolve(launched_data_parallel_size(parsed)), hidden_size=64)
     assert refusal in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+CP_FSDP2 = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2",
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+            "WORLD_SIZE": "4"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("variables", "flags", "refusal"), [
+    ({}, [], None),
+    ({"FSDP_VERSION": "1"}, [], "parallelism_config_cp_size: 2 needs FSDP2"),
+    ({}, ["--block_size=66"], "--block_size 66 is not divisible by 2 x cp_size = 4"),
+    ({"WORLD_SIZE": "8"}, ["--pipeline_parallel_degree=2", "--per_device_train_batch_size=2"],
+     "parallelism_config_cp_size: 2 with --pipeline_parallel_degree 2"),
+])  # fmt: skip
+def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variables, flags, refusal):
+    """On CUDA GPUs an FSDP2 YAML's cp_size is handed to accelerate (unproven here: no machine with several GPUs):
+    the strategy counts world / cp data-parallel ranks, FSDP2 shards over dp_shard x cp, and the step divides by
+    the same count FSDP2 averages over. What it cannot run is refused in one line. CUDA is faked: no process group
+    or kernel is touched."""
+    from training.sequence import gradient_divisor
+    from training.strategy import requested_strategy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for key, value in {**CP_FSDP2, **variables}.items():
+        monkeypatch.setenv(key, value)
+    (parsed,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(
+        args=["--global_batch_size=8", "--per_device_train_batch_size=4", *flags,
+              "--output_dir", "/nonexistent/shardgpt-test"]
+    )  # fmt: skip
+    if refusal:
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            requested_strategy(parsed.resolve(launched_data_parallel_size(parsed)), hidden_size=64)
+        return
+    strategy = requested_strategy(parsed.resolve(launched_data_parallel_size(parsed)), hidden_size=64)
+    assert (strategy.name, strategy.data_parallel_size, strategy.shard_size) == ("fsdp-cp2", 2, 4)
+    assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert Strategy.from_name("fsdp-cp2", 4) == strategy
+    assert gradient_divisor(strategy.data_parallel_size, 1, 0, {}, strategy.cp_size) == 4
 
 
 def test_sequence_parallel_refuses_key_value_heads_it_cannot_split():
