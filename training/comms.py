@@ -33,6 +33,13 @@ from torch.distributed.tensor import DTensor
 
 from training.compat import TorchDispatchMode, collective_group_size
 
+# What strategy.json's numbers mean, written beside them (the module docstring says it at length).
+CONVENTION = (
+    "per kind of collective, over one step: calls; payload_bytes, each call's whole tensor S (an all-gather's output, "
+    "a reduce-scatter's input; point-to-point: sent plus received); volume_bytes, the ZeRO paper's (2S per all-reduce, "
+    "S per other collective, point-to-point: sent); wire_bytes, what this rank sends on a ring of n ranks "
+    "(volume x (n - 1) / n; point-to-point: sent)"
+)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "point_to_point", "broadcast", "reduce",
          "gather", "scatter", "barrier")  # fmt: skip
 
@@ -194,7 +201,7 @@ class StepCommunication:
         ranks = [mine] * world
         if world > 1:
             torch.distributed.all_gather_object(ranks, mine)  # collective
-        return {"step": self.measured, "world_size": world, "per_rank": ranks}
+        return {"step": self.measured, "world_size": world, "convention": CONVENTION, "per_rank": ranks}
 
 
 # ---------------------------------------------------------------------------------------------- closed forms
