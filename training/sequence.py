@@ -17,6 +17,10 @@ step multiplies the loss by that count. The recipe in DeepSpeed's tutorial, acce
 (every rank computes the sequence's whole loss from the gathered per-rank losses) makes each rank's gradient sp
 times its share: right where DeepSpeed divides by the world (ZeRO-3's reduce-scatter) and sp times too large where it
 divides by world / sp (ZeRO-1 and 2).
+
+Torch's ring context parallelism (an FSDP2 YAML's `parallelism_config_cp_size`) is passed through to accelerate on
+CUDA GPUs only (`check_context_parallel`, `context_parallel`): the same loss, inside accelerate's context that shards
+each micro batch's positions.
 """
 
 from __future__ import annotations
