@@ -40,7 +40,13 @@ from training.arguments import ArgumentParser
 from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
+from training.planning.hardware import GPU_KINDS, cluster
+from training.planning.published import MEGATRON_TABLE_1, MEGATRON_TABLE_2, compare
+from training.planning.step_time import DP_STRATEGIES, llama_config, plan
 from training.strategy import Strategy
+
+OVERRIDES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size")  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------- command line
 
@@ -91,18 +97,129 @@ def largest(args, overrides: dict, strategies: list[Strategy], ds: dict | None) 
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------- step time
+
+
+def step_time_arguments(p: argparse.ArgumentParser) -> None:
+    """--step_time: the cluster, the global batch, the degrees a layout may be pinned to, and the outputs."""
+    g = p.add_argument_group("step time (--step_time): rank the layouts that fit, by predicted tokens/s")
+    g.add_argument("--step_time", action="store_true", help="predict a step's time for every layout that fits")
+    g.add_argument("--config_file", default=None, help="a Llama config.json instead of --preset (model/configs/)")
+    g.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(GPU_KINDS)}")
+    g.add_argument("--gpus_per_node", type=int, default=8)
+    g.add_argument("--peak_tflops", type=float, default=None, help="override the kind's dense bf16 peak")
+    g.add_argument("--intra_node_gbps", type=float, default=None, help="override NVLink GB/s per GPU, one way")
+    g.add_argument("--inter_node_gbps", type=float, default=None, help="override the NIC's GB/s per GPU, one way")
+    g.add_argument("--pcie_gbps", type=float, default=None, help="override host-to-GPU GB/s (offload)")
+    g.add_argument("--compute_efficiency", type=float, default=None, help="override the kind's share of peak")
+    g.add_argument("--global_batch", type=int, default=1024, help="sequences per step (of --seq_len tokens)")
+    g.add_argument("--tensor_parallel_degree", type=int, default=None, help="pin tp (default: every one)")
+    g.add_argument("--sequence_parallel_degree", type=int, default=None, help="pin Ulysses' sp")
+    g.add_argument("--data_parallel_degree", type=int, default=None, help="pin dp")
+    g.add_argument("--top", type=int, default=10, help="layouts printed (--json: all)")
+    g.add_argument("--plot", default=None, help="save a plot of the fastest layouts' step time here (.png)")
+    g.add_argument("--check_published", action="store_true",
+                   help="predict Megatron-LM 2021's Table 1 and 2 runs beside their published TFLOP/s")  # fmt: skip
+
+
+def step_time_main(args) -> None:
+    """--step_time and --check_published: print (or --json) the ranked layouts, or the published comparison."""
+    try:
+        if args.check_published:
+            rows = compare(MEGATRON_TABLE_1 + MEGATRON_TABLE_2)
+            print(json.dumps(rows, indent=2) if args.json else published_table(rows))
+            return
+        gpus = cluster(args.gpu, args.num_gpus, args.gpus_per_node, peak_tflops=args.peak_tflops,
+                       memory_gb=args.gpu_memory_gb, intra_node_gbps=args.intra_node_gbps,
+                       inter_node_gbps=args.inter_node_gbps, pcie_gbps=args.pcie_gbps,
+                       efficiency=args.compute_efficiency)  # fmt: skip
+        if args.strategy != "all" and args.strategy not in DP_STRATEGIES:
+            raise ValueError(f"--strategy {args.strategy}: with --step_time choose one of {', '.join(DP_STRATEGIES)}")
+        overrides = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
+        if args.config_file:
+            config = llama_config(args.config_file, **overrides)
+        else:
+            config = ShardGPTConfig.from_preset(args.preset, **overrides)
+        fixed = dict(tp=args.tensor_parallel_degree, pp=args.pipeline_parallel_degree,
+                     sp=args.sequence_parallel_degree, dp=args.data_parallel_degree,
+                     strategy=None if args.strategy == "all" else args.strategy,
+                     schedule=args.pipeline_parallel_schedule, micro_batch=args.micro_batch,
+                     checkpointing=True if args.activation_checkpointing else None)  # fmt: skip
+        result = plan(config, gpus, args.global_batch, args.seq_len, fixed)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.plot:
+        plot_layouts(result["layouts"][: args.top], args.plot)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    model = args.config_file or args.preset
+    fit, rejected = len(result["layouts"]), result["rejected_for_memory"]
+    print(f"{model}: {result['inputs']['parameters'] / 1e9:.2f}B parameters on {args.num_gpus} {args.gpu} "
+          f"({gpus.gpus_per_node} per node), global batch {args.global_batch} x {args.seq_len} tokens; "
+          f"predictions, not measurements; {fit} layouts fit, {rejected} do not")  # fmt: skip
+    print(layouts_table(result["layouts"][: args.top]))
+
+
+def layouts_table(rows: list[dict]) -> str:
+    head = ["#", "layout", "step s", "compute", "bubble", "comm exposed", "offload", "tokens/s", "MFU", "GB/GPU"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for i, r in enumerate(rows, 1):
+        cells = [str(i), r["layout"]] + [f"{r[k]:.3g}" for k in ("step_seconds", "compute_seconds", "bubble_seconds",
+                 "communication_seconds", "offload_seconds")]  # fmt: skip
+        cells += [f"{r['tokens_per_second']:,.0f}", f"{r['mfu']:.1%}", f"{r['memory_gb']:.1f}"]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def published_table(rows: list[dict]) -> str:
+    head = ["source", "model", "layout", "GPUs", "batch", "published TFLOP/s", "predicted", "error"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        cells = [r["source"], r["parameters"], r["layout"], str(r["gpus"]), str(r["batch"])]
+        cells += [f"{r['published_tflops']:g}", f"{r['predicted_tflops']:.0f}", f"{r['error']:+.0%}"]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def plot_layouts(rows: list[dict], path: str) -> None:
+    """Horizontal bars, fastest on top: each layout's step split into compute, bubble, exposed communication and
+    offload, labelled with its tokens/s and MFU."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [("compute_seconds", "compute"), ("bubble_seconds", "pipeline bubble"),
+             ("communication_seconds", "exposed communication"), ("offload_seconds", "offload (PCIe)")]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
+    names = [r["layout"] for r in rows][::-1]
+    left = [0.0] * len(rows)
+    for key, label in parts:
+        widths = [r[key] for r in rows][::-1]
+        ax.barh(names, widths, left=left, label=label)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    for y, r in enumerate(rows[::-1]):
+        ax.text(left[y], y, f" {r['tokens_per_second']:,.0f} tok/s, MFU {r['mfu']:.0%}", va="center", fontsize=8)
+    ax.set_xlabel("predicted seconds per step (a prediction, not a measurement)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--preset", default="llama-1b", choices=tuple(PRESETS), help="a model preset (python -m model lists them)"
     )
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "intermediate_size", "vocab_size"):  # fmt: skip
+    for name in OVERRIDES:
         p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
     p.add_argument("--num_gpus", type=int, default=8, help="data-parallel GPUs (world size)")
     p.add_argument("--strategy", default="all", help=f"one or more of {', '.join(STRATEGIES)} (a,b), or all")
     p.add_argument("--precision", default="bf16", choices=sorted(BYTES))
-    p.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per forward")
+    p.add_argument("--micro_batch", type=int, default=None, help="sequences per GPU per forward (default 1)")
     p.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence (--block_size)")
     p.add_argument("--activation_checkpointing", action="store_true", help="--gradient_checkpointing")
     p.add_argument(
@@ -112,8 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--ds_config", default=None, help="a DeepSpeed JSON instead of ds_configs/ (ZeRO strategies)")
     p.add_argument("--gpu_memory_gb", type=float, default=None, help="GPU memory in GiB: say what fits")
-    p.add_argument("--pipeline_parallel_degree", type=int, default=1, help="pipeline stages, one per rank")
-    p.add_argument("--pipeline_parallel_schedule", default="1F1B", choices=PIPELINE_SCHEDULES)
+    p.add_argument("--pipeline_parallel_degree", type=int, default=None, help="pipeline stages, one per rank")
+    p.add_argument("--pipeline_parallel_schedule", default=None, choices=PIPELINE_SCHEDULES, help="default 1F1B")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro batches per step (a pipeline's)")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.add_argument("--largest", action="store_true", help="name the largest size that fits, per strategy")
@@ -121,10 +238,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nvme_path", default=None, help="--largest: the NVMe offload folder whose free disk counts")
     p.add_argument("--disk_gb", type=float, default=None, help="--largest: free disk in GiB at the NVMe folder")
     p.add_argument("--ranks_per_host", type=int, default=None, help="--largest: ranks per host (default: all)")
+    step_time_arguments(p)
     args = p.parse_args(argv)
+    if args.step_time or args.check_published:
+        step_time_main(args)
+        return
+    for name, default in (("micro_batch", 1), ("pipeline_parallel_degree", 1), ("pipeline_parallel_schedule", "1F1B")):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
-    overrides = {k: getattr(args, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "intermediate_size", "vocab_size") if getattr(args, k) is not None}  # fmt: skip
+    overrides = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
     try:
         config = ShardGPTConfig.from_preset(args.preset, **overrides)
         pp = args.pipeline_parallel_degree

@@ -71,8 +71,18 @@ class Layout:
         return sum(self.numels)
 
 
+_LAYOUTS: dict[tuple[str, bool, int], Layout] = {}  # by the config's JSON: the step-time planner asks hundreds of times
+
+
 def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1) -> Layout:
     """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight."""
+    key = (config.to_json_string(use_diff=False), decay_embeddings, tp)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp)
+    return copy.deepcopy(_LAYOUTS[key])
+
+
+def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int) -> Layout:
     with torch.device("meta"):  # shapes only: no memory, fast for any size
         net = ShardGPTForCausalLM(config)
     named = list(net.named_parameters())  # tied lm_head / embedding listed once, as DeepSpeed and DDP see them

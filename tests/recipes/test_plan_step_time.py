@@ -1,0 +1,62 @@
+"""recipes/plan_memory.py --step_time: one-line errors, --json, the plot, the published comparison."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model import ShardGPTConfig
+from recipes import plan_memory
+from training.planning.hardware import cluster
+from training.planning.step_time import plan
+
+BASE = ["--step_time", "--preset", "llama-1b", "--num_gpus", "16", "--global_batch", "64", "--seq_len", "1024"]
+
+
+def run(capsys, *argv):
+    plan_memory.main(list(argv))
+    return capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpu", "b200"], "unknown GPU kind 'b200': known kinds are h100, h200, a100-80gb, a100-40gb"),
+        (["--tensor_parallel_degree", "8", "--pipeline_parallel_degree", "4"], "do not divide the 16 GPUs"),
+        (["--data_parallel_degree", "16", "--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "1",
+          "--sequence_parallel_degree", "1"], "= 32 do not multiply to the 16 GPUs"),
+        (["--data_parallel_degree", "16", "--global_batch", "24"], "global batch 24 sequences does not divide"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        run(capsys, *BASE, *argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and message in err[0]
+
+
+def test_json_gives_the_printed_ranking(capsys, tmp_path):
+    out = json.loads(run(capsys, *BASE, "--json", "--plot", str(tmp_path / "plan.png")).out)
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    again = plan(ShardGPTConfig.from_preset("llama-1b"), cluster("h100", 16), 64, 1024)
+    assert [r["layout"] for r in out["layouts"]] == [r["layout"] for r in again["layouts"]]
+    assert out["inputs"]["cluster"]["num_gpus"] == 16
+    table = run(capsys, *BASE, "--top", "3").out
+    assert out["layouts"][0]["layout"] in table and "predictions, not measurements" in table
+
+
+def test_pinned_degrees_limit_the_layouts(capsys):
+    out = json.loads(run(capsys, *BASE, "--tensor_parallel_degree", "2", "--strategy", "zero1", "--json").out)
+    assert out["layouts"] and all(r["degrees"]["tp"] == 2 and r["degrees"]["strategy"] == "zero1"
+                                  for r in out["layouts"])  # fmt: skip
+
+
+def test_memory_mode_keeps_its_defaults(capsys):
+    out = json.loads(run(capsys, "--preset", "debug", "--num_gpus", "2", "--strategy", "zero2", "--json").out)
+    assert out["inputs"]["micro_batch"] == 1 and out["inputs"]["strategy"] == "zero2"
+
+
+def test_published_comparison_prints_every_row(capsys):
+    rows = json.loads(run(capsys, "--check_published", "--json").out)
+    assert len(rows) == 16 and all(r["published_tflops"] > 0 and r["predicted_tflops"] > 0 for r in rows)

@@ -1,0 +1,447 @@
+"""A training step's time for each layout of a cluster, predicted before renting it: compute, exposed communication,
+the pipeline bubble and offload transfers, then tokens/s and MFU, ranked over every layout that fits in memory.
+
+A layout is a data-parallel strategy (DDP, FSDP, ZeRO-1/2/3, ZeRO with CPU offload) and explicit degrees whose
+product is the GPU count: tensor parallelism (tp, innermost), Ulysses sequence parallelism (sp), pipeline stages (pp,
+outermost, GPipe or 1F1B with M micro batches a step), data parallelism (dp); the mesh of `training/strategy.py`.
+
+The cost model, per step and GPU:
+
+- compute: FLOPs / (peak x efficiency). FLOPs per token are PaLM's 6 N + 12 L h T (`training/metrics.flops_per_token`),
+  4/3 of that with activation checkpointing (one more forward), split evenly over the GPUs; the efficiency is the
+  GPU kind's named constant (`training/planning/hardware.py`, with its source).
+- communication, on the ring cost model (nccl-tests' PERFORMANCE.md): an all-reduce of S bytes over n ranks takes
+  S/B x 2(n-1)/n, a reduce-scatter, an all-gather or an all-to-all S/B x (n-1)/n, a point-to-point S/B; B is the
+  bandwidth of the link the group spans (`Cluster.link_bandwidth`: NVLink inside a node, the NIC across nodes).
+  Volumes: the data-parallel strategies' from `training/comms.expected_payloads` (measured to the byte on CPU ranks)
+  on the slice of the model a rank holds, gradients reduced in fp32 (`communication_data_type` of the shipped JSONs,
+  DDP's fp32 gradients under autocast; FSDP2 in bf16) and parameters gathered in bf16; Ulysses' all-to-alls from
+  `training/comms.ulysses_payloads`; tensor parallelism's four all-reduces of a micro batch's activations per layer
+  (two in the forward, two in the backward: Shoeybi et al. 2019, section 3; two more when checkpointing recomputes
+  the forward); a pipeline's activations and their gradients, point to point between neighbouring stages, split
+  over the tensor-parallel ranks (Narayanan et al. 2021, section 4.1's scatter/gather).
+- overlap, as each strategy overlaps (`OVERLAP`): what is hidden is at most the compute it runs beside; the rest is
+  exposed. Tensor- and sequence-parallel collectives and pipeline sends sit on the critical path (exposed).
+- the bubble of GPipe and 1F1B: (P - 1) / (M + P - 1) of the step, i.e. compute x (P - 1) / M (Huang et al. 2019;
+  Narayanan et al. 2021, section 2.2).
+- offload over PCIe: ZeRO-Offload's gradients down and updated parameters up, a rank's partition each step, and with
+  parameters offloaded (ZeRO-3) the partition fetched before every forward and backward. The gradients' copy runs
+  beside the backward; the rest is exposed. The CPU's Adam step is not modelled (a weakness: docs/strategies.md).
+
+What is not modelled: the host (Python, kernel launches: what bounds small models, docs/benchmarks.md), kernel
+efficiency that falls for small matrices, NCCL reaching less than the link's bandwidth, interleaved schedules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, replace
+
+from model import ShardGPTConfig
+from training.comms import ModelShape, expected_payloads, ulysses_payloads
+from training.memory.planner import (
+    PIPELINE_SCHEDULES,
+    activation_bytes,
+    in_flight,
+    layer_activation_bytes,
+    logits_bytes,
+    predict,
+    repo_json,
+    zero_paper,
+)
+from training.metrics import flops_per_token
+from training.planning.hardware import Cluster
+from training.strategy import Strategy
+
+# The data-parallel strategies a layout can use, by `Strategy.name`; those a pipeline or tensor parallelism combines
+# with (Megatron-LM's DDP, DeepSpeed's ZeRO-1 under its pipeline and AutoTP, FSDP2 under torch's pipeline).
+DP_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero2-offload-cpu", "zero3-offload-cpu")
+WITH_PIPELINE = ("ddp", "fsdp", "zero1")
+WITH_TENSOR_PARALLEL = ("ddp", "zero1")
+WITH_SEQUENCE_PARALLEL = ("zero1", "zero2", "zero3")  # Ulysses runs under DeepSpeed (training/sequence.py)
+MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro batch sizes tried, in sequences
+ACTIVATION_BYTES = 2  # bf16 activations
+
+# Which collectives hide behind which compute, per strategy. "backward": behind the backward of the micro batch it
+# belongs to (2/3 of its compute); "forward": behind its forward (1/3); None: exposed.
+# - DDP buckets its gradients and all-reduces each bucket as soon as it is ready, during the backward (Li et al.,
+#   "PyTorch Distributed", VLDB 2020, section 3.2.3); with accumulation it reduces once, in the last micro batch.
+# - ZeRO-1/2 reduce gradients per bucket in the backward where `overlap_comm` is on (the shipped zero2.json; DeepSpeed
+#   defaults it off for stages 1 and 2, so zero1.json's reduction waits); the updated partitions are all-gathered
+#   after the optimizer step, with nothing to hide behind (ZeRO paper, section 7).
+# - ZeRO-3 and FSDP prefetch the next layer's parameters during the current layer's forward and backward and
+#   reduce-scatter gradients during the backward (DeepSpeed `overlap_comm`, FSDP's prefetch: Zhao et al. 2023, 3.3).
+# - Under a pipeline the data-parallel reduction runs after the flush (training/pipeline.py; Megatron-LM 2021): exposed.
+OVERLAP = {
+    "ddp": {"all_reduce": "backward"},
+    "zero1": {"all_reduce": None, "all_gather": None},
+    "zero2": {"all_reduce": "backward", "all_gather": None},
+    "zero3": {"all_gather": "forward+backward", "reduce_scatter": "backward"},
+    "fsdp": {"all_gather": "forward+backward", "reduce_scatter": "backward"},
+}
+PER_MICRO_BATCH = {"zero2", "zero3", "fsdp"}  # reduce (and gather) every micro batch, not once per step
+REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to lay a step out over the cluster's GPUs."""
+
+    strategy: str  # one of DP_STRATEGIES
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    schedule: str = "1F1B"  # GPipe or 1F1B, with pp > 1
+    micro_batch: int = 1  # sequences per micro batch per data-parallel rank
+    micro_batches: int = 1  # M: micro batches per step (gradient accumulation, or the pipeline's)
+    checkpointing: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def name(self) -> str:
+        parts = [self.strategy, f"dp{self.dp}"] + [f"{k}{v}" for k, v in (("tp", self.tp), ("sp", self.sp)) if v > 1]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp} {self.schedule}")
+        parts.append(f"micro {self.micro_batch} x{self.micro_batches}")
+        return " ".join(parts) + (" ckpt" if self.checkpointing else "")
+
+
+# ---------------------------------------------------------------------------------------------- the ring
+
+
+def all_reduce_seconds(nbytes: float, n: int, bandwidth: float) -> float:
+    """Ring all-reduce of `nbytes` over `n` ranks: S/B x 2(n-1)/n."""
+    return nbytes / bandwidth * 2 * (n - 1) / n if n > 1 else 0.0
+
+
+def gather_seconds(nbytes: float, n: int, bandwidth: float) -> float:
+    """Ring reduce-scatter, all-gather or all-to-all of `nbytes` (the whole tensor) over `n` ranks: S/B x (n-1)/n."""
+    return nbytes / bandwidth * (n - 1) / n if n > 1 else 0.0
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
+    """A collective of `kind` (training/comms.KINDS) on the ring."""
+    if kind == "all_reduce":
+        return all_reduce_seconds(nbytes, n, bandwidth)
+    return gather_seconds(nbytes, n, bandwidth)
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """The share of a GPipe or 1F1B step its pipeline idles: (P - 1) / (M + P - 1)."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+# ---------------------------------------------------------------------------------------------- one layout
+
+
+def model_flops_per_token(config: ShardGPTConfig, seq_len: int) -> float:
+    """PaLM's 6 N + 12 L h T: the model FLOPs MFU counts."""
+    return flops_per_token(config, seq_len)
+
+
+def rank_shape(config: ShardGPTConfig, layout: Layout) -> ModelShape:
+    """The slice of the model one rank's data-parallel traffic carries: the largest pipeline stage's layers (and the
+    embedding, the norm and the head, on the first or last stage), 1/tp of every weight but the norms."""
+    whole = ModelShape.of(config)
+    h, embedding = config.hidden_size, config.vocab_size * config.hidden_size
+    params, outside = whole.parameters, whole.outside_layers
+    if layout.pp > 1:  # the last stage: its layers, the final norm and the head (a copy of a tied embedding)
+        layer = (whole.parameters - whole.outside_layers) // config.num_hidden_layers
+        outside = embedding + h
+        params = layer * config.num_hidden_layers // layout.pp + outside
+    norms = (2 * config.num_hidden_layers // layout.pp + 1) * h
+    local = (params - norms) // layout.tp + norms
+    return ModelShape(local, outside // layout.tp, 0, norms, norms)
+
+
+def data_parallel_seconds(
+    config: ShardGPTConfig, cluster: Cluster, layout: Layout
+) -> dict[str, tuple[float, str | None]]:
+    """Each collective kind of the data-parallel strategy, per step: (seconds on the ring, what it hides behind)."""
+    if layout.dp == 1:
+        return {}
+    shape = rank_shape(config, layout)
+    family = layout.strategy.split("-")[0]
+    strategy = Strategy.from_name(layout.strategy, layout.dp)
+    if family == "zero3":
+        # DeepSpeed keeps gathered parameters to the step's end while they fit its live-parameter limits (1e9 in
+        # the shipped zero3.json); past them it re-gathers in the backward, the paper's 3 Psi (both measured).
+        limit = 0 if shape.parameters > 1e9 else 10**9
+        zero = {"stage3_max_live_parameters": limit, "stage3_max_reuse_distance": limit}
+        strategy = replace(strategy, deepspeed={"zero_optimization": zero})
+    gathered = expected_payloads(strategy, shape, ACTIVATION_BYTES)  # parameters, bf16
+    reduced = expected_payloads(strategy, shape, ACTIVATION_BYTES if family == "fsdp" else 4)  # gradients
+    per_step = layout.micro_batches if family in PER_MICRO_BATCH else 1
+    span = layout.world // layout.pp  # the data-parallel group spans a pipeline stage's ranks
+    bandwidth = cluster.link_bandwidth(span)
+    out = {}
+    for kind in gathered:
+        nbytes = reduced[kind] if kind in REDUCTIONS else gathered[kind]
+        repeats = per_step if (kind in REDUCTIONS or family in ("zero3", "fsdp")) else 1
+        hides = OVERLAP[family].get(kind) if layout.pp == 1 else None
+        out[kind] = (repeats * collective_seconds(kind, nbytes, layout.dp, bandwidth), hides)
+    return out
+
+
+def exposed(seconds: float, hides: str | None, forward: float, backward: float) -> float:
+    """What of `seconds` of communication the compute it runs beside (`forward`, `backward` seconds) leaves exposed."""
+    window = {None: 0.0, "forward": forward, "backward": backward, "forward+backward": forward + backward}[hides]
+    return max(0.0, seconds - window)
+
+
+def offload_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, backward: float) -> float:
+    """Exposed PCIe time of ZeRO-Offload: the gradient partition down (fp32, beside the backward), the updated bf16
+    partition up, and with parameters offloaded the partition fetched before each forward and backward."""
+    if "offload" not in layout.strategy:
+        return 0.0
+    partition = rank_shape(config, layout).parameters / layout.dp
+    down = 4 * partition / cluster.pcie_bw
+    up = ACTIVATION_BYTES * partition / cluster.pcie_bw
+    fetch = 2 * layout.micro_batches * up if layout.strategy.startswith("zero3") else 0.0
+    return max(0.0, down - backward) + up + fetch
+
+
+def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_len: int) -> dict:
+    """One layout's step: seconds of compute, exposed communication by source, bubble and offload; tokens/s, MFU."""
+    sequences = layout.dp * layout.micro_batch * layout.micro_batches
+    tokens = sequences * seq_len
+    model_flops = model_flops_per_token(config, seq_len)
+    hardware_flops = model_flops * (4 / 3 if layout.checkpointing else 1)
+    compute = hardware_flops * tokens / (cluster.num_gpus * cluster.peak_flops * cluster.efficiency)
+    per_micro = compute / layout.micro_batches  # one micro batch on one rank (its stage's share under a pipeline)
+    forward, backward = per_micro / 3, 2 * per_micro / 3
+    if layout.checkpointing:
+        forward, backward = per_micro / 4, 3 * per_micro / 4  # the recomputed forward runs in the backward
+    bubble = compute * (layout.pp - 1) / layout.micro_batches
+    micro_tokens = layout.micro_batch * seq_len
+    comm = {}
+    # Data parallelism: each collective against the compute it can hide behind (the last micro batch's, for DDP's
+    # once-a-step reduction; every micro batch's for the per-micro-batch ones, counted once for all of them).
+    for kind, (seconds, hides) in data_parallel_seconds(config, cluster, layout).items():
+        scale = layout.micro_batches if layout.strategy.split("-")[0] in PER_MICRO_BATCH else 1
+        comm[f"dp_{kind}"] = exposed(seconds, hides, scale * forward, scale * backward)
+    if layout.tp > 1:
+        size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
+        calls = (6 if layout.checkpointing else 4) * config.num_hidden_layers // layout.pp * layout.micro_batches
+        comm["tp_all_reduce"] = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
+    if layout.sp > 1:
+        strategy = Strategy("ddp", layout.world, sp_size=layout.sp)
+        sent = ulysses_payloads(strategy, ModelShape.of(config), config, micro_tokens, 1, ACTIVATION_BYTES)
+        repeats = layout.micro_batches * (1.5 if layout.checkpointing else 1)  # recompute repeats the forward's
+        bandwidth = cluster.link_bandwidth(layout.tp * layout.sp)
+        comm["sp_all_to_all"] = repeats * gather_seconds(sent["all_to_all"], layout.sp, bandwidth)
+    if layout.pp > 1:
+        size = ACTIVATION_BYTES * micro_tokens * config.hidden_size / layout.tp / layout.sp
+        hop = cluster.link_bandwidth(layout.world)  # neighbouring stages are world / pp ranks apart
+        comm["pp_send_recv"] = 2 * (layout.micro_batches + layout.pp - 1) * size / hop
+    offload = offload_seconds(config, cluster, layout, backward)
+    communication = sum(comm.values())
+    step = compute + bubble + communication + offload
+    return {
+        "layout": layout.name,
+        "degrees": dataclasses.asdict(layout),
+        "step_seconds": step,
+        "compute_seconds": compute,
+        "bubble_seconds": bubble,
+        "communication_seconds": communication,
+        "communication": comm,
+        "offload_seconds": offload,
+        "tokens_per_step": tokens,
+        "tokens_per_second": tokens / step,
+        "tokens_per_second_per_gpu": tokens / step / cluster.num_gpus,
+        "mfu": model_flops * tokens / step / (cluster.num_gpus * cluster.peak_flops),
+        "bubble_fraction": bubble_fraction(layout.pp, layout.micro_batches),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+class Memory:
+    """Bytes one GPU of a layout needs at its peak, the memory planner's (`training/memory/planner.predict`) where it
+    models the layout (data parallelism with Ulysses, AutoTP under ZeRO-1, DDP's and FSDP2's pipelines); otherwise
+    its pieces composed: the ZeRO paper's model states of the rank's slice (`zero_paper`), the activations of the
+    micro batches a stage holds (`layer_activation_bytes`, `in_flight`) and the chunked loss's logits."""
+
+    def __init__(self, config: ShardGPTConfig, seq_len: int):
+        self.config, self.seq_len = config, seq_len
+        self.cache: dict[Layout, tuple[float, str]] = {}
+
+    def __call__(self, layout: Layout) -> tuple[float, str]:
+        """(bytes, "planner" or "composed")."""
+        if layout not in self.cache:
+            self.cache[layout] = self._predict(layout)
+        return self.cache[layout]
+
+    def _predict(self, layout: Layout) -> tuple[float, str]:
+        c, world = self.config, layout.world
+        strategy = replace(Strategy.from_name(layout.strategy, world), sp_size=layout.sp)
+        ds = None
+        if layout.tp > 1 and layout.strategy == "zero1" and layout.pp == 1:
+            strategy, ds = replace(strategy, tp_size=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
+            ds["tensor_parallel"]["autotp_size"] = layout.tp
+        planned = layout.tp == 1 and layout.pp == 1 or ds is not None
+        planned |= layout.pp > 1 and layout.tp == 1 and layout.strategy in ("ddp", "fsdp")
+        if layout.pp > 1:
+            strategy = replace(strategy, pp_size=layout.pp, pp_schedule=layout.schedule)
+        if planned:
+            try:
+                row = predict(c, strategy, "bf16", layout.micro_batch, self.seq_len, layout.checkpointing,
+                              ds_config=ds, micro_batches=layout.micro_batches)  # fmt: skip
+                return float(row["total"]), "planner"
+            except ValueError:  # a pipeline torch's schedules refuse (1F1B with M < P, layers that do not split)
+                return math.inf, "planner"
+        shape = rank_shape(c, layout)
+        stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(layout.strategy.split("-")[0], 3)
+        states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
+        e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
+        layers = c.num_hidden_layers // layout.pp
+        if layout.pp == 1:
+            activations = activation_bytes(c, layout.micro_batch, self.seq_len, e, layout.checkpointing, layout.tp)
+        else:
+            per_layer = e * c.hidden_size if layout.checkpointing else layer_activation_bytes(c, e, layout.tp)
+            held = in_flight(layout.schedule, layout.pp, layout.micro_batches, 0)
+            activations = held * layers * per_layer * tokens
+            activations += layer_activation_bytes(c, e, layout.tp) * tokens if layout.checkpointing else 0
+        return states + activations + logits_bytes(c, layout.micro_batch, self.seq_len, e) / layout.tp, "composed"
+
+
+# ---------------------------------------------------------------------------------------------- enumeration
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def degree_options(config: ShardGPTConfig, num_gpus: int, gpus_per_node: int, seq_len: int,
+                   fixed: dict[str, int | None]) -> list[tuple[int, int, int, int]]:  # fmt: skip
+    """(tp, pp, sp, dp) with tp x pp x sp x dp = num_gpus: tp within a node and dividing the heads and key-value
+    heads, pp dividing the layers, sp dividing the heads and the sequence (Ulysses); `fixed` pins any of them."""
+    heads, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
+    out = []
+    for tp in divisors(num_gpus):
+        if tp > gpus_per_node or heads % tp or kv % tp:
+            continue
+        for pp in divisors(num_gpus // tp):
+            if layers % pp:
+                continue
+            for sp in divisors(num_gpus // (tp * pp)):
+                if sp > 1 and (tp > 1 or pp > 1 or heads % sp or seq_len % sp or sp > gpus_per_node):
+                    continue
+                dp = num_gpus // (tp * pp * sp)
+                degrees = dict(tp=tp, pp=pp, sp=sp, dp=dp)
+                if all(fixed.get(k) in (None, v) for k, v in degrees.items()):
+                    out.append((tp, pp, sp, dp))
+    return out
+
+
+def check_degrees(num_gpus: int, fixed: dict[str, int | None]) -> None:
+    """Refuse, in one line, explicit degrees that cannot make `num_gpus`."""
+    given = {k: v for k, v in fixed.items() if v is not None}
+    if any(v < 1 for v in given.values()):
+        raise ValueError(f"degrees must be at least 1: {given}")
+    product = math.prod(given.values())
+    spelled = " x ".join(f"{k} {v}" for k, v in given.items())
+    if len(given) == 4 and product != num_gpus or num_gpus % product:
+        raise ValueError(
+            f"degrees {spelled} = {product} do not {'multiply to' if len(given) == 4 else 'divide'} the {num_gpus} "
+            "GPUs: choose degrees whose product is the GPU count"
+        )
+
+
+def check_batch(global_batch: int, seq_len: int, options: list[tuple[int, int, int, int]], micro: int | None) -> None:
+    """Refuse, in one line, a global batch that no layout's data-parallel ranks (x the pinned micro batch) divide."""
+    if global_batch < 1 or seq_len < 1:
+        raise ValueError(f"global batch {global_batch} sequences of {seq_len} tokens: both must be at least 1")
+    shares = sorted({dp * (micro or 1) for *_, dp in options})
+    if not any(global_batch % share == 0 for share in shares):
+        per = " x micro batch" if micro else ""
+        raise ValueError(
+            f"global batch {global_batch} sequences does not divide over data-parallel ranks{per} "
+            f"({', '.join(map(str, shares))}): choose a multiple of one of them"
+        )
+
+
+def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int,
+            fixed: dict | None = None) -> list[Layout]:  # fmt: skip
+    """Every layout of the cluster for `global_batch` sequences a step (before the memory check). `fixed`: any of
+    tp, pp, sp, dp (degrees), strategy, schedule, micro_batch, checkpointing pinned to a value."""
+    fixed = fixed or {}
+    degrees = {k: fixed.get(k) for k in ("tp", "pp", "sp", "dp")}
+    check_degrees(cluster.num_gpus, degrees)
+    options = degree_options(config, cluster.num_gpus, cluster.gpus_per_node, seq_len, degrees)
+    if not options:
+        raise ValueError(f"no layout of {cluster.num_gpus} GPUs has the degrees {degrees} for this model's "
+                         f"{config.num_attention_heads} heads and {config.num_hidden_layers} layers")  # fmt: skip
+    check_batch(global_batch, seq_len, options, fixed.get("micro_batch"))
+    out = []
+    for tp, pp, sp, dp in options:
+        if global_batch % dp:
+            continue
+        names = WITH_PIPELINE if pp > 1 else WITH_TENSOR_PARALLEL if tp > 1 else DP_STRATEGIES
+        if sp > 1:
+            names = [n for n in names if n in WITH_SEQUENCE_PARALLEL]
+        if tp > 1 and pp > 1:
+            names = [n for n in names if n in WITH_TENSOR_PARALLEL]
+        for name in names:
+            for schedule in PIPELINE_SCHEDULES if pp > 1 else ("1F1B",):
+                for micro in MICRO_BATCHES:
+                    if (global_batch // dp) % micro:
+                        continue
+                    for checkpointing in (False, True):
+                        out.append(Layout(name, dp, tp, pp, sp, schedule, micro, global_batch // dp // micro,
+                                          checkpointing))  # fmt: skip
+    pinned = {k: v for k, v in fixed.items() if k in ("strategy", "schedule", "micro_batch", "checkpointing")}
+    return [lay for lay in out if all(getattr(lay, k) == v for k, v in pinned.items() if v is not None)]
+
+
+def plan(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int, fixed: dict | None = None) -> dict:
+    """Every layout that fits the cluster's GPU memory, predicted and ranked by tokens/s (fastest first), with the
+    inputs; `rejected` counts those that do not fit."""
+    memory = Memory(config, seq_len)
+    rows, rejected = [], 0
+    smallest_too_large: dict[Layout, int] = {}  # memory grows with the micro batch: past one that does not fit, skip
+    for lay in layouts(config, cluster, global_batch, seq_len, fixed):
+        key = replace(lay, micro_batch=0, micro_batches=0)
+        if lay.micro_batch > smallest_too_large.get(key, math.inf):
+            rejected += 1
+            continue
+        needed, source = memory(lay)
+        if needed > cluster.memory_bytes:
+            smallest_too_large[key] = min(lay.micro_batch, smallest_too_large.get(key, math.inf))
+            rejected += 1
+            continue
+        row = predict_step(config, cluster, lay, seq_len)
+        row.update(memory_gb=needed / 1e9, memory_source=source)
+        rows.append(row)
+    rows.sort(key=lambda r: (-r["tokens_per_second"], r["memory_gb"]))  # ties: the one that needs less memory
+    inputs = dict(cluster=dataclasses.asdict(cluster), global_batch=global_batch, seq_len=seq_len,
+                  parameters=ModelShape.of(config).parameters,
+                  model_flops_per_token=model_flops_per_token(config, seq_len))  # fmt: skip
+    return {"inputs": inputs, "layouts": rows, "rejected_for_memory": rejected}
+
+
+LLAMA_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+)  # fmt: skip
+
+
+def llama_config(path: str, **overrides) -> ShardGPTConfig:
+    """A Llama config.json (transformers' LlamaConfig fields; model/configs/ holds Llama 3's) as this project's
+    model, any field replaced by `overrides`."""
+    with open(path) as f:
+        fields = {**json.load(f), **overrides}
+    missing = [k for k in LLAMA_FIELDS[:5] if k not in fields]
+    if missing:
+        raise ValueError(f"{path} is not a Llama config.json: it lacks {', '.join(missing)}")
+    heads = fields["num_attention_heads"]
+    if fields.get("head_dim", fields["hidden_size"] // heads) * heads != fields["hidden_size"]:
+        raise ValueError(f"{path}: head_dim x num_attention_heads must equal hidden_size in this project's model")
+    return ShardGPTConfig(**{k: fields[k] for k in LLAMA_FIELDS if k in fields})
