@@ -8,6 +8,16 @@
     python recipes/plan_memory.py --preset llama-1b --num_gpus 8 --strategy fsdp --pipeline_parallel_degree 4 \
         --pipeline_parallel_schedule 1F1B --gradient_accumulation_steps 8
 
+    python recipes/plan_memory.py --step_time --config_file model/configs/llama-3-70b.json --num_gpus 1024 \
+        --global_batch 1024 --seq_len 4096 --plot step_time.png
+    python recipes/plan_memory.py --check_published
+
+`--step_time`: every layout of --num_gpus GPUs of --gpu kind (data-parallel strategy, tensor, pipeline, sequence and
+data-parallel degrees, schedule, micro batch, activation checkpointing; pin any with its flag) that fits in memory,
+ranked by predicted tokens/s, each step split into compute, exposed communication, pipeline bubble and offload
+(training/planning/step_time.py; the model and its checks against published runs: docs/step_time.md). Predictions,
+not measurements. `--check_published`: Megatron-LM 2021's Table 1 and 2 runs, predicted beside their published TFLOP/s.
+
 `--largest`: the largest preset (or shallower copy of the next preset, `--config_overrides num_hidden_layers=N`)
 that each strategy is predicted to train on this machine: its free GPU memory (or --gpu_memory_gb), available
 RAM (or --host_memory_gb) and free disk at --nvme_path (or --disk_gb), the check `recipes/train.py` runs
@@ -202,8 +212,9 @@ def plot_layouts(rows: list[dict], path: str) -> None:
         left = [a + b for a, b in zip(left, widths, strict=True)]
     for y, r in enumerate(rows[::-1]):
         ax.text(left[y], y, f" {r['tokens_per_second']:,.0f} tok/s, MFU {r['mfu']:.0%}", va="center", fontsize=8)
+    ax.set_xlim(0, 1.4 * max(left, default=1))  # room for the labels
     ax.set_xlabel("predicted seconds per step (a prediction, not a measurement)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -47,6 +47,9 @@ The parts of the other tools:
     memory/          the planner's model (recipes/plan_memory.py), whether a launch fits this machine and the
                      largest size that does, the ledger of what a rank really holds (recipes/measure/measure_memory.py),
                      and measured against planned; the bytes a rank holds for its backward, counted live
+    planning/        recipes/plan_memory.py --step_time: GPU kinds and clusters, a step's predicted time for every
+                     layout that fits (compute, exposed communication, bubble, offload), the published runs it is
+                     checked against
 
 Imports run one way: recipes/ -> training/ -> data/, model/.
 """

@@ -104,6 +104,17 @@ class Layout:
         return self.dp * self.tp * self.pp * self.sp
 
     @property
+    def typed(self) -> Strategy:
+        """The data-parallel strategy, typed (over the data-parallel ranks)."""
+        return Strategy.from_name(self.strategy, self.dp)
+
+    @property
+    def sharding(self) -> str:
+        """How the strategy shards, as OVERLAP keys it: ddp, fsdp or zero1/2/3 (offloaded or not)."""
+        typed = self.typed
+        return f"zero{typed.zero_stage}" if typed.family == "deepspeed" else typed.family
+
+    @property
     def name(self) -> str:
         parts = [self.strategy, f"dp{self.dp}"] + [f"{k}{v}" for k, v in (("tp", self.tp), ("sp", self.sp)) if v > 1]
         if self.pp > 1:
@@ -167,8 +178,7 @@ def data_parallel_seconds(
     if layout.dp == 1:
         return {}
     shape = rank_shape(config, layout)
-    family = layout.strategy.split("-")[0]
-    strategy = Strategy.from_name(layout.strategy, layout.dp)
+    family, strategy = layout.sharding, layout.typed
     if family == "zero3":
         # DeepSpeed keeps gathered parameters to the step's end while they fit its live-parameter limits (1e9 in
         # the shipped zero3.json); past them it re-gathers in the backward, the paper's 3 Psi (both measured).
@@ -198,12 +208,12 @@ def exposed(seconds: float, hides: str | None, forward: float, backward: float) 
 def offload_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, backward: float) -> float:
     """Exposed PCIe time of ZeRO-Offload: the gradient partition down (fp32, beside the backward), the updated bf16
     partition up, and with parameters offloaded the partition fetched before each forward and backward."""
-    if "offload" not in layout.strategy:
+    if not layout.typed.offloads:
         return 0.0
     partition = rank_shape(config, layout).parameters / layout.dp
     down = 4 * partition / cluster.pcie_bw
     up = ACTIVATION_BYTES * partition / cluster.pcie_bw
-    fetch = 2 * layout.micro_batches * up if layout.strategy.startswith("zero3") else 0.0
+    fetch = 2 * layout.micro_batches * up if layout.typed.offload_param != "none" else 0.0
     return max(0.0, down - backward) + up + fetch
 
 
@@ -224,7 +234,7 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
     # Data parallelism: each collective against the compute it can hide behind (the last micro batch's, for DDP's
     # once-a-step reduction; every micro batch's for the per-micro-batch ones, counted once for all of them).
     for kind, (seconds, hides) in data_parallel_seconds(config, cluster, layout).items():
-        scale = layout.micro_batches if layout.strategy.split("-")[0] in PER_MICRO_BATCH else 1
+        scale = layout.micro_batches if layout.sharding in PER_MICRO_BATCH else 1
         comm[f"dp_{kind}"] = exposed(seconds, hides, scale * forward, scale * backward)
     if layout.tp > 1:
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
@@ -283,11 +293,11 @@ class Memory:
         c, world = self.config, layout.world
         strategy = replace(Strategy.from_name(layout.strategy, world), sp_size=layout.sp)
         ds = None
-        if layout.tp > 1 and layout.strategy == "zero1" and layout.pp == 1:
+        if layout.tp > 1 and layout.sharding == "zero1" and layout.pp == 1:
             strategy, ds = replace(strategy, tp_size=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
             ds["tensor_parallel"]["autotp_size"] = layout.tp
         planned = layout.tp == 1 and layout.pp == 1 or ds is not None
-        planned |= layout.pp > 1 and layout.tp == 1 and layout.strategy in ("ddp", "fsdp")
+        planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")
         if layout.pp > 1:
             strategy = replace(strategy, pp_size=layout.pp, pp_schedule=layout.schedule)
         if planned:
@@ -298,7 +308,7 @@ class Memory:
             except ValueError:  # a pipeline torch's schedules refuse (1F1B with M < P, layers that do not split)
                 return math.inf, "planner"
         shape = rank_shape(c, layout)
-        stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(layout.strategy.split("-")[0], 3)
+        stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
         layers = c.num_hidden_layers // layout.pp
