@@ -51,7 +51,7 @@ from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
 from training.planning.hardware import GPU_KINDS, cluster
-from training.planning.published import MEGATRON_TABLE_1, MEGATRON_TABLE_2, compare
+from training.planning.published import LLM_FOUNDRY_H100, MEGATRON_TABLE_1, MEGATRON_TABLE_2, compare, compare_mfu
 from training.planning.step_time import DP_STRATEGIES, llama_config, plan
 from training.strategy import Strategy
 
@@ -129,15 +129,18 @@ def step_time_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top", type=int, default=10, help="layouts printed (--json: all)")
     g.add_argument("--plot", default=None, help="save a plot of the fastest layouts' step time here (.png)")
     g.add_argument("--check_published", action="store_true",
-                   help="predict Megatron-LM 2021's Table 1 and 2 runs beside their published TFLOP/s")  # fmt: skip
+                   help="predict published runs (Megatron-LM 2021, llm-foundry) beside their throughput")  # fmt: skip
 
 
 def step_time_main(args) -> None:
     """--step_time and --check_published: print (or --json) the ranked layouts, or the published comparison."""
     try:
         if args.check_published:
-            rows = compare(MEGATRON_TABLE_1 + MEGATRON_TABLE_2)
-            print(json.dumps(rows, indent=2) if args.json else published_table(rows))
+            rows = {
+                "megatron": compare(MEGATRON_TABLE_1 + MEGATRON_TABLE_2),
+                "llm_foundry": compare_mfu(LLM_FOUNDRY_H100),
+            }
+            print(json.dumps(rows, indent=2) if args.json else published_tables(rows))
             return
         gpus = cluster(args.gpu, args.num_gpus, args.gpus_per_node, peak_tflops=args.peak_tflops,
                        memory_gb=args.gpu_memory_gb, intra_node_gbps=args.intra_node_gbps,
@@ -183,13 +186,17 @@ def layouts_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def published_table(rows: list[dict]) -> str:
-    head = ["source", "model", "layout", "GPUs", "batch", "published TFLOP/s", "predicted", "error"]
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for r in rows:
-        cells = [r["source"], r["parameters"], r["layout"], str(r["gpus"]), str(r["batch"])]
-        cells += [f"{r['published_tflops']:g}", f"{r['predicted_tflops']:.0f}", f"{r['error']:+.0%}"]
-        lines.append(" | ".join(cells))
+def published_tables(rows: dict[str, list[dict]]) -> str:
+    """Megatron-LM's runs in TFLOP/s per GPU, llm-foundry's in MFU: predicted beside published, with the error."""
+    head = ["source", "model", "layout", "GPUs", "published", "predicted", "error"]
+    lines = ["predicted against published (TFLOP/s per GPU; llm-foundry: MFU)", " | ".join(head),
+             " | ".join("---" for _ in head)]  # fmt: skip
+    for r in rows["megatron"]:
+        cells = [r["source"], r["parameters"], r["layout"], str(r["gpus"]), f"{r['published_tflops']:g}"]
+        lines.append(" | ".join(cells + [f"{r['predicted_tflops']:.0f}", f"{r['error']:+.0%}"]))
+    for r in rows["llm_foundry"]:
+        cells = [r["source"], r["parameters"], r["layout"], str(r["gpus"]), f"{r['published_mfu']:.1%}"]
+        lines.append(" | ".join(cells + [f"{r['predicted_mfu']:.1%}", f"{r['error']:+.0%}"]))
     return "\n".join(lines)
 
 

@@ -59,4 +59,6 @@ def test_memory_mode_keeps_its_defaults(capsys):
 
 def test_published_comparison_prints_every_row(capsys):
     rows = json.loads(run(capsys, "--check_published", "--json").out)
-    assert len(rows) == 16 and all(r["published_tflops"] > 0 and r["predicted_tflops"] > 0 for r in rows)
+    assert len(rows["megatron"]) == 16 and all(r["predicted_tflops"] > 0 for r in rows["megatron"])
+    assert len(rows["llm_foundry"]) == 7 and all(0 < r["predicted_mfu"] < 1 for r in rows["llm_foundry"])
+    assert "1008B" in run(capsys, "--check_published").out

@@ -7,7 +7,13 @@ TFLOP/s per GPU counted by the paper's equation 3, 96 B s l h^2 (1 + s / 6h + V 
 the recomputed forward. Table 1 (weak scaling, tensor x pipeline x data parallelism) and Table 2 (175B, global batch
 1536 fixed: ZeRO-3 without model parallelism against tensor x pipeline, model-parallel size 96) as transcribed here.
 
-The GPT shapes map onto this project's Llama-shaped model with the same matrices: a SwiGLU MLP of 8h/3 (three
+MosaicML llm-foundry's published H100 benchmarks (scripts/train/benchmarking/README.md, "H100 80GB BF16"): MPT models
+(vocabulary 50,368, sequence 2048, expansion ratio 4, shapes from scripts/train/yamls/pretrain/mpt-*.yaml) under FSDP
+full shard, with the micro batch, accumulation and activation checkpointing each row lists, and MFU in PaLM's
+convention (6N + 12 L h T per token, as the planner's). The row the H100 efficiency constant comes from (7B on 8 GPUs)
+is left out; these test what the planner adds to it: other sizes, other GPU counts, the network, checkpointing.
+
+The GPT and MPT shapes map onto this project's Llama-shaped model with the same matrices: a SwiGLU MLP of 8h/3 (three
 matrices of h x 8h/3 hold GPT's two of h x 4h), key-value heads = heads, a tied head. The schedule is taken as 1F1B
 with micro batches of one sequence (the paper tunes the micro batch per row and interleaves stages for some runs: the
 planner models neither).
@@ -63,10 +69,39 @@ MEGATRON_TABLE_2 = [
 ]  # fmt: skip
 
 
-def gpt_config(run: PublishedRun) -> ShardGPTConfig:
-    """The run's GPT as this project's model: the same matrices (module docstring)."""
+@dataclass(frozen=True)
+class FSDPRun:
+    parameters: str
+    heads: int
+    hidden: int
+    layers: int
+    gpus: int
+    micro_batch: int
+    accumulation: int
+    checkpointing: bool
+    mfu: float
+    source: str = "llm-foundry H100 benchmarks"
+
+
+MPT_VOCAB = 50368
+LLM_FOUNDRY_H100 = [
+    FSDPRun(*row)
+    for row in (
+        ("1B", 16, 2048, 24, 64, 20, 1, False, 0.4085),
+        ("3B", 20, 2560, 32, 64, 6, 3, False, 0.4080),
+        ("13B", 40, 5120, 40, 64, 2, 1, False, 0.3986),
+        ("30B", 56, 7168, 48, 8, 3, 21, True, 0.3811),
+        ("30B", 56, 7168, 48, 32, 14, 3, True, 0.4392),
+        ("70B", 64, 8192, 80, 32, 2, 16, True, 0.3615),
+        ("70B", 64, 8192, 80, 64, 8, 4, True, 0.4257),
+    )
+]
+
+
+def gpt_config(run: PublishedRun | FSDPRun, vocab: int = VOCAB) -> ShardGPTConfig:
+    """The run's GPT (or MPT) as this project's model: the same matrices (module docstring)."""
     return ShardGPTConfig(
-        vocab_size=VOCAB, hidden_size=run.hidden, intermediate_size=round(8 * run.hidden / 3),
+        vocab_size=vocab, hidden_size=run.hidden, intermediate_size=round(8 * run.hidden / 3),
         num_hidden_layers=run.layers, num_attention_heads=run.heads, num_key_value_heads=run.heads,
         max_position_embeddings=SEQ_LEN,
     )  # fmt: skip
@@ -97,4 +132,18 @@ def compare(runs: list[PublishedRun]) -> list[dict]:
         out.append(dict(source=run.source, parameters=run.parameters, layout=layout.name, gpus=run.gpus,
                         batch=run.batch, published_tflops=run.tflops_per_gpu, predicted_tflops=predicted,
                         error=predicted / run.tflops_per_gpu - 1, **seconds))  # fmt: skip
+    return out
+
+
+def compare_mfu(runs: list[FSDPRun]) -> list[dict]:
+    """Each FSDP run's predicted MFU on H100s, beside the published."""
+    out = []
+    for run in runs:
+        layout = Layout("fsdp", run.gpus, micro_batch=run.micro_batch, micro_batches=run.accumulation,
+                        checkpointing=run.checkpointing)  # fmt: skip
+        row = predict_step(gpt_config(run, MPT_VOCAB), cluster("h100", run.gpus), layout, SEQ_LEN)
+        seconds = {k: row[k] for k in ("step_seconds", "communication_seconds")}
+        out.append(dict(source=run.source, parameters=run.parameters, layout=layout.name, gpus=run.gpus,
+                        published_mfu=run.mfu, predicted_mfu=row["mfu"], error=row["mfu"] / run.mfu - 1,
+                        **seconds))  # fmt: skip
     return out
