@@ -173,10 +173,12 @@ def rank_shape(config: ShardGPTConfig, layout: Layout) -> ModelShape:
 
 def data_parallel_seconds(
     config: ShardGPTConfig, cluster: Cluster, layout: Layout
-) -> dict[str, tuple[float, str | None]]:
-    """Each collective kind of the data-parallel strategy, per step: (seconds on the ring, what it hides behind)."""
+) -> list[tuple[str, float, str | None]]:
+    """The data-parallel strategy's collectives in one step: (kind, seconds on the ring, the compute they run beside:
+    "forward", "backward" or None). ZeRO-3's and FSDP's all-gathers split between the passes in proportion to what
+    each gathers (the forward Psi, the backward the rest)."""
     if layout.dp == 1:
-        return {}
+        return []
     shape = rank_shape(config, layout)
     family, strategy = layout.sharding, layout.typed
     if family == "zero3":
@@ -188,21 +190,28 @@ def data_parallel_seconds(
     gathered = expected_payloads(strategy, shape, ACTIVATION_BYTES)  # parameters, bf16
     reduced = expected_payloads(strategy, shape, ACTIVATION_BYTES if family == "fsdp" else 4)  # gradients
     per_step = layout.micro_batches if family in PER_MICRO_BATCH else 1
-    span = layout.world // layout.pp  # the data-parallel group spans a pipeline stage's ranks
-    bandwidth = cluster.link_bandwidth(span)
-    out = {}
+    bandwidth = cluster.link_bandwidth(layout.world // layout.pp)  # the group spans a pipeline stage's ranks
+    out = []
     for kind in gathered:
         nbytes = reduced[kind] if kind in REDUCTIONS else gathered[kind]
         repeats = per_step if (kind in REDUCTIONS or family in ("zero3", "fsdp")) else 1
-        hides = OVERLAP[family].get(kind) if layout.pp == 1 else None
-        out[kind] = (repeats * collective_seconds(kind, nbytes, layout.dp, bandwidth), hides)
+        seconds = repeats * collective_seconds(kind, nbytes, layout.dp, bandwidth)
+        window = OVERLAP[family].get(kind) if layout.pp == 1 else None
+        if window == "forward+backward":
+            forward = min(1.0, ACTIVATION_BYTES * shape.parameters / nbytes)
+            out += [(kind, forward * seconds, "forward"), (kind, (1 - forward) * seconds, "backward")]
+        else:
+            out.append((kind, seconds, window))
     return out
 
 
-def exposed(seconds: float, hides: str | None, forward: float, backward: float) -> float:
-    """What of `seconds` of communication the compute it runs beside (`forward`, `backward` seconds) leaves exposed."""
-    window = {None: 0.0, "forward": forward, "backward": backward, "forward+backward": forward + backward}[hides]
-    return max(0.0, seconds - window)
+def exposed(by_window: dict[str | None, float], forward: float, backward: float) -> dict[str, float]:
+    """What the compute beside them (`forward`, `backward` seconds) leaves exposed of the collectives' seconds
+    `by_window`; those of one window share its link, one after another."""
+    out = {"forward": max(0.0, by_window.get("forward", 0.0) - forward)}
+    out["backward"] = max(0.0, by_window.get("backward", 0.0) - backward)
+    out["after_backward"] = by_window.get(None, 0.0)
+    return out
 
 
 def offload_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, backward: float) -> float:
@@ -231,11 +240,15 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
     bubble = compute * (layout.pp - 1) / layout.micro_batches
     micro_tokens = layout.micro_batch * seq_len
     comm = {}
-    # Data parallelism: each collective against the compute it can hide behind (the last micro batch's, for DDP's
-    # once-a-step reduction; every micro batch's for the per-micro-batch ones, counted once for all of them).
-    for kind, (seconds, hides) in data_parallel_seconds(config, cluster, layout).items():
-        scale = layout.micro_batches if layout.sharding in PER_MICRO_BATCH else 1
-        comm[f"dp_{kind}"] = exposed(seconds, hides, scale * forward, scale * backward)
+    # Data parallelism: the collectives of each window against the compute they can hide behind (the last micro
+    # batch's, for DDP's once-a-step reduction; every micro batch's for the per-micro-batch ones).
+    by_window: dict[str | None, float] = {}
+    for _, seconds, window in data_parallel_seconds(config, cluster, layout):
+        by_window[window] = by_window.get(window, 0.0) + seconds
+    scale = layout.micro_batches if layout.sharding in PER_MICRO_BATCH else 1
+    if by_window:
+        for window, seconds in exposed(by_window, scale * forward, scale * backward).items():
+            comm[f"dp_{window}"] = seconds
     if layout.tp > 1:
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
         calls = (6 if layout.checkpointing else 4) * config.num_hidden_layers // layout.pp * layout.micro_batches
