@@ -1,4 +1,5 @@
-"""Predict the memory one GPU needs to train shardgpt under each strategy, before renting the GPUs.
+"""Predict the memory one GPU needs to train shardgpt under each strategy, before renting the GPUs, and with
+--step_time which layout of a cluster trains fastest.
 
     python recipes/plan_memory.py --preset llama-1b --num_gpus 8 --strategy zero2 --precision bf16
     python recipes/plan_memory.py --preset llama-7b --num_gpus 8 --strategy all --gpu_memory_gb 80
