@@ -48,6 +48,7 @@ from dataclasses import replace
 
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
+from training.console import configure_console
 from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
@@ -229,6 +230,7 @@ def plot_layouts(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    configure_console()  # DeepSpeed's accelerator guess would otherwise land in --json's stdout
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--preset", default="llama-1b", choices=tuple(PRESETS), help="a model preset (python -m model lists them)"
