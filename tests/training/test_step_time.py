@@ -109,6 +109,22 @@ def test_tensor_parallelism_all_reduces_each_layers_activations_four_times_on_th
     assert row["communication"]["tp_all_reduce"] == pytest.approx(4 * CONFIG.num_hidden_layers * 3 * per_call)
 
 
+def test_ulysses_exchanges_q_k_v_and_the_output_per_layer_both_ways():
+    gpus = cluster("h100", 8)
+    row = predict_step(CONFIG, gpus, Layout("zero3", 2, sp=4, micro_batch=2, micro_batches=3), SEQ)
+    h, kv_width = CONFIG.hidden_size, CONFIG.num_key_value_heads * CONFIG.head_dim
+    held = 2 * SEQ // 4  # positions of the micro batch's sequences one rank holds
+    per_micro = 2 * CONFIG.num_hidden_layers * held * (2 * h + 2 * kv_width) * 2  # forward and backward, bf16
+    assert row["communication"]["sp_all_to_all"] == pytest.approx(3 * per_micro / 450e9 * 3 / 4)
+
+
+def test_pipeline_stages_send_activations_forward_and_gradients_back():
+    gpus = cluster("h100", 16)  # the pipeline spans two nodes: its hops cross the NIC
+    row = predict_step(CONFIG, gpus, Layout("ddp", 2, tp=2, pp=4, micro_batch=2, micro_batches=8), SEQ)
+    message = 2 * 2 * SEQ * CONFIG.hidden_size / 2  # bf16 activations of a micro batch, split over tp
+    assert row["communication"]["pp_send_recv"] == pytest.approx(2 * (8 + 4 - 1) * message / 50e9)
+
+
 def test_offload_moves_the_partition_over_pcie():
     gpus = cluster("h100", 8)
     row = predict_step(CONFIG, gpus, Layout("zero2-offload-cpu", 8, micro_batches=2), SEQ)
