@@ -14,7 +14,8 @@
     python recipes/plan_memory.py --check_published
 
 `--step_time`: every layout of --num_gpus GPUs of --gpu kind (data-parallel strategy, tensor, pipeline, sequence and
-data-parallel degrees, schedule, micro batch, activation checkpointing; pin any with its flag) that fits in memory,
+data-parallel degrees, schedule, micro batch, activation checkpointing; pin any with its flag) that recipes/train.py
+runs (--any_layout: Megatron-LM's too, marked by whether the script runs them) and that fits in memory,
 ranked by predicted tokens/s, each step split into compute, exposed communication, pipeline bubble and offload
 (training/planning/step_time.py; the model and its checks against published runs: docs/step_time.md). Predictions,
 not measurements. `--check_published`: Megatron-LM 2021's Table 1 and 2 runs, predicted beside their published TFLOP/s.
@@ -128,6 +129,11 @@ def step_time_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor_parallel_degree", type=int, default=None, help="pin tp (default: every one)")
     g.add_argument("--sequence_parallel_degree", type=int, default=None, help="pin Ulysses' sp")
     g.add_argument("--data_parallel_degree", type=int, default=None, help="pin dp")
+    g.add_argument(
+        "--any_layout",
+        action="store_true",
+        help="also Megatron-LM's layouts recipes/train.py does not run (TP with DDP, TP x PP, ZeRO-1 x PP)",
+    )
     g.add_argument("--top", type=int, default=10, help="layouts printed (--json: all)")
     g.add_argument("--plot", default=None, help="save a plot of the fastest layouts' step time here (.png)")
     g.add_argument("--check_published", action="store_true",
@@ -160,7 +166,7 @@ def step_time_main(args) -> None:
                      strategy=None if args.strategy == "all" else args.strategy,
                      schedule=args.pipeline_parallel_schedule, micro_batch=args.micro_batch,
                      checkpointing=True if args.activation_checkpointing else None)  # fmt: skip
-        result = plan(config, gpus, args.global_batch, args.seq_len, fixed)
+        result = plan(config, gpus, args.global_batch, args.seq_len, fixed, args.any_layout)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -171,19 +177,23 @@ def step_time_main(args) -> None:
         return
     model = args.config_file or args.preset
     fit, rejected = len(result["layouts"]), result["rejected_for_memory"]
+    which = "layouts, recipes/train.py's and Megatron-LM's," if args.any_layout else "layouts recipes/train.py runs"
     print(f"{model}: {result['inputs']['parameters'] / 1e9:.2f}B parameters on {args.num_gpus} {args.gpu} "
           f"({gpus.gpus_per_node} per node), global batch {args.global_batch} x {args.seq_len} tokens; "
-          f"predictions, not measurements; {fit} layouts fit, {rejected} do not")  # fmt: skip
-    print(layouts_table(result["layouts"][: args.top]))
+          f"predictions, not measurements; {fit} {which} fit, {rejected} do not")  # fmt: skip
+    print(layouts_table(result["layouts"][: args.top], args.any_layout))
 
 
-def layouts_table(rows: list[dict]) -> str:
+def layouts_table(rows: list[dict], runs_here: bool = False) -> str:
+    """The ranked layouts, one a line; with `runs_here`, a column saying whether recipes/train.py runs each."""
     head = ["#", "layout", "step s", "compute", "bubble", "comm exposed", "offload", "tokens/s", "MFU", "GB/GPU"]
+    head += ["runs here"] if runs_here else []
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for i, r in enumerate(rows, 1):
         cells = [str(i), r["layout"]] + [f"{r[k]:.3g}" for k in ("step_seconds", "compute_seconds", "bubble_seconds",
                  "communication_seconds", "offload_seconds")]  # fmt: skip
         cells += [f"{r['tokens_per_second']:,.0f}", f"{r['mfu']:.1%}", f"{r['memory_gb']:.1f}"]
+        cells += [("yes" if r["runs_here"] else "no")] if runs_here else []
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 

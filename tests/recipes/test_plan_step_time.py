@@ -52,6 +52,20 @@ def test_pinned_degrees_limit_the_layouts(capsys):
                                   for r in out["layouts"])  # fmt: skip
 
 
+def test_any_layout_adds_megatrons_layouts_and_marks_what_train_py_runs(capsys):
+    pinned = [*BASE, "--tensor_parallel_degree", "2", "--micro_batch", "1"]
+    here = json.loads(run(capsys, *pinned, "--json").out)
+    assert {r["degrees"]["strategy"] for r in here["layouts"]} == {"zero1"}  # AutoTP
+    assert all(r["runs_here"] for r in here["layouts"]) and not here["inputs"]["any_layout"]
+    every = json.loads(run(capsys, *pinned, "--any_layout", "--json").out)
+    megatron = [r for r in every["layouts"] if not r["runs_here"]]
+    assert megatron and {r["degrees"]["strategy"] for r in megatron} == {"ddp", "zero1"}
+    assert all(r["degrees"]["pp"] > 1 for r in megatron if r["degrees"]["strategy"] == "zero1")
+    table = run(capsys, *pinned, "--any_layout", "--top", "50").out
+    assert "runs here" in table and "| no" in table and "| yes" in table
+    assert "runs here" not in run(capsys, *pinned, "--top", "3").out
+
+
 def test_memory_mode_keeps_its_defaults(capsys):
     out = json.loads(run(capsys, "--preset", "debug", "--num_gpus", "2", "--strategy", "zero2", "--json").out)
     assert out["inputs"]["micro_batch"] == 1 and out["inputs"]["strategy"] == "zero2"
@@ -62,3 +76,6 @@ def test_published_comparison_prints_every_row(capsys):
     assert len(rows["megatron"]) == 16 and all(r["predicted_tflops"] > 0 for r in rows["megatron"])
     assert len(rows["llm_foundry"]) == 7 and all(0 < r["predicted_mfu"] < 1 for r in rows["llm_foundry"])
     assert "1008B" in run(capsys, "--check_published").out
+    # Megatron-LM's layouts, which recipes/train.py does not run, are still predicted: 76.1B's tp 8 x pp 4.
+    row = next(r for r in rows["megatron"] if r["parameters"] == "76.1B")
+    assert row["layout"] == "ddp dp32 tp8 pp4 1F1B micro 1 x56 ckpt" and round(row["predicted_tflops"]) == 162

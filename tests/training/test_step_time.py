@@ -11,7 +11,15 @@ from training.comms import ModelShape
 from training.metrics import flops_per_token
 from training.planning import step_time as st
 from training.planning.hardware import GPU_KINDS, cluster
-from training.planning.published import LLM_FOUNDRY_H100, MEGATRON_TABLE_1, MEGATRON_TABLE_2, compare, compare_mfu
+from training.planning.published import (
+    LLM_FOUNDRY_H100,
+    MEGATRON_TABLE_1,
+    MEGATRON_TABLE_2,
+    compare,
+    compare_mfu,
+    gpt_config,
+    run_layout,
+)
 from training.planning.step_time import Layout, predict_step
 
 CONFIG = ShardGPTConfig.from_preset("llama-1b")
@@ -151,6 +159,38 @@ def test_the_plan_ranks_layouts_that_fit_fastest_first():
         assert r["tokens_per_step"] == 256 * SEQ
 
 
+def refused_by_train_py(lay: Layout) -> str | None:
+    """What training/strategy.py's checks say of a layout's degrees, spelled out from the script's rules."""
+    deepspeed = lay.strategy.startswith("zero")
+    if lay.pp > 1 and (deepspeed or lay.tp > 1 or lay.sp > 1):
+        return "a pipeline runs under one process's optimizer, DDP or FSDP2 only"
+    if lay.tp > 1 and (lay.strategy != "zero1" or lay.sp > 1):
+        return "tensor parallelism is DeepSpeed AutoTP under ZeRO-1 only"
+    if lay.sp > 1 and not deepspeed:
+        return "Ulysses runs under DeepSpeed only"
+    return None
+
+
+def test_the_default_enumeration_holds_only_layouts_train_py_runs_and_any_layout_adds_megatrons():
+    gpus = cluster("h100", 64)
+    here = st.layouts(CONFIG, gpus, 512, SEQ)
+    assert here and all(lay.runs_here and refused_by_train_py(lay) is None for lay in here)
+    # Each axis the script runs is still there: AutoTP, DDP's and FSDP2's pipelines, Ulysses under ZeRO.
+    assert {lay.strategy for lay in here if lay.tp > 1} == {"zero1"}
+    assert {lay.strategy for lay in here if lay.pp > 1} == {"ddp", "fsdp"}
+    assert {lay.strategy for lay in here if lay.sp > 1} == set(st.DEEPSPEED)
+    every = st.layouts(CONFIG, gpus, 512, SEQ, any_layout=True)
+    assert set(here) < set(every) and {lay for lay in every if lay.runs_here} == set(here)
+    megatron = [lay for lay in every if not lay.runs_here]
+    assert all(refused_by_train_py(lay) for lay in megatron)
+    kinds = {(lay.strategy, lay.tp > 1, lay.pp > 1) for lay in megatron}
+    assert {("ddp", True, False), ("ddp", True, True), ("zero1", False, True), ("zero1", True, True)} <= kinds
+    # Pinned to a layout only Megatron-LM runs: refused in one line that names the flag, unless asked for.
+    with pytest.raises(ValueError, match=r"tp 2, strategy ddp runs in recipes/train.py .* --any_layout"):
+        st.layouts(CONFIG, gpus, 512, SEQ, dict(tp=2, strategy="ddp"))
+    assert st.layouts(CONFIG, gpus, 512, SEQ, dict(tp=2, strategy="ddp"), any_layout=True)
+
+
 def test_bad_degrees_and_batches_are_refused_in_one_line():
     gpus = cluster("h100", 8)
     with pytest.raises(ValueError, match=r"tp 4 x pp 4 = 16 do not divide the 8 GPUs"):
@@ -171,6 +211,22 @@ def test_zero3_per_gpu_throughput_falls_with_gpus_at_a_fixed_batch_while_tensor_
     assert zero3 == sorted(zero3, reverse=True) and zero3[-1] < zero3[0] / 2
     assert model_parallel[-1] > 0.85 * model_parallel[0]
     assert model_parallel[-1] > 2 * zero3[-1]
+
+
+def test_the_published_runs_are_megatrons_layouts_predicted_as_before():
+    """The comparison predicts each run's own layout, whatever the enumeration holds: Table 1's DDP x tp and tp x pp
+    runs the script does not run, their numbers as docs/step_time.md prints them."""
+    rows = {r["parameters"] + r["layout"]: r for r in compare(MEGATRON_TABLE_1 + MEGATRON_TABLE_2)}
+    assert not any(run_layout(run).runs_here for run in MEGATRON_TABLE_1 if run.tp > 1)
+    # --any_layout enumerates such a run's layout (39.1B: DDP, tp 8 x pp 2 on 512 A100s); the default does not.
+    run = MEGATRON_TABLE_1[4]
+    a100s, pinned = cluster("a100-80gb", run.gpus), dict(tp=run.tp, pp=run.pp)
+    assert run_layout(run) in st.layouts(gpt_config(run), a100s, run.batch, SEQ, pinned, any_layout=True)
+    with pytest.raises(ValueError, match="--any_layout"):
+        st.layouts(gpt_config(run), a100s, run.batch, SEQ, pinned)
+    for key, tflops in (("1.7Bddp dp32 micro 16 x1 ckpt", 197), ("76.1Bddp dp32 tp8 pp4 1F1B micro 1 x56 ckpt", 162),
+                        ("175Bzero3 dp768 micro 2 x1 ckpt", 105)):  # fmt: skip
+        assert round(rows[key]["predicted_tflops"]) == tflops
 
 
 def test_megatron_table_1_is_predicted_within_half_its_published_throughput():

@@ -4,6 +4,9 @@ the pipeline bubble and offload transfers, then tokens/s and MFU, ranked over ev
 A layout is a data-parallel strategy (DDP, FSDP, ZeRO-1/2/3, ZeRO with CPU offload) and explicit degrees whose
 product is the GPU count: tensor parallelism (tp, innermost), Ulysses sequence parallelism (sp), pipeline stages (pp,
 outermost, GPipe or 1F1B with M micro batches a step), data parallelism (dp); the mesh of `training/strategy.py`.
+Only the layouts recipes/train.py runs are enumerated (`Layout.runs_here`: tensor parallelism as ZeRO-1 AutoTP, a
+pipeline under DDP or FSDP2, Ulysses under ZeRO, none combined); `any_layout` adds Megatron-LM's (tensor parallelism
+with DDP, tensor x pipeline, ZeRO-1 under a pipeline), which published runs used.
 
 The cost model, per step and GPU:
 
@@ -56,11 +59,19 @@ from training.planning.hardware import Cluster
 from training.strategy import Strategy
 
 # The data-parallel strategies a layout can use, by `Strategy.name`; those a pipeline or tensor parallelism combines
-# with (Megatron-LM's DDP, DeepSpeed's ZeRO-1 under its pipeline and AutoTP, FSDP2 under torch's pipeline).
+# with anywhere (Megatron-LM's DDP, DeepSpeed's ZeRO-1 under its pipeline and AutoTP, FSDP2 under torch's pipeline).
 DP_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero2-offload-cpu", "zero3-offload-cpu")
 WITH_PIPELINE = ("ddp", "fsdp", "zero1")
 WITH_TENSOR_PARALLEL = ("ddp", "zero1")
-WITH_SEQUENCE_PARALLEL = ("zero1", "zero2", "zero3")  # Ulysses runs under DeepSpeed (training/sequence.py)
+DEEPSPEED = ("zero1", "zero2", "zero3", "zero2-offload-cpu", "zero3-offload-cpu")
+WITH_SEQUENCE_PARALLEL = DEEPSPEED  # Ulysses runs under DeepSpeed (training/sequence.py)
+# Of those, what recipes/train.py runs (training/strategy.py's checks refuse the rest): a pipeline under one
+# process's optimizer, DDP or FSDP2, never a DeepSpeed engine (`check_pipeline_with_deepspeed`); tensor parallelism
+# as DeepSpeed AutoTP under ZeRO-1 only, with no pipeline (accelerate's FSDP2 x TP: `check_parallelism_config_tp`);
+# Ulysses under DeepSpeed only, without AutoTP (`deepspeed_config.sequence_parallel_size`) or a pipeline
+# (`check_sequence_parallel`).
+PIPELINE_HERE = ("ddp", "fsdp")
+TENSOR_PARALLEL_HERE = ("zero1",)
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro batch sizes tried, in sequences
 ACTIVATION_BYTES = 2  # bf16 activations
 
@@ -113,6 +124,16 @@ class Layout:
         """How the strategy shards, as OVERLAP keys it: ddp, fsdp or zero1/2/3 (offloaded or not)."""
         typed = self.typed
         return f"zero{typed.zero_stage}" if typed.family == "deepspeed" else typed.family
+
+    @property
+    def runs_here(self) -> bool:
+        """Whether recipes/train.py runs this layout (the module's PIPELINE_HERE, TENSOR_PARALLEL_HERE); Megatron-LM's
+        layouts (tensor parallelism with DDP, tensor x pipeline, ZeRO under a pipeline) do not."""
+        if self.pp > 1:
+            return self.strategy in PIPELINE_HERE and self.tp == self.sp == 1
+        if self.tp > 1:
+            return self.strategy in TENSOR_PARALLEL_HERE and self.sp == 1
+        return self.sp == 1 or self.strategy in DEEPSPEED
 
     @property
     def name(self) -> str:
@@ -345,7 +366,8 @@ def divisors(n: int) -> list[int]:
 def degree_options(config: ShardGPTConfig, num_gpus: int, gpus_per_node: int, seq_len: int,
                    fixed: dict[str, int | None]) -> list[tuple[int, int, int, int]]:  # fmt: skip
     """(tp, pp, sp, dp) with tp x pp x sp x dp = num_gpus: tp within a node and dividing the heads and key-value
-    heads, pp dividing the layers, sp dividing the heads and the sequence (Ulysses); `fixed` pins any of them."""
+    heads, pp dividing the layers, sp dividing the heads and the sequence and a multiple or divisor of the key-value
+    heads (Ulysses, as training/sequence.py checks); `fixed` pins any of them."""
     heads, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     out = []
     for tp in divisors(num_gpus):
@@ -355,7 +377,9 @@ def degree_options(config: ShardGPTConfig, num_gpus: int, gpus_per_node: int, se
             if layers % pp:
                 continue
             for sp in divisors(num_gpus // (tp * pp)):
-                if sp > 1 and (tp > 1 or pp > 1 or heads % sp or seq_len % sp or sp > gpus_per_node):
+                if sp > 1 and (
+                    tp > 1 or pp > 1 or heads % sp or kv % sp and sp % kv or seq_len % sp or sp > gpus_per_node
+                ):
                     continue
                 dp = num_gpus // (tp * pp * sp)
                 degrees = dict(tp=tp, pp=pp, sp=sp, dp=dp)
@@ -392,9 +416,10 @@ def check_batch(global_batch: int, seq_len: int, options: list[tuple[int, int, i
 
 
 def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int,
-            fixed: dict | None = None) -> list[Layout]:  # fmt: skip
-    """Every layout of the cluster for `global_batch` sequences a step (before the memory check). `fixed`: any of
-    tp, pp, sp, dp (degrees), strategy, schedule, micro_batch, checkpointing pinned to a value."""
+            fixed: dict | None = None, any_layout: bool = False) -> list[Layout]:  # fmt: skip
+    """Every layout of the cluster for `global_batch` sequences a step (before the memory check) that recipes/train.py
+    runs (`Layout.runs_here`), or with `any_layout` Megatron-LM's too. `fixed`: any of tp, pp, sp, dp (degrees),
+    strategy, schedule, micro_batch, checkpointing pinned to a value."""
     fixed = fixed or {}
     degrees = {k: fixed.get(k) for k in ("tp", "pp", "sp", "dp")}
     check_degrees(cluster.num_gpus, degrees)
@@ -421,16 +446,27 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
                         out.append(Layout(name, dp, tp, pp, sp, schedule, micro, global_batch // dp // micro,
                                           checkpointing))  # fmt: skip
     pinned = {k: v for k, v in fixed.items() if k in ("strategy", "schedule", "micro_batch", "checkpointing")}
-    return [lay for lay in out if all(getattr(lay, k) == v for k, v in pinned.items() if v is not None)]
+    out = [lay for lay in out if all(getattr(lay, k) == v for k, v in pinned.items() if v is not None)]
+    here = [lay for lay in out if lay.runs_here]
+    if out and not here and not any_layout:
+        pins = ", ".join(f"{k} {v}" for k, v in fixed.items() if v is not None)
+        raise ValueError(
+            f"no layout with {pins} runs in recipes/train.py (tensor parallelism only as ZeRO-1 AutoTP, a pipeline "
+            "only under DDP or FSDP2, Ulysses only under ZeRO, none of them combined): pin another, or pass "
+            "--any_layout to predict Megatron-LM's layouts too"
+        )
+    return out if any_layout else here
 
 
-def plan(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int, fixed: dict | None = None) -> dict:
-    """Every layout that fits the cluster's GPU memory, predicted and ranked by tokens/s (fastest first), with the
+def plan(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int, fixed: dict | None = None,
+         any_layout: bool = False) -> dict:  # fmt: skip
+    """Every layout recipes/train.py runs (with `any_layout`, Megatron-LM's too) that fits the cluster's GPU memory,
+    predicted and ranked by tokens/s (fastest first), each saying whether the script runs it (`runs_here`), with the
     inputs; `rejected` counts those that do not fit."""
     memory = Memory(config, seq_len)
     rows, rejected = [], 0
     smallest_too_large: dict[Layout, int] = {}  # memory grows with the micro batch: past one that does not fit, skip
-    for lay in layouts(config, cluster, global_batch, seq_len, fixed):
+    for lay in layouts(config, cluster, global_batch, seq_len, fixed, any_layout):
         key = replace(lay, micro_batch=0, micro_batches=0)
         if lay.micro_batch > smallest_too_large.get(key, math.inf):
             rejected += 1
@@ -441,11 +477,11 @@ def plan(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: i
             rejected += 1
             continue
         row = predict_step(config, cluster, lay, seq_len)
-        row.update(memory_gb=needed / 1e9, memory_source=source)
+        row.update(memory_gb=needed / 1e9, memory_source=source, runs_here=lay.runs_here)
         rows.append(row)
     rows.sort(key=lambda r: (-r["tokens_per_second"], r["memory_gb"]))  # ties: the one that needs less memory
     inputs = dict(cluster=dataclasses.asdict(cluster), global_batch=global_batch, seq_len=seq_len,
-                  parameters=ModelShape.of(config).parameters,
+                  any_layout=any_layout, parameters=ModelShape.of(config).parameters,
                   model_flops_per_token=model_flops_per_token(config, seq_len))  # fmt: skip
     return {"inputs": inputs, "layouts": rows, "rejected_for_memory": rejected}
 
