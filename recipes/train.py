@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         return engine.save(cfg.output_dir, step, state, cfg.save_total_limit)
 
     first_step = step + 1
-    comms = StepCommunication(first_step, cfg.max_steps)  # counts the collectives of one step, the third
+    # Counts the collectives of one step: the third, or the first after it that --profile does not record.
+    comms = StepCommunication(first_step, cfg.max_steps, profiler.records)
     # The bar is closed however the loop ends, so that an error's line starts a line of its own; log lines are
     # written above it.
     progress = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step")

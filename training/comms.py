@@ -178,11 +178,15 @@ class StepCommunication:
     """The training loop's record of one step's collectives: `measured` is the step counted, `during(step)` counts
     it (and nothing else), `read()` gathers every rank's record once it is done."""
 
-    def __init__(self, first_step: int, max_steps: int):
+    def __init__(self, first_step: int, max_steps: int, profiled=lambda step: False):
         # The third step of the run, or its last if it has fewer: the first two do one-time work besides the
         # step's own (measured): DDP broadcasts its rebuilt bucket order at the start of the second, ZeRO-3 records
         # the order it fetches parameters in during the first and broadcasts it to check at the end of the second.
-        self.measured = min(first_step + 2, max_steps)
+        # Not a step --profile records: the counting mode's dispatch would show in its trace and table.
+        later = [s for s in range(first_step + 2, max_steps + 1) if not profiled(s)]
+        self.measured = later[0] if later else min(first_step + 2, max_steps)
+        if profiled(self.measured):
+            self.measured = None  # every step the run has left is profiled: nothing is counted
         self.counter: CommCounter | None = None
 
     @contextlib.contextmanager

@@ -79,6 +79,10 @@ class StepProfiler:
             print(f"traces of every rank in {self.folder.parent}", flush=True)
         return True
 
+    def records(self, step: int) -> bool:
+        """Whether `step` is one of the steps this profiler records."""
+        return self.first <= step <= self.last
+
     @contextmanager
     def step(self, step: int):
         self.begin(step)
@@ -98,6 +102,9 @@ class NullProfiler(StepProfiler):
 
     def __init__(self):
         pass
+
+    def records(self, step: int) -> bool:
+        return False
 
     def begin(self, step: int) -> None:
         pass
