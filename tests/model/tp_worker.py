@@ -40,6 +40,8 @@ def main(folder: str, results: str) -> None:
     if dist.get_rank() == 0:  # rank 0 only: the file write
         Path(results).write_text(json.dumps({"logits_max_abs_diff": diff, "shards": shards}))
     dist.barrier()  # collective: nobody tears the group down before rank 0 has written
+    # Torn down before exit: a rank leaving with gloo's threads alive once died in std::terminate (SIGABRT).
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
