@@ -15,15 +15,12 @@ parameters and reuse distance at 0).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
-from recipes.measure.memory_scaling import save_against_ranks
+from recipes.measure.memory_scaling import report, run_launch, save_against_ranks, scaling_parser
 from training.paths import ROOT
 
 # (label, accelerate config, changes to its DeepSpeed JSON's zero_optimization, the paper's volume in Psi)
@@ -74,7 +71,6 @@ def run_dir(out: Path, index: int, world: int) -> Path:
 
 
 def measure(out: Path, world_sizes: list[int]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     data = corpus(out)
     for world in world_sizes:
         for i, (label, config, zero, _) in enumerate(LAUNCHES):
@@ -84,9 +80,7 @@ def measure(out: Path, world_sizes: list[int]) -> None:
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                    str(accelerate_config_with(config, zero, folder)), "--num_processes", str(world),
                    str(ROOT / "recipes" / "train.py"), *TRAIN, *data, f"--output_dir={folder}"]  # fmt: skip
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if done.returncode:
-                sys.exit(f"{label} on {world} ranks failed:\n{done.stderr[-4000:]}")
+            run_launch(cmd, f"{label} on {world} ranks")
 
 
 def points(out: Path, world_sizes: list[int]) -> list[dict]:
@@ -134,19 +128,11 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output_dir", default="runs/comm_scaling", help="one folder per launch is written here")
-    p.add_argument("--world_sizes", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "comm_scaling.png"))
-    p.add_argument("--no_launch", action="store_true", help="only plot and print earlier measurements")
-    args = p.parse_args(argv)
+    args = scaling_parser(__doc__, "comm_scaling", [2, 4, 8]).parse_args(argv)
     out = Path(args.output_dir)
     if not args.no_launch:
         measure(out, args.world_sizes)
-    rows = points(out, args.world_sizes)
-    plot(rows, Path(args.plot))
-    print(format_table(rows))
-    print(f"plot: {args.plot}")
+    report(points(out, args.world_sizes), plot, format_table, args.plot)
 
 
 if __name__ == "__main__":

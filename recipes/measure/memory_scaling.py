@@ -28,17 +28,22 @@ STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 PRECISION = "fp32"  # DDP and FSDP keep fp32 states whatever the flag; fp32 compares all five on one footing
 
 
+def run_launch(cmd: list[str], what: str) -> None:
+    """One measured launch, its output captured, one thread per rank; the script ends saying which failed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{what} failed:\n{done.stderr[-4000:]}")
+
+
 def measure(out: Path, preset: str, world_sizes: list[int]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for world in world_sizes:
         for config in STRATEGIES:
             run_dir = out / f"{config}_n{world}"
             print(f"measuring {config} on {world} rank(s) -> {run_dir}", flush=True)
             cmd = launch_command(config, PRECISION, preset, run_dir)
             cmd[2:2] = ["--num_processes", str(world)]  # an accelerate flag: before the script
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if done.returncode:
-                sys.exit(f"{config} on {world} ranks failed:\n{done.stderr[-4000:]}")
+            run_launch(cmd, f"{config} on {world} ranks")
 
 
 def points(out: Path, world_sizes: list[int]) -> list[dict]:
@@ -102,21 +107,32 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output_dir", default="runs/memory_scaling", help="one folder per launch is written here")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "memory_scaling.png"))
+def scaling_parser(doc: str, name: str, world_sizes: list[int]) -> argparse.ArgumentParser:
+    """The flags of a scaling measurement `name` (memory_scaling, comm_scaling): where its launches write, the
+    ranks measured, the figure's path, and --no_launch to show earlier measurements."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output_dir", default=f"runs/{name}", help="one folder per launch is written here")
+    p.add_argument("--world_sizes", type=int, nargs="+", default=world_sizes)
+    p.add_argument("--plot", default=str(ROOT / "docs" / "img" / f"{name}.png"))
     p.add_argument("--no_launch", action="store_true", help="only plot and print earlier measurements")
+    return p
+
+
+def report(rows: list[dict], plot_rows, table, path: str) -> None:
+    """A scaling measurement's figure at `path` (drawn by `plot_rows`) and its `table`, printed."""
+    plot_rows(rows, Path(path))
+    print(table(rows))
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = scaling_parser(__doc__, "memory_scaling", [1, 2, 4])
+    p.add_argument("--preset", default="tiny")
     args = p.parse_args(argv)
     out = Path(args.output_dir)
     if not args.no_launch:
         measure(out, args.preset, args.world_sizes)
-    rows = points(out, args.world_sizes)
-    plot(rows, Path(args.plot))
-    print(format_table(rows))
-    print(f"plot: {args.plot}")
+    report(points(out, args.world_sizes), plot, format_table, args.plot)
 
 
 if __name__ == "__main__":
