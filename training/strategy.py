@@ -115,7 +115,10 @@ class Strategy:
                 f"{self.pp_stages_per_rank} stages each"
             )
         if min(self.sp_size, self.cp_size) < 1 or self.world_size % (self.sp_size * self.cp_size * self.pp_size):
-            raise ValueError(f"Strategy: {self.world_size} ranks cannot split sequences over {self.sp_size}")
+            raise ValueError(
+                f"Strategy: {self.world_size} ranks cannot split sequences over {self.sp_size * self.cp_size} ranks "
+                f"in each of {self.pp_size} pipeline stages' ranks"
+            )
         if self.replicas > 1 and self.fsdp_version != 2:
             raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
         for name, kind in (("family", Family), ("offload_param", Device), ("offload_optimizer", Device),
@@ -334,7 +337,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         if fsdp_version(fsdp_env) == 1:
             check_fsdp1_checkpoints(cfg, fsdp_env)
             check_fsdp1(fsdp_env)
-        strategy = fsdp_strategy(fsdp_env, world, shard_size * cp if cp > 1 else shard_size)
+        strategy = fsdp_strategy(fsdp_env, world, shard_size * cp)
         check_pipeline_with_fsdp(cfg, strategy)
         return replace(strategy, cp_size=cp, **pipeline)
     return replicated_strategy(world, pipeline)
