@@ -18,7 +18,8 @@ data-parallel degrees, schedule, micro batch, activation checkpointing; pin any 
 runs (--any_layout: Megatron-LM's too, marked by whether the script runs them) and that fits in memory,
 ranked by predicted tokens/s, each step split into compute, exposed communication, pipeline bubble and offload
 (training/planning/step_time.py; the model and its checks against published runs: docs/step_time.md). Predictions,
-not measurements. `--check_published`: Megatron-LM 2021's Table 1 and 2 runs, predicted beside their published TFLOP/s.
+not measurements. `--check_published`: published runs (Megatron-LM 2021's Tables 1 and 2, BLOOM-176B, llm-foundry's
+across nodes; the calibration's single-node runs apart), predicted beside their published throughput.
 
 `--largest`: the largest preset (or shallower copy of the next preset, `--config_overrides num_hidden_layers=N`)
 that each strategy is predicted to train on this machine: its free GPU memory (or --gpu_memory_gb), available
@@ -54,8 +55,17 @@ from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
 from training.planning.hardware import GPU_KINDS, cluster
-from training.planning.published import LLM_FOUNDRY_H100, MEGATRON_TABLE_1, MEGATRON_TABLE_2, compare, compare_mfu
-from training.planning.step_time import DP_STRATEGIES, llama_config, plan
+from training.planning.published import (
+    BLOOM,
+    CALIBRATION,
+    LLM_FOUNDRY_A100,
+    LLM_FOUNDRY_H100,
+    MEGATRON_TABLE_1,
+    MEGATRON_TABLE_2,
+    compare,
+    compare_mfu,
+)
+from training.planning.step_time import ATTN_IMPLEMENTATIONS, DP_STRATEGIES, llama_config, plan
 from training.strategy import Strategy
 
 OVERRIDES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -124,7 +134,11 @@ def step_time_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--intra_node_gbps", type=float, default=None, help="override NVLink GB/s per GPU, one way")
     g.add_argument("--inter_node_gbps", type=float, default=None, help="override the NIC's GB/s per GPU, one way")
     g.add_argument("--pcie_gbps", type=float, default=None, help="override host-to-GPU GB/s (offload)")
-    g.add_argument("--compute_efficiency", type=float, default=None, help="override the kind's share of peak")
+    g.add_argument("--hbm_gbps", type=float, default=None, help="override the GPU memory's GB/s (memory-bound kernels)")
+    g.add_argument("--compute_efficiency", type=float, default=None,
+                   help="override the kind's matrix-unit share of peak")  # fmt: skip
+    g.add_argument("--attn_implementation", default="sdpa", choices=ATTN_IMPLEMENTATIONS,
+                   help="sdpa: FlashAttention's kernels (GPUs); eager: attention scores written out")  # fmt: skip
     g.add_argument("--global_batch", type=int, default=1024, help="sequences per step (of --seq_len tokens)")
     g.add_argument("--tensor_parallel_degree", type=int, default=None, help="pin tp (default: every one)")
     g.add_argument("--sequence_parallel_degree", type=int, default=None, help="pin Ulysses' sp")
@@ -137,7 +151,7 @@ def step_time_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top", type=int, default=10, help="layouts printed (--json: all)")
     g.add_argument("--plot", default=None, help="save a plot of the fastest layouts' step time here (.png)")
     g.add_argument("--check_published", action="store_true",
-                   help="predict published runs (Megatron-LM 2021, llm-foundry) beside their throughput")  # fmt: skip
+                   help="predict published runs (Megatron-LM, BLOOM, llm-foundry) beside their throughput")  # fmt: skip
 
 
 def step_time_main(args) -> None:
@@ -145,14 +159,15 @@ def step_time_main(args) -> None:
     try:
         if args.check_published:
             rows = {
-                "megatron": compare(MEGATRON_TABLE_1 + MEGATRON_TABLE_2),
-                "llm_foundry": compare_mfu(LLM_FOUNDRY_H100),
+                "megatron": compare(MEGATRON_TABLE_1 + MEGATRON_TABLE_2 + BLOOM),
+                "llm_foundry": compare_mfu(LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100),
+                "calibration": compare_mfu(CALIBRATION),
             }
             print(json.dumps(rows, indent=2) if args.json else published_tables(rows))
             return
         gpus = cluster(args.gpu, args.num_gpus, args.gpus_per_node, peak_tflops=args.peak_tflops,
                        memory_gb=args.gpu_memory_gb, intra_node_gbps=args.intra_node_gbps,
-                       inter_node_gbps=args.inter_node_gbps, pcie_gbps=args.pcie_gbps,
+                       inter_node_gbps=args.inter_node_gbps, pcie_gbps=args.pcie_gbps, hbm_gbps=args.hbm_gbps,
                        efficiency=args.compute_efficiency)  # fmt: skip
         if args.strategy != "all" and args.strategy not in DP_STRATEGIES:
             raise ValueError(f"--strategy {args.strategy}: with --step_time choose one of {', '.join(DP_STRATEGIES)}")
@@ -166,7 +181,7 @@ def step_time_main(args) -> None:
                      strategy=None if args.strategy == "all" else args.strategy,
                      schedule=args.pipeline_parallel_schedule, micro_batch=args.micro_batch,
                      checkpointing=True if args.activation_checkpointing else None)  # fmt: skip
-        result = plan(config, gpus, args.global_batch, args.seq_len, fixed, args.any_layout)
+        result = plan(config, gpus, args.global_batch, args.seq_len, fixed, args.any_layout, args.attn_implementation)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -199,16 +214,21 @@ def layouts_table(rows: list[dict], runs_here: bool = False) -> str:
 
 
 def published_tables(rows: dict[str, list[dict]]) -> str:
-    """Megatron-LM's runs in TFLOP/s per GPU, llm-foundry's in MFU: predicted beside published, with the error."""
+    """Megatron-LM's and BLOOM's runs in TFLOP/s per GPU, llm-foundry's in MFU: predicted beside published, with the
+    error; the calibration's runs last, apart, and the mean |error| of the rest."""
     head = ["source", "model", "layout", "GPUs", "published", "predicted", "error"]
     lines = ["predicted against published (TFLOP/s per GPU; llm-foundry: MFU)", " | ".join(head),
              " | ".join("---" for _ in head)]  # fmt: skip
     for r in rows["megatron"]:
         cells = [r["source"], r["parameters"], r["layout"], str(r["gpus"]), f"{r['published_tflops']:g}"]
         lines.append(" | ".join(cells + [f"{r['predicted_tflops']:.0f}", f"{r['error']:+.0%}"]))
-    for r in rows["llm_foundry"]:
-        cells = [r["source"], r["parameters"], r["layout"], str(r["gpus"]), f"{r['published_mfu']:.1%}"]
+    for r in rows["llm_foundry"] + rows["calibration"]:
+        cells = [r["source"], r["parameters"], f"{r['layout']} {r['gpu']}", str(r["gpus"]), f"{r['published_mfu']:.1%}"]
         lines.append(" | ".join(cells + [f"{r['predicted_mfu']:.1%}", f"{r['error']:+.0%}"]))
+    checked = sorted(abs(r["error"]) for r in rows["megatron"] + rows["llm_foundry"])
+    median = (checked[(len(checked) - 1) // 2] + checked[len(checked) // 2]) / 2
+    lines.append(f"outside the calibration, {len(checked)} runs: |error| mean {sum(checked) / len(checked):.1%}, "
+                 f"median {median:.1%}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -73,9 +73,12 @@ def test_memory_mode_keeps_its_defaults(capsys):
 
 def test_published_comparison_prints_every_row(capsys):
     rows = json.loads(run(capsys, "--check_published", "--json").out)
-    assert len(rows["megatron"]) == 16 and all(r["predicted_tflops"] > 0 for r in rows["megatron"])
-    assert len(rows["llm_foundry"]) == 7 and all(0 < r["predicted_mfu"] < 1 for r in rows["llm_foundry"])
-    assert "1008B" in run(capsys, "--check_published").out
+    assert len(rows["megatron"]) == 17 and all(r["predicted_tflops"] > 0 for r in rows["megatron"])
+    assert len(rows["llm_foundry"]) == 17 and all(0 < r["predicted_mfu"] < 1 for r in rows["llm_foundry"])
+    assert len(rows["calibration"]) == 9
+    table = run(capsys, "--check_published").out
+    assert "1008B" in table and "BLOOM-176B" in table and "(calibration)" in table
+    assert "outside the calibration, 34 runs: |error| mean" in table
     # Megatron-LM's layouts, which recipes/train.py does not run, are still predicted: 76.1B's tp 8 x pp 4.
     row = next(r for r in rows["megatron"] if r["parameters"] == "76.1B")
-    assert row["layout"] == "ddp dp32 tp8 pp4 1F1B micro 1 x56 ckpt" and round(row["predicted_tflops"]) == 162
+    assert row["layout"] == "ddp dp32 tp8 pp4 1F1B micro 1 x56 ckpt" and round(row["predicted_tflops"]) == 137

@@ -7,20 +7,30 @@ bidirectional (450 each way), NVLink 3 on A100 SXM 600 (300); between nodes one 
 Host-to-GPU: PCIe 5 x16 on H100/H200, measured 54.9 GB/s pinned on this project's H100 (docs/benchmarks.md, the
 doctor); PCIe 4 x16 on A100, 32 GB/s on paper, 25 assumed (the same ~80% of paper as the H100's measurement).
 
-`COMPUTE_EFFICIENCY`: the share of peak a training step's compute reaches when nothing waits for the network. Not fitted
-to the runs the planner is checked against: taken from MosaicML llm-foundry's published benchmarks
-(scripts/train/benchmarking/README.md, "7b, 2048 tokens, 8 GPUs, FULL_SHARD, no activation checkpointing"): MFU
-64.23% on A100 80GB, 46.44% on H100 80GB (bf16) in one node, where NVLink hides FSDP's gathers. H200 has the H100's
-compute and is given its figure.
+HBM bandwidth, what memory-bound kernels (norms, activations, residuals, the loss's softmax, attention scores written
+out) run at: the data sheets' 3.35 TB/s (H100 SXM), 4.8 (H200), 2.039 (A100 80GB SXM), 1.555 (A100 40GB).
+
+`efficiency`: the share of peak the matrix multiplies reach (attention's included, FlashAttention's kernels); the
+memory-bound work is counted apart, at HBM bandwidth (training/planning/step_time.py's ELEMENTWISE_ACCESSES). Both
+are calibrated once, on one node, on MosaicML llm-foundry's published single-node sweep (scripts/train/benchmarking/
+README.md: MPT 125M to 7B, 8 GPUs, sequence 2048, FSDP full shard, no activation checkpointing, where NVLink hides
+FSDP's gathers): `training/planning/published.calibrate` solves them, tests/training/test_step_time.py checks that
+these figures are its solution. Every run the planner is checked against (other GPU counts, networks, checkpointing,
+other stacks and papers) lies outside that calibration. H200 has the H100's compute and is given its figure.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from training.metrics import PEAK_FLOPS
 
 GB = 1e9
+# `training/planning/published.calibrate()`'s solution (module docstring); the memory-bound count beside them is
+# step_time.ELEMENTWISE_ACCESSES.
+H100_EFFICIENCY = 0.5708
+A100_EFFICIENCY = 0.7702
 
 
 @dataclass(frozen=True)
@@ -37,15 +47,17 @@ class GPUKind:
     """GB/s per GPU per direction between nodes (one NIC per GPU)."""
     pcie_gbps: float
     """GB/s host to GPU (what offload moves over)."""
+    hbm_gbps: float
+    """GB/s of the GPU's own memory (what memory-bound kernels run at)."""
     efficiency: float
-    """COMPUTE_EFFICIENCY for this kind (module docstring)."""
+    """The matrix multiplies' share of peak (module docstring)."""
 
 
 GPU_KINDS = {
-    "h100": GPUKind(PEAK_FLOPS["H100"], 80, 450, 50, 54.9, 0.4644),
-    "h200": GPUKind(PEAK_FLOPS["H200"], 141, 450, 50, 54.9, 0.4644),
-    "a100-80gb": GPUKind(PEAK_FLOPS["A100"], 80, 300, 25, 25, 0.6423),
-    "a100-40gb": GPUKind(PEAK_FLOPS["A100"], 40, 300, 25, 25, 0.6423),
+    "h100": GPUKind(PEAK_FLOPS["H100"], 80, 450, 50, 54.9, 3350, H100_EFFICIENCY),
+    "h200": GPUKind(PEAK_FLOPS["H200"], 141, 450, 50, 54.9, 4800, H100_EFFICIENCY),
+    "a100-80gb": GPUKind(PEAK_FLOPS["A100"], 80, 300, 25, 25, 2039, A100_EFFICIENCY),
+    "a100-40gb": GPUKind(PEAK_FLOPS["A100"], 40, 300, 25, 25, 1555, A100_EFFICIENCY),
 }
 
 
@@ -61,17 +73,27 @@ class Cluster:
     intra_node_bw: float  # bytes/s per GPU per direction
     inter_node_bw: float
     pcie_bw: float
+    hbm_bw: float
     efficiency: float
 
-    def link_bandwidth(self, span: int) -> float:
-        """The bandwidth a group whose ranks lie within `span` consecutive ranks runs at: NVLink if they fit in one
-        node, else the inter-node NIC (a ring that leaves the node is as slow as its slowest hop)."""
-        return self.intra_node_bw if span <= self.gpus_per_node else self.inter_node_bw
+    def link_bandwidth(self, span: int, stride: int = 1) -> float:
+        """The bandwidth per rank of a group whose ranks lie `stride` apart within `span` consecutive ranks: NVLink if
+        they fit in one node; across nodes, the NICs of the group's ranks in a node together (NCCL runs a ring per NIC
+        and every group of the node at once, each on its own ranks' NICs: k ranks a node cross on k NICs), at most
+        NVLink's, since each ring also passes through the node."""
+        if span <= self.gpus_per_node:
+            return self.intra_node_bw
+        in_node = max(1, self.gpus_per_node // stride)
+        return min(self.intra_node_bw, in_node * self.inter_node_bw)
+
+    def nodes_spanned(self, span: int, stride: int = 1) -> int:
+        """How many nodes a group whose ranks lie `stride` apart within `span` consecutive ranks spans."""
+        return max(1, math.ceil(span / max(stride, self.gpus_per_node)))
 
 
 def cluster(kind: str, num_gpus: int, gpus_per_node: int = 8, *, peak_tflops: float | None = None,
             memory_gb: float | None = None, intra_node_gbps: float | None = None,
-            inter_node_gbps: float | None = None, pcie_gbps: float | None = None,
+            inter_node_gbps: float | None = None, pcie_gbps: float | None = None, hbm_gbps: float | None = None,
             efficiency: float | None = None) -> Cluster:  # fmt: skip
     """The cluster of `num_gpus` GPUs of `kind` (a key of GPU_KINDS), any figure replaced by the one given."""
     if kind not in GPU_KINDS:
@@ -87,5 +109,5 @@ def cluster(kind: str, num_gpus: int, gpus_per_node: int = 8, *, peak_tflops: fl
         kind, num_gpus, min(gpus_per_node, num_gpus), pick(peak_tflops and peak_tflops * 1e12, g.peak_flops),
         pick(memory_gb, g.memory_gb) * GB, pick(intra_node_gbps, g.intra_node_gbps) * GB,
         pick(inter_node_gbps, g.inter_node_gbps) * GB, pick(pcie_gbps, g.pcie_gbps) * GB,
-        pick(efficiency, g.efficiency),
+        pick(hbm_gbps, g.hbm_gbps) * GB, pick(efficiency, g.efficiency),
     )  # fmt: skip

@@ -10,19 +10,26 @@ with DDP, tensor x pipeline, ZeRO-1 under a pipeline), which published runs used
 
 The cost model, per step and GPU:
 
-- compute: FLOPs / (peak x efficiency). FLOPs per token are PaLM's 6 N + 12 L h T (`training/metrics.flops_per_token`),
-  4/3 of that with activation checkpointing (one more forward), split evenly over the GPUs; the efficiency is the
-  GPU kind's named constant (`training/planning/hardware.py`, with its source).
+- compute, on the busiest GPU (`compute_seconds`): the matrix multiplies' FLOPs at the GPU kind's efficiency, plus
+  the memory-bound kernels' bytes at its HBM bandwidth (`memory_bound_bytes_per_token`: norms, activations,
+  residuals, the loss's softmax, attention scores where they are written out). FLOPs per token are PaLM's 6 N + 12 L h
+  T (`training/metrics.flops_per_token`), a forward more with activation checkpointing. A GPU runs its stage's layers
+  over its replica's tokens, split over tp and sp, except the hidden-wide kernels, which every tensor-parallel rank
+  runs whole (REPLICATED_SHARE); under a pipeline the last stage sets the pace: its share of the layers rounded up,
+  plus the head and the loss. The efficiency and the memory-bound accesses are calibrated once, on llm-foundry's
+  single-node runs (`training/planning/hardware.py`, `published.calibrate`).
 - communication, on the ring cost model (nccl-tests' PERFORMANCE.md): an all-reduce of S bytes over n ranks takes
   S/B x 2(n-1)/n, a reduce-scatter, an all-gather or an all-to-all S/B x (n-1)/n, a point-to-point S/B; B is the
-  bandwidth of the link the group spans (`Cluster.link_bandwidth`: NVLink inside a node, the NIC across nodes).
-  Volumes: the data-parallel strategies' from `training/comms.expected_payloads` (measured to the byte on CPU ranks)
-  on the slice of the model a rank holds, gradients reduced in fp32 (`communication_data_type` of the shipped JSONs,
-  DDP's fp32 gradients under autocast; FSDP2 in bf16) and parameters gathered in bf16; Ulysses' all-to-alls from
-  `training/comms.ulysses_payloads`; tensor parallelism's four all-reduces of a micro batch's activations per layer
-  (two in the forward, two in the backward: Shoeybi et al. 2019, section 3; two more when checkpointing recomputes
-  the forward); a pipeline's activations and their gradients, point to point between neighbouring stages, split
-  over the tensor-parallel ranks (Narayanan et al. 2021, section 4.1's scatter/gather).
+  bandwidth per rank of the links the group spans (`Cluster.link_bandwidth`: NVLink inside a node; across nodes the
+  NICs of the group's ranks in each node, on which NCCL runs its rings side by side). Each data-parallel call also
+  pays NCCL's ring latency (`ring_latency`), which grows with the ranks: what makes per-layer gathers over a thousand
+  ranks slow. Volumes: the data-parallel strategies' from `training/comms.expected_payloads` (measured to the byte
+  on CPU ranks) on the slice of the model a rank holds, gradients reduced in fp32 (`communication_data_type` of the
+  shipped JSONs, DDP's fp32 gradients under autocast; FSDP2 in bf16) and parameters gathered in bf16; Ulysses'
+  all-to-alls from `training/comms.ulysses_payloads`; tensor parallelism's four all-reduces of a micro batch's
+  activations per layer (two in the forward, two in the backward: Shoeybi et al. 2019, section 3; two more when
+  checkpointing recomputes the forward); a pipeline's activations and their gradients, point to point between
+  neighbouring stages, split over the tensor-parallel ranks (Narayanan et al. 2021, section 4.1's scatter/gather).
 - overlap, as each strategy overlaps (`OVERLAP`): what is hidden is at most the compute it runs beside; the rest is
   exposed. Tensor- and sequence-parallel collectives and pipeline sends sit on the critical path (exposed).
 - the bubble of GPipe and 1F1B: (P - 1) / (M + P - 1) of the step, i.e. compute x (P - 1) / M (Huang et al. 2019;
@@ -31,8 +38,9 @@ The cost model, per step and GPU:
   parameters offloaded (ZeRO-3) the partition fetched before every forward and backward. The gradients' copy runs
   beside the backward; the rest is exposed. The CPU's Adam step is not modelled (a weakness: docs/strategies.md).
 
-What is not modelled: the host (Python, kernel launches: what bounds small models, docs/benchmarks.md), kernel
-efficiency that falls for small matrices, NCCL reaching less than the link's bandwidth, interleaved schedules.
+What is not modelled: the host (Python, kernel launches: what bounds small models, docs/benchmarks.md), a matrix
+efficiency that changes with the matrices' sizes (the memory-bound term carries the size trend), NCCL reaching less
+than the links' bandwidth, interleaved schedules, the CPU's Adam step under offload.
 """
 
 from __future__ import annotations
@@ -74,6 +82,42 @@ PIPELINE_HERE = ("ddp", "fsdp")
 TENSOR_PARALLEL_HERE = ("zero1",)
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro batch sizes tried, in sequences
 ACTIVATION_BYTES = 2  # bf16 activations
+
+# Memory-bound work, counted in reads and writes of 2-byte elements per token over a forward and a backward, at the
+# GPU's HBM bandwidth (a forward is a third of them; activation checkpointing runs it twice):
+# - ELEMENTWISE_ACCESSES per hidden unit per layer: norms, activation functions, residual adds, rotary, casts; how
+#   many depends on which kernels an implementation fuses, so it is calibrated with the matrix units' efficiency on
+#   llm-foundry's single-node sweep (training/planning/hardware.py; `published.calibrate` solves both). Under tensor
+#   parallelism its REPLICATED_SHARE runs whole on every rank.
+# - VOCAB_ACCESSES per vocabulary entry: the loss's logits written (1), read, upcast and log-softmaxed in fp32
+#   (1 + 2 + 2 + 2), their gradient in fp32 and cast back (2 + 2 + 1), read by the head's two gradient matmuls (2): 15.
+# - Attention written out (`attn_implementation="eager"`, Megatron-LM 2021's kernels) per score (heads x sequence per
+#   token and layer): the forward writes the scores (1), softmax reads and writes them (2), the value matmul reads
+#   them (1); the backward reads the probabilities (1), writes their gradient (1), softmax's backward reads two and
+#   writes one (3), the two matmuls read it (2). Dropout on the probabilities adds a read, a write and a one-byte mask
+#   each way (2.5 + 2.5). FlashAttention (sdpa on GPUs) keeps scores on chip: none.
+ELEMENTWISE_ACCESSES = 218.8
+VOCAB_ACCESSES = 15
+# Of ELEMENTWISE_ACCESSES, the share on hidden-wide tensors, which tensor parallelism does not split: a layer's
+# forward reads and writes its two norms' (2 x 2) and its two residual adds' (2 x 3) per hidden unit, 10, against the
+# MLP activation's 8 on the split inner width (GELU on 4h, or SwiGLU reading 2 x 8h/3 and writing 8h/3).
+REPLICATED_SHARE = 10 / 18
+SCORE_ACCESSES = {"forward": 4, "backward": 6}
+DROPOUT_ACCESSES = {"forward": 2.5, "backward": 2.5}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+# Each collective call also pays NCCL's latency on its ring (src/graph/tuning.cc, Simple protocol, the figures
+# torch/_inductor/comm_analysis.py ports): a base per launch, and a hop per ring step, NVLink's inside a node and the
+# network's between nodes (n - 1 steps for an all-gather or a reduce-scatter, nodes - 1 of them between nodes; twice
+# both for an all-reduce). Calls per step: DDP's buckets (bucket_cap_mb 25), DeepSpeed's (the shipped JSONs' 5e8
+# element buckets), FSDP's units (a decoder layer each, and the root), ZeRO-3's modules (every linear layer's
+# parameters are fetched on their own: seven a decoder layer here).
+NCCL_BASE_LATENCY = 8.4e-6
+NCCL_NVLINK_HOP = 3.4e-6
+NCCL_NET_HOP = 14e-6
+DDP_BUCKET_BYTES = 25 * 2**20
+DEEPSPEED_BUCKET_ELEMENTS = 5e8
+LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
 
 # Which collectives hide behind which compute, per strategy. "backward": behind the backward of the micro batch it
 # belongs to (2/3 of its compute); "forward": behind its forward (1/3); None: exposed.
@@ -164,6 +208,27 @@ def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float) -> fl
     return gather_seconds(nbytes, n, bandwidth)
 
 
+def ring_latency(kind: str, n: int, nodes: int) -> float:
+    """NCCL's latency for one call of `kind` on a ring of `n` ranks over `nodes` nodes (the module's constants)."""
+    if n < 2:
+        return 0.0
+    twice = 2 if kind == "all_reduce" else 1
+    steps, between = twice * (n - 1), twice * (nodes - 1)
+    return NCCL_BASE_LATENCY + (steps - between) * NCCL_NVLINK_HOP + between * NCCL_NET_HOP
+
+
+def calls_per_step(family: str, kind: str, nbytes: float, shape: ModelShape, layers: int) -> int:
+    """Calls of a data-parallel collective of `kind` carrying `nbytes` a step (one micro batch's, where it repeats)."""
+    if family == "ddp":
+        return math.ceil(nbytes / DDP_BUCKET_BYTES)
+    if family in ("fsdp", "zero3") and kind == "all_gather":
+        passes = max(1, round(nbytes / (ACTIVATION_BYTES * shape.parameters)))  # forward, backward re-gathers
+        return passes * layers * (LINEARS_PER_LAYER if family == "zero3" else 1) + 1  # and the root
+    if family == "fsdp":
+        return layers + 1
+    return math.ceil(shape.parameters / DEEPSPEED_BUCKET_ELEMENTS)
+
+
 def bubble_fraction(pp: int, micro_batches: int) -> float:
     """The share of a GPipe or 1F1B step its pipeline idles: (P - 1) / (M + P - 1)."""
     return (pp - 1) / (micro_batches + pp - 1)
@@ -175,6 +240,43 @@ def bubble_fraction(pp: int, micro_batches: int) -> float:
 def model_flops_per_token(config: ShardGPTConfig, seq_len: int) -> float:
     """PaLM's 6 N + 12 L h T: the model FLOPs MFU counts."""
     return flops_per_token(config, seq_len)
+
+
+def memory_bound_bytes_per_token(config: ShardGPTConfig, seq_len: int, checkpointing: bool,
+                                 attn_implementation: str = "sdpa") -> float:  # fmt: skip
+    """HBM bytes per token of a step's memory-bound kernels (ELEMENTWISE_ACCESSES and its neighbours)."""
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        known = ", ".join(ATTN_IMPLEMENTATIONS)
+        raise ValueError(f"attn_implementation {attn_implementation!r}: choose one of {known}")
+    forwards = 2 if checkpointing else 1  # the recomputed forward
+    layer = ELEMENTWISE_ACCESSES * config.hidden_size * (forwards + 2) / 3
+    if attn_implementation == "eager":
+        dropout = getattr(config, "attention_dropout", 0.0) > 0  # a Llama config.json field; this model has none
+        passes = {k: v + (DROPOUT_ACCESSES[k] if dropout else 0) for k, v in SCORE_ACCESSES.items()}
+        layer += config.num_attention_heads * seq_len * (forwards * passes["forward"] + passes["backward"])
+    return ACTIVATION_BYTES * (config.num_hidden_layers * layer + VOCAB_ACCESSES * config.vocab_size)
+
+
+def compute_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_len: int,
+                    attn_implementation: str = "sdpa") -> float:  # fmt: skip
+    """One step's compute on the busiest GPU: the matrix multiplies' FLOPs (PaLM's, one more forward with
+    checkpointing) at the efficiency, and the memory-bound kernels' bytes at HBM bandwidth. Each GPU runs its stage's
+    layers over its replica's tokens, split over tp (but the hidden-wide kernels, REPLICATED_SHARE) and sp; under a
+    pipeline the busiest stage is the last, whose share of the layers is rounded up and which also runs the head and
+    the loss (its step sets the pipeline's pace)."""
+    tokens = layout.micro_batch * layout.micro_batches * seq_len / layout.sp  # a GPU's, of its replica's batch
+    forwards = 2 if layout.checkpointing else 1
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    head_flops = 6 * vocab * h  # the head's matmul (tied to the embedding or not, it is one)
+    layer_flops = (model_flops_per_token(config, seq_len) - head_flops) / layers
+    head_bytes = ACTIVATION_BYTES * VOCAB_ACCESSES * vocab
+    layer_bytes = (memory_bound_bytes_per_token(config, seq_len, layout.checkpointing, attn_implementation)
+                   - head_bytes) / layers  # fmt: skip
+    replicated = ACTIVATION_BYTES * REPLICATED_SHARE * ELEMENTWISE_ACCESSES * h * (forwards + 2) / 3
+    flops = (math.ceil(layers / layout.pp) * layer_flops + head_flops) * (forwards + 2) / 3 / layout.tp
+    memory = math.ceil(layers / layout.pp) * (layer_bytes / layout.tp + replicated * (1 - 1 / layout.tp))
+    memory += head_bytes / layout.tp
+    return tokens * (flops / (cluster.peak_flops * cluster.efficiency) + memory / cluster.hbm_bw)
 
 
 def rank_shape(config: ShardGPTConfig, layout: Layout) -> ModelShape:
@@ -211,12 +313,16 @@ def data_parallel_seconds(
     gathered = expected_payloads(strategy, shape, ACTIVATION_BYTES)  # parameters, bf16
     reduced = expected_payloads(strategy, shape, ACTIVATION_BYTES if family == "fsdp" else 4)  # gradients
     per_step = layout.micro_batches if family in PER_MICRO_BATCH else 1
-    bandwidth = cluster.link_bandwidth(layout.world // layout.pp)  # the group spans a pipeline stage's ranks
+    # The group spans a pipeline stage's ranks, tp x sp apart (tensor- and sequence-parallel ranks are innermost).
+    bandwidth = cluster.link_bandwidth(layout.world // layout.pp, layout.tp * layout.sp)
+    nodes = cluster.nodes_spanned(layout.world // layout.pp, layout.tp * layout.sp)
+    layers = config.num_hidden_layers // layout.pp
     out = []
     for kind in gathered:
         nbytes = reduced[kind] if kind in REDUCTIONS else gathered[kind]
         repeats = per_step if (kind in REDUCTIONS or family in ("zero3", "fsdp")) else 1
-        seconds = repeats * collective_seconds(kind, nbytes, layout.dp, bandwidth)
+        latency = calls_per_step(family, kind, nbytes, shape, layers) * ring_latency(kind, layout.dp, nodes)
+        seconds = repeats * (collective_seconds(kind, nbytes, layout.dp, bandwidth) + latency)
         window = OVERLAP[family].get(kind) if layout.pp == 1 else None
         if window == "forward+backward":
             forward = min(1.0, ACTIVATION_BYTES * shape.parameters / nbytes)
@@ -247,13 +353,14 @@ def offload_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, ba
     return max(0.0, down - backward) + up + fetch
 
 
-def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_len: int) -> dict:
-    """One layout's step: seconds of compute, exposed communication by source, bubble and offload; tokens/s, MFU."""
+def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_len: int,
+                 attn_implementation: str = "sdpa") -> dict:  # fmt: skip
+    """One layout's step: seconds of compute, exposed communication by source, bubble and offload; tokens/s, MFU.
+    `attn_implementation`: "sdpa" (FlashAttention's kernels on GPUs) or "eager" (scores written out)."""
     sequences = layout.dp * layout.micro_batch * layout.micro_batches
     tokens = sequences * seq_len
     model_flops = model_flops_per_token(config, seq_len)
-    hardware_flops = model_flops * (4 / 3 if layout.checkpointing else 1)
-    compute = hardware_flops * tokens / (cluster.num_gpus * cluster.peak_flops * cluster.efficiency)
+    compute = compute_seconds(config, cluster, layout, seq_len, attn_implementation)
     per_micro = compute / layout.micro_batches  # one micro batch on one rank (its stage's share under a pipeline)
     forward, backward = per_micro / 3, 2 * per_micro / 3
     if layout.checkpointing:
@@ -282,7 +389,8 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         comm["sp_all_to_all"] = repeats * gather_seconds(sent["all_to_all"], layout.sp, bandwidth)
     if layout.pp > 1:
         size = ACTIVATION_BYTES * micro_tokens * config.hidden_size / layout.tp / layout.sp
-        hop = cluster.link_bandwidth(layout.world)  # neighbouring stages are world / pp ranks apart
+        # Neighbouring stages are world / pp ranks apart; each rank sends to its own peer, on its own NIC.
+        hop = cluster.link_bandwidth(layout.world, layout.world)
         comm["pp_send_recv"] = 2 * (layout.micro_batches + layout.pp - 1) * size / hop
     offload = offload_seconds(config, cluster, layout, backward)
     communication = sum(comm.values())
@@ -459,7 +567,7 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
 
 
 def plan(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int, fixed: dict | None = None,
-         any_layout: bool = False) -> dict:  # fmt: skip
+         any_layout: bool = False, attn_implementation: str = "sdpa") -> dict:  # fmt: skip
     """Every layout recipes/train.py runs (with `any_layout`, Megatron-LM's too) that fits the cluster's GPU memory,
     predicted and ranked by tokens/s (fastest first), each saying whether the script runs it (`runs_here`), with the
     inputs; `rejected` counts those that do not fit."""
@@ -476,12 +584,13 @@ def plan(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: i
             smallest_too_large[key] = min(lay.micro_batch, smallest_too_large.get(key, math.inf))
             rejected += 1
             continue
-        row = predict_step(config, cluster, lay, seq_len)
+        row = predict_step(config, cluster, lay, seq_len, attn_implementation)
         row.update(memory_gb=needed / 1e9, memory_source=source, runs_here=lay.runs_here)
         rows.append(row)
     rows.sort(key=lambda r: (-r["tokens_per_second"], r["memory_gb"]))  # ties: the one that needs less memory
     inputs = dict(cluster=dataclasses.asdict(cluster), global_batch=global_batch, seq_len=seq_len,
-                  any_layout=any_layout, parameters=ModelShape.of(config).parameters,
+                  any_layout=any_layout, attn_implementation=attn_implementation,
+                  parameters=ModelShape.of(config).parameters,
                   model_flops_per_token=model_flops_per_token(config, seq_len))  # fmt: skip
     return {"inputs": inputs, "layouts": rows, "rejected_for_memory": rejected}
 
