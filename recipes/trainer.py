@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = cfg.global_batch(dp) * cfg.block_size
     flops = flops_per_token(config, cfg.block_size) * tokens_per_step
     peak = peak_flops(args.device, cfg.peak_flops)
-    trainer.add_callback(MetricsCallback(trainer, strategy, tokens_per_step, flops, peak))
-    trainer.add_callback(ProfilerCallback(make_profiler(cfg, args.process_index, args.device)))  # no-op when off
+    profiler = make_profiler(cfg, args.process_index, args.device)  # does nothing without --profile
+    trainer.add_callback(MetricsCallback(trainer, strategy, tokens_per_step, flops, peak, profiler.records))
+    trainer.add_callback(ProfilerCallback(profiler))
     preemption = PreemptionCallback()
     trainer.add_callback(preemption)
     resume = cfg.resume_from_checkpoint

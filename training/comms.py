@@ -243,48 +243,56 @@ class ModelShape:
 
 def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4,
                       micro_batches: int = 1) -> dict[str, int] | None:  # fmt: skip
-    """The payload bytes of each kind of collective that carries parameters or gradients, per rank and step, for a
-    data-parallel strategy with the settings in force (`bytes_per_element`: the communication dtype's). The loss's
-    and the gradient norm's all-reduces (a few bytes) are not in it. None where no closed form is known here: tensor or
-    pipeline parallelism, hybrid sharding, ZeRO-3 with live-parameter limits between 0 and the model, and more than
-    one micro batch per step but under DDP (which reduces once, after the last; FSDP and ZeRO gather or reduce per
-    micro batch, not measured here).
+    """The payload bytes of each kind of collective that carries parameters or gradients, per rank and step of
+    `micro_batches` micro batches, for a data-parallel strategy with the settings in force (`bytes_per_element`: the
+    communication dtype's), measured to the byte on 2 and 4 CPU ranks. The loss's and the gradient norm's
+    all-reduces (a few bytes) are not in it. None where no closed form is known here: tensor or pipeline parallelism,
+    FSDP1 or ZeRO-3 with live-parameter limits below the model over several micro batches, and ZeRO-3 with limits
+    between 0 and the model.
 
-    - DDP: one all-reduce of the gradients, Psi.
+    - DDP: one all-reduce of the gradients, Psi, once a step (accelerate's `no_sync` skips the others).
     - FSDP2 (and FSDP1), FULL_SHARD: each decoder layer all-gathered in the forward and again in the backward, the
       root group (the parameters outside the layers) once, since it stays gathered after the forward (accelerate
-      sets that for FSDP2; FSDP1's root unit does it by default): 2 Psi minus the root's; the gradients
-      reduce-scattered, Psi. SHARD_GRAD_OP: all-gathers of Psi, reduce-scatters of Psi.
+      sets that for FSDP2; FSDP1's root unit does it by default): 2 Psi minus the root's, every micro batch; the
+      gradients reduce-scattered, Psi, once a step (accelerate turns FSDP2's gradient sync off until the last).
+      SHARD_GRAD_OP: all-gathers of Psi every micro batch, reduce-scatters of Psi. Hybrid (replicas > 1): the same
+      within a replica's shard group, and each rank's reduce-scattered shard all-reduced across the replicas, Psi /
+      shard_size (each weight's rows dividing by the shard count; FSDP2 pads the rest).
     - ZeRO-1/2: DeepSpeed's `use_multi_rank_bucket_allreduce` (default true) reduces each gradient bucket with an
-      all-reduce, where the paper has a reduce-scatter; false: a reduce to each partition's owner. Then an all-gather
-      of the updated partitions, Psi.
-    - ZeRO-3: the gradients reduce-scattered, Psi. With `stage3_max_live_parameters` and `stage3_max_reuse_distance`
-      at least Psi, every gathered parameter stays until the step ends: all-gathers of Psi. At 0, each module's
-      parameters are released after use and gathered again: in the forward and the backward, the tied embedding
-      once more in each (it is the head too), and the persistent parameters, whole everywhere, never again.
+      all-reduce, where the paper has a reduce-scatter; false: a reduce to each partition's owner. ZeRO-1 reduces
+      once a step, ZeRO-2 every micro batch. Then an all-gather of the updated partitions, Psi.
+    - ZeRO-3: the gradients reduce-scattered, Psi, every micro batch. With `stage3_max_live_parameters` and
+      `stage3_max_reuse_distance` at least Psi, every gathered parameter stays until the micro batch ends: all-gathers
+      of Psi less the persistent parameters each micro batch, and the persistent ones (whole on every rank) once a
+      step. At 0 (one micro batch), each module's parameters are released after use and gathered again:
+      in the forward and the backward, the tied embedding once more in each (it is the head too), and the
+      persistent parameters never again.
     """
     psi, ds = shape.parameters, (strategy.deepspeed or {}).get("zero_optimization", {})
-    if strategy.tp_size > 1 or strategy.pp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:
-        return None
-    if micro_batches > 1 and strategy.family != "ddp":
+    m = micro_batches
+    if strategy.tp_size > 1 or strategy.pp_size > 1 or strategy.sp_size > 1:
         return None
     if strategy.family == "ddp":
         elements = {"all_reduce": psi}
     elif strategy.family == "fsdp" and strategy.fsdp_sharding != "NO_SHARD":  # FSDP1 too: its root unit is kept
+        if m > 1 and strategy.fsdp_version == 1:
+            return None
         kept = strategy.fsdp_sharding == "SHARD_GRAD_OP"
-        elements = {"all_gather": psi if kept else 2 * psi - shape.outside_layers, "reduce_scatter": psi}
+        elements = {"all_gather": m * (psi if kept else 2 * psi - shape.outside_layers), "reduce_scatter": psi}
+        if strategy.replicas > 1:
+            elements["all_reduce"] = psi // strategy.shard_size
     elif strategy.family == "deepspeed" and strategy.zero_stage in (1, 2):
         reduction = "all_reduce" if ds.get("use_multi_rank_bucket_allreduce", True) else "reduce"
-        elements = {reduction: psi, "all_gather": psi}
+        elements = {reduction: (m if strategy.zero_stage == 2 else 1) * psi, "all_gather": psi}
     elif strategy.family == "deepspeed" and strategy.zero_stage == 3:
         live, reuse = (int(ds.get(k, 1e9)) for k in ("stage3_max_live_parameters", "stage3_max_reuse_distance"))
         if min(live, reuse) >= psi:
-            gathered = psi
-        elif live == reuse == 0:
+            gathered = m * (psi - shape.persistent) + shape.persistent
+        elif live == reuse == 0 and m == 1:
             gathered = 2 * (psi - shape.persistent) + shape.persistent + 2 * shape.tied_embedding
         else:
             return None
-        elements = {"all_gather": gathered, "reduce_scatter": psi}
+        elements = {"all_gather": gathered, "reduce_scatter": m * psi}
     else:
         return None
     return {kind: n * bytes_per_element for kind, n in elements.items()}

@@ -4,6 +4,7 @@ script's, its callbacks (metrics, preemption), and the TrainingArguments built f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from data import EpochSampler
 from training import faults
 from training.accelerator import keep_zero3_param_dtype
+from training.comms import StepCommunication
 from training.config import RunConfig
 from training.inspection import StateShares, observe_strategy, verify_strategy
 from training.metrics import MetricsWriter, memory_gb
@@ -73,10 +75,14 @@ class ShardGPTTrainer(Trainer):
 
 class MetricsCallback(TrainerCallback):
     """Appends one JSON per log to output_dir/metrics.jsonl with recipes/train.py's keys (rank 0), refuses a run
-    whose prepared model is not sharded as the launch asked, and writes what is in force to strategy.json."""
+    whose prepared model is not sharded as the launch asked, and writes what is in force to strategy.json, with the
+    collectives of one optimizer step counted as recipes/train.py counts them (training/comms.StepCommunication:
+    the third, or the first after it that --profile does not record; `profiled` says which it records)."""
 
-    def __init__(self, trainer: Trainer, strategy, tokens_per_step: int, flops_per_step: float, peak):
-        self.trainer, self.strategy = trainer, strategy
+    def __init__(self, trainer: Trainer, strategy, tokens_per_step: int, flops_per_step: float, peak,
+                 profiled=lambda step: False):  # fmt: skip
+        self.trainer, self.strategy, self.profiled = trainer, strategy, profiled
+        self.comms, self.counting = None, contextlib.nullcontext()
         self.tokens_per_step, self.flops_per_step, self.peak = tokens_per_step, flops_per_step, peak
         self.metrics = MetricsWriter(trainer.accelerator, trainer.args.output_dir)
         self.train_time, self.steps, self.t0 = 0.0, 0, 0.0
@@ -89,23 +95,33 @@ class MetricsCallback(TrainerCallback):
         self.seen = verify_strategy(self.trainer.accelerator, model, self.strategy)
         self.seen |= observe_strategy(model, optimizer)
         self.shares = StateShares(optimizer)  # measured at the first optimizer step, as recipes/train.py does
+        self.comms = StepCommunication(state.global_step + 1, state.max_steps, self.profiled)
         if state.is_world_process_zero and args.deepspeed:  # as the Trainer resolved it
             (Path(args.output_dir) / "ds_config.json").write_text(json.dumps(args.hf_deepspeed_config.config, indent=2))
 
     def on_step_begin(self, args, state, control, **kwargs):
+        # The counted step's collectives, from its first micro batch's forward to the optimizer's step: the
+        # gradient reduction, DeepSpeed's gathers, clipping's norm (the Trainer's loss is reduced when it logs).
+        self.counting = self.comms.during(state.global_step + 1)
+        self.counting.__enter__()
         self.t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.counting.__exit__(None, None, None)  # first: the other callbacks' collectives are not the step's
+        self.counting = contextlib.nullcontext()
         elapsed = time.perf_counter() - self.t0
         if self.compiling:
             self.compile_time, self.compiling = elapsed, False
         else:
             self.train_time, self.steps = self.train_time + elapsed, self.steps + 1
+        written = self.shares is not None or state.global_step == self.comms.measured
         if self.shares is not None:  # the first optimizer step has run
             self.seen |= self.shares.read(self.seen["parameters"])
             self.shares = None
-            if state.is_world_process_zero:  # rank 0 only
-                (Path(args.output_dir) / "strategy.json").write_text(json.dumps(self.seen, indent=2))
+        if state.global_step == self.comms.measured:
+            self.seen["communication"] = self.comms.read()  # collective: every rank's bytes, gathered
+        if written and state.is_world_process_zero:  # rank 0 only
+            (Path(args.output_dir) / "strategy.json").write_text(json.dumps(self.seen, indent=2))
         control.should_log |= state.global_step >= state.max_steps  # recipes/train.py logs the last step
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -79,6 +79,18 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
     return seen
 
 
+def tp_plan_styles(model: torch.nn.Module) -> dict[str, str]:
+    """Each module the model's tensor-parallel plan splits, by full name, with its style: transformers' merged plan
+    (the config's base_model_tp_plan, the head's _tp_plan, and the embedding split over the vocabulary,
+    embedding_rowwise, which AutoTP shares with the tied head). A model on the meta device has the same."""
+    styles = {}
+    for name, _ in model.named_modules():
+        style = next((s for pattern, s in model.tp_plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if style is not None:
+            styles[name] = style
+    return styles
+
+
 def verify_autotp(engine, unwrapped: torch.nn.Module, strategy: Strategy, refuse: Callable[[str], NoReturn]) -> dict:
     """DeepSpeed AutoTP in force as asked: the engine's tensor-parallel size, this rank's place in the (dp, tp)
     mesh (the data loader's shard), and every module of the model's tensor-parallel plan split along the plan's
@@ -91,13 +103,9 @@ def verify_autotp(engine, unwrapped: torch.nn.Module, strategy: Strategy, refuse
     place = (mpu.get_data_parallel_rank(), mpu.get_tensor_model_parallel_world_size())
     if place != (strategy.data_parallel_rank(rank), tp):
         refuse(f"rank {rank} is data-parallel rank {place[0]} of a tensor-parallel group of {place[1]}")
-    # transformers' merged plan, full module names: the config's base_model_tp_plan, the head's _tp_plan, and the
-    # embedding split over the vocabulary (embedding_rowwise), which AutoTP shares with the tied head.
     counts: dict[str, int] = {}
-    for name, module in unwrapped.named_modules():
-        style = next((s for pattern, s in unwrapped.tp_plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if style is None:
-            continue
+    for name, style in tp_plan_styles(unwrapped).items():
+        module = unwrapped.get_submodule(name)
         whole, split = tuple(getattr(module, "_orig_weight_shape", ())), tuple(module.weight.shape)
         dim = 1 if style == "rowwise" else 0  # weights are (out, in); an embedding's (vocabulary, hidden)
         want = tuple(n // tp if d == dim else n for d, n in enumerate(whole))

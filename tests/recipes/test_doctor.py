@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipes import doctor
 from training import ops
@@ -205,6 +206,29 @@ def test_communication_shows_what_a_deepspeed_setting_costs(tmp_path, capfd):
     detail = checks(out)["communication"]["detail"]
     assert code == 0 and "the ZeRO paper's 3 Psi" in detail and "re-gather in the backward" in detail, detail
     assert "at least that, 2.00 Psi" in detail, detail
+    # Gradient accumulation, AutoTP and Ulysses have their closed forms too (the 2- and 4-rank launches hold them to
+    # the byte): 2 micro batches of ZeRO-2 reduce twice and gather once, 5 Psi.
+    code, out = run_doctor(capfd, "--config_file", "accelerate_configs/zero2.yaml", *flags,
+                           "--gradient_accumulation_steps", "2")  # fmt: skip
+    detail = checks(out)["communication"]["detail"]
+    assert code == 0 and detail.startswith("5.00 Psi") and "of 2 micro batches" in detail, detail
+    for config, what in (("autotp", "AutoTP's all-reduces"), ("zero3_sp", "Ulysses' all-to-alls")):
+        code, out = run_doctor(capfd, "--config_file", f"accelerate_configs/{config}.yaml", *flags)
+        found = checks(out)["communication"]
+        assert code == 0 and found["status"] == "OK" and what in found["detail"], found
+
+
+def test_the_doctor_counts_the_modules_autotp_splits_as_the_launch_measures_them():
+    """The meta-device model's plan (what the doctor reads) splits what test_strategies' AutoTP launch records."""
+    from collections import Counter
+
+    from model import ShardGPTConfig, ShardGPTForCausalLM
+    from training.inspection import tp_plan_styles
+
+    with torch.device("meta"):
+        net = ShardGPTForCausalLM(ShardGPTConfig.from_preset("debug"))
+    counts = Counter(tp_plan_styles(net).values())
+    assert counts == {"colwise": 10, "rowwise": 4, "embedding_rowwise": 1, "colwise_gather_output": 1}
 
 
 def test_a_sequence_parallel_launch_is_read_as_the_training_script_reads_it(tmp_path, capfd):

@@ -9,6 +9,7 @@ import os
 import subprocess
 
 import pytest
+from communication import assert_closed_form
 from launching import BIN, ROOT, TIMEOUT, Run, free_port, launch, launcher_command
 
 STEPS = 10
@@ -86,3 +87,6 @@ def test_two_nodes_train_like_one(single, config, per_node, extra, corpus, tmp_p
     # test_strategies' tolerance).
     assert two.losses == pytest.approx(one.losses, rel=1e-6 if per_node == 1 else 1e-5)
     assert (tmp_path / "two_nodes" / "checkpoint-10" / "checkpoint_complete").exists()
+    # What each rank sent in the third step, to the byte: hybrid sharding gathers and reduce-scatters within a node
+    # and all-reduces each rank's shard of the gradients across the nodes.
+    assert_closed_form(two)

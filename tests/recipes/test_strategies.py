@@ -36,6 +36,11 @@ TRAIN = [
     "--eval_steps=10", "--max_eval_batches=4", "--save_steps=0", "--sample_max_new_tokens=0",
 ]  # fmt: skip
 TWO_RANKS = ["--per_device_train_batch_size=4"]
+# These cells take the same 8 sequences a step as 2 micro batches of 2 per rank: what a step sends with gradient
+# accumulation (FSDP2 and ZeRO-3 gather every micro batch; FSDP2 and ZeRO-1 reduce once a step, ZeRO-2 and ZeRO-3
+# every micro batch) is held to its closed form too.
+ACCUMULATING = {("accelerate", "fsdp"), ("accelerate", "fsdp_shard_grad_op"), ("accelerate", "zero1"),
+                ("deepspeed", "zero2"), ("deepspeed", "zero3")}  # fmt: skip
 EXPORT_ATOL = 1e-4  # 10x the measured worst difference (module docstring)
 
 # What the prepared objects must show, per strategy. shares: this rank's fraction of (parameters, gradients
@@ -171,6 +176,8 @@ def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, refe
     needs_libaio(config)
     # Tensor-parallel ranks train on the same batch: one data-parallel rank takes the whole global batch of 8.
     batch = ["--per_device_train_batch_size=8"] if "autotp" in strategy else TWO_RANKS
+    if (launcher, config) in ACCUMULATING:
+        batch = ["--per_device_train_batch_size=2", "--gradient_accumulation_steps=2"]
     args = [*corpus["flags"], *TRAIN, *batch, f"--nvme_path={tmp_path}"]
     if launcher in ("deepspeed", "torchrun") and config:
         args.append(f"--deepspeed=ds_configs/{config}.json")

@@ -16,6 +16,7 @@ import json
 
 import pytest
 import torch
+from communication import SCALARS
 from launching import launch, launcher_command
 from transformers import AutoModelForCausalLM
 
@@ -71,9 +72,17 @@ def test_trainer_trains_what_train_py_trains(launcher, config, split, corpus, tm
     # Both write the same records, for every step.
     assert sorted(run.losses) == sorted(ref.losses) == list(range(1, STEPS + 1))
     assert run.records[0].keys() == ref.records[0].keys()
-    # The same strategy in force; the Trainer path does not count a step's collectives (docs/trainer.md).
-    assert "communication" not in run.strategy
-    assert run.strategy == {k: v for k, v in ref.strategy.items() if k != "communication"}
+    # The same strategy in force, and the same collectives in the counted step (the third; the fourth where --profile
+    # records the second and third): what each rank sent, kind by kind, to the byte, but for the scalars'
+    # all-reduces (the script reduces the step's loss in the step, the Trainer when it logs).
+    seen, seen_there = run.strategy, ref.strategy  # each read of .strategy loads the file
+    ours, theirs = seen.pop("communication"), seen_there.pop("communication")
+    assert seen == seen_there
+    assert (ours["step"], theirs["step"]) == (4 if profile else 3, 3) and ours["world_size"] == theirs["world_size"]
+    for mine, other in zip(ours["per_rank"], theirs["per_rank"], strict=True):
+        sent, sent_there = ({k: c["payload_bytes"] for k, c in r["kinds"].items()} for r in (mine, other))
+        scalars = sent.pop("all_reduce", 0) - sent_there.pop("all_reduce", 0)
+        assert sent == sent_there and abs(scalars) <= SCALARS, (mine, other)
 
     # The same training: per-step loss, gradient norm, learning rate (after the step), evaluations.
     for key in ("loss", "grad_norm", "lr", "eval_loss"):

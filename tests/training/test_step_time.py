@@ -148,11 +148,16 @@ def test_ddp_all_reduces_its_fp32_gradients_once_and_hides_them_behind_the_backw
     assert window is None and predict_step(CONFIG, gpus, piped, SEQ)["communication"]["dp_after_backward"] == seconds
 
 
-def test_zero3_gathers_in_both_passes_and_reduces_every_micro_batch():
+def test_zero3_gathers_in_both_passes_and_reduces_every_micro_batch_fsdp_once_a_step():
     gpus = cluster("h100", 16)
     one, four = (dp_seconds(Layout("zero3", 16, micro_batches=m), gpus) for m in (1, 4))
     for kind in ("all_gather", "reduce_scatter"):
         assert four[kind] == pytest.approx(4 * one[kind])
+    # FSDP2 gathers every micro batch too, but reduce-scatters once a step (accelerate turns its gradient sync off
+    # until the last micro batch), as measured (training/comms.expected_payloads).
+    one, four = (dp_seconds(Layout("fsdp", 16, micro_batches=m), gpus) for m in (1, 4))
+    assert four["all_gather"] == pytest.approx(4 * one["all_gather"])
+    assert four["reduce_scatter"] == pytest.approx(one["reduce_scatter"])
     # The collectives of one pass share its compute: the forward's gathers beside the forward, the backward's
     # gathers and reduce-scatters beside the backward; what exceeds it is exposed.
     windows = {w: 0.0 for w in ("forward", "backward")}

@@ -301,17 +301,35 @@ def plan(report: Report, config, strategy: Strategy, per_node: int, cfg, ds) -> 
 
 def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) -> None:
     """What each rank will send per step (training/comms.py's closed form for the settings in force, measured to the
-    byte on CPU ranks), against the ZeRO paper's volume, and what the DeepSpeed settings that change it would save."""
-    from training.comms import ModelShape, expected_payloads, paper_volume
+    byte on CPU ranks: the data-parallel strategies', AutoTP's and Ulysses'), against the ZeRO paper's volume, and
+    what the DeepSpeed settings that change it would save."""
+    from collections import Counter
+
+    import torch
+
+    from model import ShardGPTForCausalLM
+    from training.comms import ModelShape, autotp_payloads, expected_payloads, paper_volume, ulysses_payloads
+    from training.inspection import tp_plan_styles
     from training.memory.fit import planned_config
 
     zero = (ds or {}).get("zero_optimization") or {}
     threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if strategy.zero_stage == 3 else 0
-    shape = ModelShape.of(planned_config(cfg, config), threshold)
+    model_config = planned_config(cfg, config)
+    shape = ModelShape.of(model_config, threshold)
     element = 2 if (ds or {}).get("communication_data_type") in ("bf16", "fp16") else 4  # else fp32 gradients
+    micro_tokens, accumulation = cfg.per_device_train_batch_size * cfg.block_size, cfg.gradient_accumulation_steps
+    split = None
+    if strategy.tp_size > 1:  # the modules AutoTP splits, from the model's plan (on the meta device: no weights)
+        with torch.device("meta"):
+            split = dict(Counter(tp_plan_styles(ShardGPTForCausalLM(model_config)).values()))
 
     def volume(s: Strategy) -> float | None:  # the paper's volume in Psi: an all-reduce of S counts 2S
-        payloads = expected_payloads(s, shape, element, cfg.gradient_accumulation_steps)
+        if s.tp_size > 1:
+            payloads = autotp_payloads(s, shape, split, micro_tokens, accumulation, model_config.hidden_size, element)
+        elif s.sp_size > 1:
+            payloads = ulysses_payloads(s, shape, model_config, micro_tokens, accumulation, element)
+        else:
+            payloads = expected_payloads(s, shape, element, accumulation)
         if payloads is None:
             return None
         return sum(2 * n if kind == "all_reduce" else n for kind, n in payloads.items()) / (element * shape.parameters)
@@ -323,12 +341,17 @@ def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) ->
         report.add("communication", NA, f"no closed form for {strategy.name}{per_step} (strategy.json measures a run)")
         return
     step = size(psi * element * shape.parameters)
-    detail = f"{psi:.2f} Psi ({step}) per rank and step, {element}-byte elements"
+    micro = f" of {accumulation} micro batches" if accumulation > 1 else ""
+    detail = f"{psi:.2f} Psi ({step}) per rank and step{micro}, {element}-byte elements"
+    if strategy.tp_size > 1:
+        detail += " (AutoTP's all-reduces of the activations included)"
+    elif strategy.sp_size > 1:
+        detail += " (Ulysses' all-to-alls included)"
     paper = paper_volume(strategy, shape.parameters)
-    if paper is not None:
+    if paper is not None and accumulation == 1:  # the paper counts a step of one micro batch
         detail += f"; the ZeRO paper's {paper // (4 * shape.parameters)} Psi"
     # The settings that change it, each against the value in force (ds_configs' JSONs ship DeepSpeed's defaults).
-    if strategy.zero_stage in (1, 2) and zero.get("use_multi_rank_bucket_allreduce", True):
+    if strategy.zero_stage in (1, 2) and strategy.tp_size == 1 and zero.get("use_multi_rank_bucket_allreduce", True):
         reduced = {**zero, "use_multi_rank_bucket_allreduce": False}
         other = replace(strategy, deepspeed={**ds, "zero_optimization": reduced})
         detail += (f"; use_multi_rank_bucket_allreduce is true (all-reduced gradient buckets): false reduces them, "

@@ -310,9 +310,19 @@ def data_parallel_seconds(
         limit = 0 if shape.parameters > 1e9 else 10**9
         zero = {"stage3_max_live_parameters": limit, "stage3_max_reuse_distance": limit}
         strategy = replace(strategy, deepspeed={"zero_optimization": zero})
-    gathered = expected_payloads(strategy, shape, ACTIVATION_BYTES)  # parameters, bf16
-    reduced = expected_payloads(strategy, shape, ACTIVATION_BYTES if family == "fsdp" else 4)  # gradients
-    per_step = layout.micro_batches if family in PER_MICRO_BATCH else 1
+    m = layout.micro_batches
+
+    def payloads(element: int, micro_batches: int) -> dict[str, int]:
+        # The step's closed form; where there is none over several micro batches (ZeRO-3 re-gathering, past its
+        # live-parameter limits), each micro batch's repeated.
+        found = expected_payloads(strategy, shape, element, micro_batches)
+        if found is None:
+            found = {k: micro_batches * v for k, v in expected_payloads(strategy, shape, element).items()}
+        return found
+
+    reduction = ACTIVATION_BYTES if family == "fsdp" else 4  # gradients: FSDP2 reduces in bf16, the rest in fp32
+    gathered, reduced = payloads(ACTIVATION_BYTES, m), payloads(reduction, m)  # parameters are gathered in bf16
+    once = {**payloads(ACTIVATION_BYTES, 1), **{k: v for k, v in payloads(reduction, 1).items() if k in REDUCTIONS}}
     # The group spans a pipeline stage's ranks, tp x sp apart (tensor- and sequence-parallel ranks are innermost).
     bandwidth = cluster.link_bandwidth(layout.world // layout.pp, layout.tp * layout.sp)
     nodes = cluster.nodes_spanned(layout.world // layout.pp, layout.tp * layout.sp)
@@ -320,12 +330,12 @@ def data_parallel_seconds(
     out = []
     for kind in gathered:
         nbytes = reduced[kind] if kind in REDUCTIONS else gathered[kind]
-        repeats = per_step if (kind in REDUCTIONS or family in ("zero3", "fsdp")) else 1
-        latency = calls_per_step(family, kind, nbytes, shape, layers) * ring_latency(kind, layout.dp, nodes)
-        seconds = repeats * (collective_seconds(kind, nbytes, layout.dp, bandwidth) + latency)
+        repeats = nbytes / once[kind]  # how often a step sends one micro batch's share: once, or every micro batch
+        calls = repeats * calls_per_step(family, kind, once[kind], shape, layers)
+        seconds = collective_seconds(kind, nbytes, layout.dp, bandwidth) + calls * ring_latency(kind, layout.dp, nodes)
         window = OVERLAP[family].get(kind) if layout.pp == 1 else None
         if window == "forward+backward":
-            forward = min(1.0, ACTIVATION_BYTES * shape.parameters / nbytes)
+            forward = min(1.0, repeats * ACTIVATION_BYTES * shape.parameters / nbytes)
             out += [(kind, forward * seconds, "forward"), (kind, (1 - forward) * seconds, "backward")]
         else:
             out.append((kind, seconds, window))
