@@ -121,6 +121,27 @@ def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1_of_the_pipeline_and_shrin
         speeds.append(row["tokens_per_second_per_gpu"])
     assert shares == sorted(shares, reverse=True) and shares[-1] < shares[0] / 5
     assert speeds == sorted(speeds)  # the same work per token, less idle: each GPU goes faster
+    # Interleaving v stages on each rank divides the idle time by v, and sends v times as often.
+    plain = predict_step(CONFIG, gpus, Layout("ddp", 2, pp=4, micro_batches=8), SEQ)
+    looped = predict_step(CONFIG, gpus, Layout("ddp", 2, pp=4, schedule="Interleaved1F1B", micro_batches=8,
+                                               virtual_stages=2), SEQ)  # fmt: skip
+    assert looped["bubble_seconds"] == pytest.approx(plain["bubble_seconds"] / 2)
+    assert looped["bubble_fraction"] == pytest.approx(3 / (2 * 8 + 3))
+    assert looped["communication"]["pp_send_recv"] == pytest.approx(plain["communication"]["pp_send_recv"] * 19 / 11)
+
+
+def test_uneven_stages_pace_the_pipeline_by_the_largest_and_only_megatrons_layouts_use_them():
+    """126 layers over 16 stages (Llama 3 405B's split): the last stage's 8 layers and the head set the pace; the
+    script splits layers evenly, so only --any_layout lists such a pipeline."""
+    config = ShardGPTConfig.from_preset("llama-1b", num_hidden_layers=15)
+    gpus = cluster("h100", 8)
+    even, uneven = (predict_step(ShardGPTConfig.from_preset("llama-1b", num_hidden_layers=n), gpus,
+                                 Layout("ddp", 2, pp=4, micro_batches=8), SEQ) for n in (16, 15))  # fmt: skip
+    assert uneven["compute_seconds"] == pytest.approx(even["compute_seconds"])  # ceil(15 / 4) = 16 / 4
+    with pytest.raises(ValueError, match="on stages of equal layers.*--any_layout"):
+        st.layouts(config, gpus, 64, SEQ, dict(pp=4))
+    every = st.layouts(config, gpus, 64, SEQ, dict(pp=4), any_layout=True)
+    assert every and not any(lay.runs_here for lay in every)
 
 
 def dp_seconds(lay: Layout, gpus) -> dict[str, float]:
@@ -323,7 +344,7 @@ def test_llm_foundry_fsdp_runs_across_nodes_are_predicted_within_a_tenth_at_the_
 def test_llama_3_config_files_have_the_published_sizes():
     from training.paths import ROOT
 
-    for name, billions in (("llama-3-8b", 8.03), ("llama-3-70b", 70.55)):
+    for name, billions in (("llama-3-8b", 8.03), ("llama-3-70b", 70.55), ("llama-3.1-405b", 405.85)):
         config = st.llama_config(str(ROOT / "model" / "configs" / f"{name}.json"))
         assert ModelShape.of(config).parameters / 1e9 == pytest.approx(billions, abs=0.01)
     assert math.isclose(GPU_KINDS["a100-40gb"].peak_flops, 312e12)

@@ -81,6 +81,9 @@ WITH_SEQUENCE_PARALLEL = DEEPSPEED  # Ulysses runs under DeepSpeed (training/seq
 PIPELINE_HERE = ("ddp", "fsdp")
 TENSOR_PARALLEL_HERE = ("zero1",)
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro batch sizes tried, in sequences
+# Pipeline schedules tried, with the stages each rank holds: the memory planner's two, and interleaved 1F1B at 2
+# stages a rank (training/pipeline.py's default; more divide the bubble further and send more).
+SCHEDULES = tuple((s, 1) for s in PIPELINE_SCHEDULES) + (("Interleaved1F1B", 2),)
 ACTIVATION_BYTES = 2  # bf16 activations
 
 # Memory-bound work, counted in reads and writes of 2-byte elements per token over a forward and a backward, at the
@@ -149,10 +152,11 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sp: int = 1
-    schedule: str = "1F1B"  # GPipe or 1F1B, with pp > 1
+    schedule: str = "1F1B"  # GPipe, 1F1B or Interleaved1F1B, with pp > 1
     micro_batch: int = 1  # sequences per micro batch per data-parallel rank
     micro_batches: int = 1  # M: micro batches per step (gradient accumulation, or the pipeline's)
     checkpointing: bool = False
+    virtual_stages: int = 1  # stages each pipeline rank holds (Interleaved1F1B: 2 or more)
 
     @property
     def world(self) -> int:
@@ -184,6 +188,7 @@ class Layout:
         parts = [self.strategy, f"dp{self.dp}"] + [f"{k}{v}" for k, v in (("tp", self.tp), ("sp", self.sp)) if v > 1]
         if self.pp > 1:
             parts.append(f"pp{self.pp} {self.schedule}")
+            parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts.append(f"micro {self.micro_batch} x{self.micro_batches}")
         return " ".join(parts) + (" ckpt" if self.checkpointing else "")
 
@@ -229,9 +234,10 @@ def calls_per_step(family: str, kind: str, nbytes: float, shape: ModelShape, lay
     return math.ceil(shape.parameters / DEEPSPEED_BUCKET_ELEMENTS)
 
 
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """The share of a GPipe or 1F1B step its pipeline idles: (P - 1) / (M + P - 1)."""
-    return (pp - 1) / (micro_batches + pp - 1)
+def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The share of a GPipe or 1F1B step its pipeline idles, (P - 1) / (M + P - 1); interleaving v stages on each
+    rank divides the idle time by v: (P - 1) / (v M + P - 1) (Narayanan et al. 2021, section 2.2.2)."""
+    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
 # ---------------------------------------------------------------------------------------------- one layout
@@ -288,8 +294,8 @@ def rank_shape(config: ShardGPTConfig, layout: Layout) -> ModelShape:
     if layout.pp > 1:  # the last stage: its layers, the final norm and the head (a copy of a tied embedding)
         layer = (whole.parameters - whole.outside_layers) // config.num_hidden_layers
         outside = embedding + h
-        params = layer * config.num_hidden_layers // layout.pp + outside
-    norms = (2 * config.num_hidden_layers // layout.pp + 1) * h
+        params = layer * math.ceil(config.num_hidden_layers / layout.pp) + outside
+    norms = (2 * math.ceil(config.num_hidden_layers / layout.pp) + 1) * h
     local = (params - norms) // layout.tp + norms
     return ModelShape(local, outside // layout.tp, 0, norms, norms)
 
@@ -326,7 +332,7 @@ def data_parallel_seconds(
     # The group spans a pipeline stage's ranks, tp x sp apart (tensor- and sequence-parallel ranks are innermost).
     bandwidth = cluster.link_bandwidth(layout.world // layout.pp, layout.tp * layout.sp)
     nodes = cluster.nodes_spanned(layout.world // layout.pp, layout.tp * layout.sp)
-    layers = config.num_hidden_layers // layout.pp
+    layers = math.ceil(config.num_hidden_layers / layout.pp)  # the largest stage's
     out = []
     for kind in gathered:
         nbytes = reduced[kind] if kind in REDUCTIONS else gathered[kind]
@@ -375,7 +381,7 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
     forward, backward = per_micro / 3, 2 * per_micro / 3
     if layout.checkpointing:
         forward, backward = per_micro / 4, 3 * per_micro / 4  # the recomputed forward runs in the backward
-    bubble = compute * (layout.pp - 1) / layout.micro_batches
+    bubble = compute * (layout.pp - 1) / (layout.virtual_stages * layout.micro_batches)
     micro_tokens = layout.micro_batch * seq_len
     comm = {}
     # Data parallelism: the collectives of each window against the compute they can hide behind (the last micro
@@ -389,7 +395,8 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
             comm[f"dp_{window}"] = seconds
     if layout.tp > 1:
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
-        calls = (6 if layout.checkpointing else 4) * config.num_hidden_layers // layout.pp * layout.micro_batches
+        layers = math.ceil(config.num_hidden_layers / layout.pp)
+        calls = (6 if layout.checkpointing else 4) * layers * layout.micro_batches
         comm["tp_all_reduce"] = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
     if layout.sp > 1:
         strategy = Strategy("ddp", layout.world, sp_size=layout.sp)
@@ -401,7 +408,9 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         size = ACTIVATION_BYTES * micro_tokens * config.hidden_size / layout.tp / layout.sp
         # Neighbouring stages are world / pp ranks apart; each rank sends to its own peer, on its own NIC.
         hop = cluster.link_bandwidth(layout.world, layout.world)
-        comm["pp_send_recv"] = 2 * (layout.micro_batches + layout.pp - 1) * size / hop
+        # Interleaving sends each micro batch's activations v times as far round the ranks (Narayanan et al. 2021).
+        sends = layout.virtual_stages * layout.micro_batches + layout.pp - 1
+        comm["pp_send_recv"] = 2 * sends * size / hop
     offload = offload_seconds(config, cluster, layout, backward)
     communication = sum(comm.values())
     step = compute + bubble + communication + offload
@@ -418,7 +427,7 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         "tokens_per_second": tokens / step,
         "tokens_per_second_per_gpu": tokens / step / cluster.num_gpus,
         "mfu": model_flops * tokens / step / (cluster.num_gpus * cluster.peak_flops),
-        "bubble_fraction": bubble_fraction(layout.pp, layout.micro_batches),
+        "bubble_fraction": bubble_fraction(layout.pp, layout.micro_batches, layout.virtual_stages),
     }
 
 
@@ -451,7 +460,10 @@ class Memory:
         planned = layout.tp == 1 and layout.pp == 1 or ds is not None
         planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")
         if layout.pp > 1:
-            strategy = replace(strategy, pp_size=layout.pp, pp_schedule=layout.schedule)
+            # The memory planner models GPipe's and 1F1B's stages; an interleaved schedule is planned as 1F1B's, which
+            # holds as many micro batches in flight (Narayanan et al. 2021, section 2.2.2), on as many layers a rank.
+            schedule = "1F1B" if layout.virtual_stages > 1 else layout.schedule
+            strategy = replace(strategy, pp_size=layout.pp, pp_schedule=schedule)
         if planned:
             try:
                 row = predict(c, strategy, "bf16", layout.micro_batch, self.seq_len, layout.checkpointing,
@@ -463,12 +475,13 @@ class Memory:
         stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
-        layers = c.num_hidden_layers // layout.pp
+        layers = math.ceil(c.num_hidden_layers / layout.pp)
         if layout.pp == 1:
             activations = activation_bytes(c, layout.micro_batch, self.seq_len, e, layout.checkpointing, layout.tp)
         else:
             per_layer = e * c.hidden_size if layout.checkpointing else layer_activation_bytes(c, e, layout.tp)
-            held = in_flight(layout.schedule, layout.pp, layout.micro_batches, 0)
+            schedule = "1F1B" if layout.virtual_stages > 1 else layout.schedule
+            held = in_flight(schedule, layout.pp, layout.micro_batches, 0)
             activations = held * layers * per_layer * tokens
             activations += layer_activation_bytes(c, e, layout.tp) * tokens if layout.checkpointing else 0
         return states + activations + logits_bytes(c, layout.micro_batch, self.seq_len, e) / layout.tp, "composed"
@@ -492,7 +505,7 @@ def degree_options(config: ShardGPTConfig, num_gpus: int, gpus_per_node: int, se
         if tp > gpus_per_node or heads % tp or kv % tp:
             continue
         for pp in divisors(num_gpus // tp):
-            if layers % pp:
+            if pp > layers:  # stages of unequal layers too: Megatron-LM's and Llama 3's runs split them so
                 continue
             for sp in divisors(num_gpus // (tp * pp)):
                 if sp > 1 and (
@@ -556,22 +569,28 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
         if tp > 1 and pp > 1:
             names = [n for n in names if n in WITH_TENSOR_PARALLEL]
         for name in names:
-            for schedule in PIPELINE_SCHEDULES if pp > 1 else ("1F1B",):
+            for schedule, v in SCHEDULES if pp > 1 else (("1F1B", 1),):
                 for micro in MICRO_BATCHES:
                     if (global_batch // dp) % micro:
                         continue
+                    m = global_batch // dp // micro
+                    even = config.num_hidden_layers % (pp * v) == 0
+                    if v > 1 and (m % pp or pp * v > config.num_hidden_layers):
+                        continue  # interleaving takes micro batches in rounds of P (torch's and Megatron-LM's)
                     for checkpointing in (False, True):
-                        out.append(Layout(name, dp, tp, pp, sp, schedule, micro, global_batch // dp // micro,
-                                          checkpointing))  # fmt: skip
-    pinned = {k: v for k, v in fixed.items() if k in ("strategy", "schedule", "micro_batch", "checkpointing")}
+                        lay = Layout(name, dp, tp, pp, sp, schedule, micro, m, checkpointing, v)
+                        if even or not lay.runs_here:  # recipes/train.py splits the layers evenly
+                            out.append(lay)
+    pinned = {k: v for k, v in fixed.items()
+              if k in ("strategy", "schedule", "micro_batch", "checkpointing", "virtual_stages")}  # fmt: skip
     out = [lay for lay in out if all(getattr(lay, k) == v for k, v in pinned.items() if v is not None)]
     here = [lay for lay in out if lay.runs_here]
     if out and not here and not any_layout:
         pins = ", ".join(f"{k} {v}" for k, v in fixed.items() if v is not None)
         raise ValueError(
             f"no layout with {pins} runs in recipes/train.py (tensor parallelism only as ZeRO-1 AutoTP, a pipeline "
-            "only under DDP or FSDP2, Ulysses only under ZeRO, none of them combined): pin another, or pass "
-            "--any_layout to predict Megatron-LM's layouts too"
+            "only under DDP or FSDP2 on stages of equal layers, Ulysses only under ZeRO, none of them combined): pin "
+            "another, or pass --any_layout to predict Megatron-LM's layouts too"
         )
     return out if any_layout else here
 
