@@ -46,6 +46,20 @@ def test_json_gives_the_printed_ranking(capsys, tmp_path):
     assert out["layouts"][0]["layout"] in table and "predictions, not measurements" in table
 
 
+def test_attention_written_out_and_slower_memory_slow_every_layout(capsys):
+    """--attn_implementation eager adds the scores' reads and writes, --hbm_gbps scales the memory-bound kernels:
+    the same layouts, each slower; the inputs record what was asked."""
+    pins = [*BASE, "--strategy", "fsdp", "--micro_batch", "1", "--json"]
+    sdpa = json.loads(run(capsys, *pins).out)
+    eager = json.loads(run(capsys, *pins, "--attn_implementation", "eager").out)
+    slow = json.loads(run(capsys, *pins, "--hbm_gbps", "1000").out)
+    assert eager["inputs"]["attn_implementation"] == "eager" and slow["inputs"]["cluster"]["hbm_bw"] == 1e12
+    fast = {r["layout"]: r["compute_seconds"] for r in sdpa["layouts"]}
+    for other in (eager, slow):
+        assert {r["layout"] for r in other["layouts"]} == fast.keys()
+        assert all(r["compute_seconds"] > fast[r["layout"]] for r in other["layouts"])
+
+
 def test_pinned_degrees_limit_the_layouts(capsys):
     out = json.loads(run(capsys, *BASE, "--tensor_parallel_degree", "2", "--strategy", "zero1", "--json").out)
     assert out["layouts"] and all(r["degrees"]["tp"] == 2 and r["degrees"]["strategy"] == "zero1"
