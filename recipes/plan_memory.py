@@ -54,6 +54,7 @@ from training.console import configure_console
 from training.deepspeed_config import load_json
 from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
+from training.metrics import PEAK_FLOPS
 from training.planning.hardware import GPU_KINDS, cluster
 from training.planning.published import (
     BLOOM,
@@ -149,7 +150,9 @@ def step_time_arguments(p: argparse.ArgumentParser) -> None:
         help="also Megatron-LM's layouts recipes/train.py does not run (TP with DDP, TP x PP, ZeRO-1 x PP)",
     )
     g.add_argument("--top", type=int, default=10, help="layouts printed (--json: all)")
-    g.add_argument("--plot", default=None, help="save a plot of the fastest layouts' step time here (.png)")
+    g.add_argument("--plot", default=None,
+                   help="save a plot here (.png): the fastest layouts' steps; with --check_published, predicted "
+                        "against published")  # fmt: skip
     g.add_argument("--check_published", action="store_true",
                    help="predict published runs (Megatron-LM, BLOOM, llm-foundry) beside their throughput")  # fmt: skip
 
@@ -163,6 +166,8 @@ def step_time_main(args) -> None:
                 "llm_foundry": compare_mfu(LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100),
                 "calibration": compare_mfu(CALIBRATION),
             }
+            if args.plot:
+                plot_published(rows, args.plot)
             print(json.dumps(rows, indent=2) if args.json else published_tables(rows))
             return
         gpus = cluster(args.gpu, args.num_gpus, args.gpus_per_node, peak_tflops=args.peak_tflops,
@@ -230,6 +235,39 @@ def published_tables(rows: dict[str, list[dict]]) -> str:
     lines.append(f"outside the calibration, {len(checked)} runs: |error| mean {sum(checked) / len(checked):.1%}, "
                  f"median {median:.1%}")  # fmt: skip
     return "\n".join(lines)
+
+
+def plot_published(rows: dict[str, list[dict]], path: str) -> None:
+    """Predicted against published, each run's share of its GPUs' peak (Megatron-LM's and BLOOM's TFLOP/s over the
+    A100's 312, llm-foundry's MFU), one marker per source, on the diagonal where they agree, with +-10% bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peak = PEAK_FLOPS["A100"] / 1e12
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for r in rows["megatron"]:
+        label = "Megatron-LM 2021, ZeRO-3" if r["layout"].startswith("zero3") else r["source"].split(" (")[0]
+        groups.setdefault(label, []).append((r["published_tflops"] / peak, r["predicted_tflops"] / peak))
+    for r in rows["llm_foundry"] + rows["calibration"]:
+        label = r["source"] if "calibration" in r["source"] else f"llm-foundry {r['gpu']}"
+        groups.setdefault(label, []).append((r["published_mfu"], r["predicted_mfu"]))
+    fig, ax = plt.subplots(figsize=(7, 6))
+    top = 0.05 + max(max(p) for points in groups.values() for p in points)
+    line = [0, top]
+    ax.plot(line, line, color="black", linewidth=0.8, label="predicted = published")
+    ax.fill_between(line, [0.9 * x for x in line], [1.1 * x for x in line], color="grey", alpha=0.2, label="+-10%")
+    for (label, points), marker in zip(groups.items(), "os^vDPX*<>", strict=False):
+        ax.scatter(*zip(*points, strict=True), label=label, marker=marker, s=28)
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("published: share of peak (TFLOP/s / peak, or MFU)")
+    ax.set_ylabel("predicted: share of peak (training/planning/step_time.py)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_layouts(rows: list[dict], path: str) -> None:

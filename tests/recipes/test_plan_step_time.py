@@ -85,8 +85,9 @@ def test_memory_mode_keeps_its_defaults(capsys):
     assert out["inputs"]["micro_batch"] == 1 and out["inputs"]["strategy"] == "zero2"
 
 
-def test_published_comparison_prints_every_row(capsys):
-    rows = json.loads(run(capsys, "--check_published", "--json").out)
+def test_published_comparison_prints_every_row(capsys, tmp_path):
+    rows = json.loads(run(capsys, "--check_published", "--json", "--plot", str(tmp_path / "published.png")).out)
+    assert (tmp_path / "published.png").stat().st_size > 0  # predicted against published, drawn
     assert len(rows["megatron"]) == 17 and all(r["predicted_tflops"] > 0 for r in rows["megatron"])
     assert len(rows["llm_foundry"]) == 17 and all(0 < r["predicted_mfu"] < 1 for r in rows["llm_foundry"])
     assert len(rows["calibration"]) == 9
