@@ -248,7 +248,7 @@ def plot_published(rows: dict[str, list[dict]], path: str) -> None:
     peak = PEAK_FLOPS["A100"] / 1e12
     groups: dict[str, list[tuple[float, float]]] = {}
     for r in rows["megatron"]:
-        label = "Megatron-LM 2021, ZeRO-3" if r["layout"].startswith("zero3") else r["source"].split(" (")[0]
+        label = "Megatron-LM 2021, ZeRO-3" if r["sharding"] == "zero3" else r["source"].split(" (")[0]
         groups.setdefault(label, []).append((r["published_tflops"] / peak, r["predicted_tflops"] / peak))
     for r in rows["llm_foundry"] + rows["calibration"]:
         label = r["source"] if "calibration" in r["source"] else f"llm-foundry {r['gpu']}"

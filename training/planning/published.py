@@ -210,8 +210,8 @@ def compare(runs: list[PublishedRun]) -> list[dict]:
         row = predict_step(config, gpus, layout, SEQ_LEN, attn_implementation="eager")
         predicted = megatron_flops(run) / row["step_seconds"] / run.gpus / 1e12
         seconds = {k: row[k] for k in ("step_seconds", "bubble_seconds", "communication_seconds")}
-        out.append(dict(source=run.source, parameters=run.parameters, layout=layout.name, gpus=run.gpus,
-                        batch=run.batch, published_tflops=run.tflops_per_gpu, predicted_tflops=predicted,
+        out.append(dict(source=run.source, parameters=run.parameters, layout=layout.name, sharding=layout.sharding,
+                        gpus=run.gpus, batch=run.batch, published_tflops=run.tflops_per_gpu, predicted_tflops=predicted,
                         error=predicted / run.tflops_per_gpu - 1, **seconds))  # fmt: skip
     return out
 
