@@ -348,6 +348,19 @@ def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mic
     return payloads
 
 
+def step_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
+                  split_modules: dict[str, int] | None = None,
+                  bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
+    """The closed form for any launch the training script runs: AutoTP's (`split_modules`: the count of each style the
+    model's plan splits), Ulysses', or the data-parallel strategy's; None where there is none."""
+    if strategy.tp_size > 1:
+        hidden = config.hidden_size
+        return autotp_payloads(strategy, shape, split_modules, micro_tokens, micro_batches, hidden, bytes_per_element)
+    if strategy.sp_size > 1:
+        return ulysses_payloads(strategy, shape, config, micro_tokens, micro_batches, bytes_per_element)
+    return expected_payloads(strategy, shape, bytes_per_element, micro_batches)
+
+
 def paper_volume(strategy, psi: int, bytes_per_element: int = 4) -> int | None:
     """The ZeRO paper's volume per rank and step (section 7) for `strategy`'s data-parallel sharding, in bytes:
     2 Psi for DDP, ZeRO-1 and ZeRO-2 (FSDP's SHARD_GRAD_OP), 3 Psi for ZeRO-3 (FSDP's FULL_SHARD), offloaded or not.

@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 from model import ShardGPTConfig
-from training.comms import ModelShape, autotp_payloads, expected_payloads, paper_volume, ulysses_payloads
+from training.comms import ModelShape, paper_volume, step_payloads
 from training.strategy import Strategy
 
 # The all-reduces of the step's loss and gradient norm (and DeepSpeed's overflow check): a few scalars, 84 bytes at
@@ -37,13 +37,8 @@ def closed_form(run, strategy: Strategy, shape: ModelShape) -> dict[str, int]:
     tokens = flags["per_device_train_batch_size"] * flags["block_size"]  # a micro batch's, whole sequences
     micro_batches = flags["gradient_accumulation_steps"]
     config = ShardGPTConfig.from_pretrained(run.output_dir)
-    if strategy.tp_size > 1:
-        split = run.strategy["tensor_parallel"]["split_modules"]
-        want = autotp_payloads(strategy, shape, split, tokens, micro_batches, config.hidden_size)
-    elif strategy.sp_size > 1:
-        want = ulysses_payloads(strategy, shape, config, tokens, micro_batches)
-    else:
-        want = expected_payloads(strategy, shape, micro_batches=micro_batches)
+    split = (run.strategy.get("tensor_parallel") or {}).get("split_modules")  # under AutoTP
+    want = step_payloads(strategy, shape, config, tokens, micro_batches, split)
     assert want is not None, f"no closed form for {strategy.name}"
     return want
 

@@ -308,7 +308,7 @@ def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) ->
     import torch
 
     from model import ShardGPTForCausalLM
-    from training.comms import ModelShape, autotp_payloads, expected_payloads, paper_volume, ulysses_payloads
+    from training.comms import ModelShape, paper_volume, step_payloads
     from training.inspection import tp_plan_styles
     from training.memory.fit import planned_config
 
@@ -324,12 +324,7 @@ def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) ->
             split = dict(Counter(tp_plan_styles(ShardGPTForCausalLM(model_config)).values()))
 
     def volume(s: Strategy) -> float | None:  # the paper's volume in Psi: an all-reduce of S counts 2S
-        if s.tp_size > 1:
-            payloads = autotp_payloads(s, shape, split, micro_tokens, accumulation, model_config.hidden_size, element)
-        elif s.sp_size > 1:
-            payloads = ulysses_payloads(s, shape, model_config, micro_tokens, accumulation, element)
-        else:
-            payloads = expected_payloads(s, shape, element, accumulation)
+        payloads = step_payloads(s, shape, model_config, micro_tokens, accumulation, split, element)
         if payloads is None:
             return None
         return sum(2 * n if kind == "all_reduce" else n for kind, n in payloads.items()) / (element * shape.parameters)

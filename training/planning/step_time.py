@@ -32,15 +32,15 @@ The cost model, per step and GPU:
   neighbouring stages, split over the tensor-parallel ranks (Narayanan et al. 2021, section 4.1's scatter/gather).
 - overlap, as each strategy overlaps (`OVERLAP`): what is hidden is at most the compute it runs beside; the rest is
   exposed. Tensor- and sequence-parallel collectives and pipeline sends sit on the critical path (exposed).
-- the bubble of GPipe and 1F1B: (P - 1) / (M + P - 1) of the step, i.e. compute x (P - 1) / M (Huang et al. 2019;
-  Narayanan et al. 2021, section 2.2).
+- the bubble of GPipe and 1F1B: (P - 1) / (M + P - 1) of the step, i.e. compute x (P - 1) / M; interleaving v stages
+  on each rank divides it by v (Huang et al. 2019; Narayanan et al. 2021, sections 2.2 and 2.2.2).
 - offload over PCIe: ZeRO-Offload's gradients down and updated parameters up, a rank's partition each step, and with
   parameters offloaded (ZeRO-3) the partition fetched before every forward and backward. The gradients' copy runs
   beside the backward; the rest is exposed. The CPU's Adam step is not modelled (a weakness: docs/strategies.md).
 
 What is not modelled: the host (Python, kernel launches: what bounds small models, docs/benchmarks.md), a matrix
 efficiency that changes with the matrices' sizes (the memory-bound term carries the size trend), NCCL reaching less
-than the links' bandwidth, interleaved schedules, the CPU's Adam step under offload.
+than the links' bandwidth, zero-bubble schedules, the CPU's Adam step under offload.
 """
 
 from __future__ import annotations
@@ -157,6 +157,16 @@ class Layout:
     micro_batches: int = 1  # M: micro batches per step (gradient accumulation, or the pipeline's)
     checkpointing: bool = False
     virtual_stages: int = 1  # stages each pipeline rank holds (Interleaved1F1B: 2 or more)
+
+    def stage_layers(self, config: ShardGPTConfig) -> int:
+        """Decoder layers on the largest pipeline stage: an equal share, rounded up where they do not split evenly."""
+        return math.ceil(config.num_hidden_layers / self.pp)
+
+    @property
+    def memory_schedule(self) -> str:
+        """The schedule the memory planner plans: an interleaved one as 1F1B's, which holds as many micro batches in
+        flight (Narayanan et al. 2021, section 2.2.2) on as many layers a rank."""
+        return "1F1B" if self.virtual_stages > 1 else self.schedule
 
     @property
     def world(self) -> int:
@@ -279,8 +289,9 @@ def compute_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, se
     layer_bytes = (memory_bound_bytes_per_token(config, seq_len, layout.checkpointing, attn_implementation)
                    - head_bytes) / layers  # fmt: skip
     replicated = ACTIVATION_BYTES * REPLICATED_SHARE * ELEMENTWISE_ACCESSES * h * (forwards + 2) / 3
-    flops = (math.ceil(layers / layout.pp) * layer_flops + head_flops) * (forwards + 2) / 3 / layout.tp
-    memory = math.ceil(layers / layout.pp) * (layer_bytes / layout.tp + replicated * (1 - 1 / layout.tp))
+    stage = layout.stage_layers(config)
+    flops = (stage * layer_flops + head_flops) * (forwards + 2) / 3 / layout.tp
+    memory = stage * (layer_bytes / layout.tp + replicated * (1 - 1 / layout.tp))
     memory += head_bytes / layout.tp
     return tokens * (flops / (cluster.peak_flops * cluster.efficiency) + memory / cluster.hbm_bw)
 
@@ -294,8 +305,8 @@ def rank_shape(config: ShardGPTConfig, layout: Layout) -> ModelShape:
     if layout.pp > 1:  # the last stage: its layers, the final norm and the head (a copy of a tied embedding)
         layer = (whole.parameters - whole.outside_layers) // config.num_hidden_layers
         outside = embedding + h
-        params = layer * math.ceil(config.num_hidden_layers / layout.pp) + outside
-    norms = (2 * math.ceil(config.num_hidden_layers / layout.pp) + 1) * h
+        params = layer * layout.stage_layers(config) + outside
+    norms = (2 * layout.stage_layers(config) + 1) * h
     local = (params - norms) // layout.tp + norms
     return ModelShape(local, outside // layout.tp, 0, norms, norms)
 
@@ -332,7 +343,7 @@ def data_parallel_seconds(
     # The group spans a pipeline stage's ranks, tp x sp apart (tensor- and sequence-parallel ranks are innermost).
     bandwidth = cluster.link_bandwidth(layout.world // layout.pp, layout.tp * layout.sp)
     nodes = cluster.nodes_spanned(layout.world // layout.pp, layout.tp * layout.sp)
-    layers = math.ceil(config.num_hidden_layers / layout.pp)  # the largest stage's
+    layers = layout.stage_layers(config)
     out = []
     for kind in gathered:
         nbytes = reduced[kind] if kind in REDUCTIONS else gathered[kind]
@@ -395,8 +406,7 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
             comm[f"dp_{window}"] = seconds
     if layout.tp > 1:
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
-        layers = math.ceil(config.num_hidden_layers / layout.pp)
-        calls = (6 if layout.checkpointing else 4) * layers * layout.micro_batches
+        calls = (6 if layout.checkpointing else 4) * layout.stage_layers(config) * layout.micro_batches
         comm["tp_all_reduce"] = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
     if layout.sp > 1:
         strategy = Strategy("ddp", layout.world, sp_size=layout.sp)
@@ -460,10 +470,7 @@ class Memory:
         planned = layout.tp == 1 and layout.pp == 1 or ds is not None
         planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")
         if layout.pp > 1:
-            # The memory planner models GPipe's and 1F1B's stages; an interleaved schedule is planned as 1F1B's, which
-            # holds as many micro batches in flight (Narayanan et al. 2021, section 2.2.2), on as many layers a rank.
-            schedule = "1F1B" if layout.virtual_stages > 1 else layout.schedule
-            strategy = replace(strategy, pp_size=layout.pp, pp_schedule=schedule)
+            strategy = replace(strategy, pp_size=layout.pp, pp_schedule=layout.memory_schedule)
         if planned:
             try:
                 row = predict(c, strategy, "bf16", layout.micro_batch, self.seq_len, layout.checkpointing,
@@ -475,13 +482,12 @@ class Memory:
         stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
-        layers = math.ceil(c.num_hidden_layers / layout.pp)
+        layers = layout.stage_layers(c)
         if layout.pp == 1:
             activations = activation_bytes(c, layout.micro_batch, self.seq_len, e, layout.checkpointing, layout.tp)
         else:
             per_layer = e * c.hidden_size if layout.checkpointing else layer_activation_bytes(c, e, layout.tp)
-            schedule = "1F1B" if layout.virtual_stages > 1 else layout.schedule
-            held = in_flight(schedule, layout.pp, layout.micro_batches, 0)
+            held = in_flight(layout.memory_schedule, layout.pp, layout.micro_batches, 0)
             activations = held * layers * per_layer * tokens
             activations += layer_activation_bytes(c, e, layout.tp) * tokens if layout.checkpointing else 0
         return states + activations + logits_bytes(c, layout.micro_batch, self.seq_len, e) / layout.tp, "composed"
