@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .configuration_shardgpt import ShardGPTConfig
+from .modeling_shardgpt import ShardGPTForCausalLM
 
 
 def to_llama_config(config: ShardGPTConfig) -> LlamaConfig:
@@ -103,3 +104,70 @@ def from_llama_config(llama: LlamaConfig, source: str = "the checkpoint") -> Sha
         eos_token_id=llama.eos_token_id,
         pad_token_id=llama.pad_token_id,
     )
+
+
+# The source files `save_pretrained` copies beside the weights, and the classes config.json's `auto_map` names in them.
+MODEL_FILES = ("configuration_shardgpt.py", "modeling_shardgpt.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_shardgpt.ShardGPTConfig",
+    "AutoModelForCausalLM": "modeling_shardgpt.ShardGPTForCausalLM",
+}
+
+
+def save_model_folder(save_directory: str | os.PathLike, config: ShardGPTConfig, state_dict: dict,
+                      **save_kwargs) -> None:  # fmt: skip
+    """Write `state_dict` (the whole model's weights) as a Hugging Face folder of `ShardGPTForCausalLM`: config.json
+    with `auto_map`, the weights, and this package's two source files.
+
+    Saved from a model of this class built on the meta device (no memory), whatever model held the weights: a
+    wrapper that swaps the model's class (FSDP2's `fully_shard` makes it `FSDPShardGPTForCausalLM`, defined in
+    torch's FSDP package) would have `save_pretrained` copy that class's source files instead of these and name
+    them in `auto_map`, and the folder would not load. `save_kwargs`: `save_pretrained`'s (`safe_serialization`,
+    ...); a `generation_config` is set on the model first."""
+    generation = save_kwargs.pop("generation_config", None)
+    with torch.device("meta"):
+        model = ShardGPTForCausalLM(config)
+    dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
+    if dtype is not None:
+        model.to(dtype)  # config.json's dtype is the weights' (bf16 under DeepSpeed's bf16)
+    if generation is not None:
+        model.generation_config = generation
+    model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
+
+
+def write_model_code(folder: str | os.PathLike) -> list[str]:
+    """Make a saved folder load as the Hub loads it (`from_pretrained(folder, trust_remote_code=True)` where this
+    project is not installed): config.json's `auto_map` names this package's classes and the folder holds its two
+    source files as they are now, in place of the code an earlier `auto_map` named. `save_pretrained` of an
+    FSDP2-wrapped model named `_fsdp_init.FSDPShardGPTForCausalLM` and copied torch's FSDP2 sources (`_fsdp_*.py`),
+    which fail to load ("Tried to register an operator (fsdp::copy_ ...) ... multiple times"): those files, found
+    as `save_pretrained` found them (the module `auto_map` named and its relative imports), are removed. The weights
+    are not touched. Returns the names of the files removed."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") != ShardGPTConfig.model_type:
+        raise ValueError(
+            f"{config_file}: model_type is {config.get('model_type')!r}, not {ShardGPTConfig.model_type!r}: "
+            "this folder does not hold a shardgpt model"
+        )
+    stale = set()
+    for reference in (config.get("auto_map") or {}).values():  # "module.Class", or a pair of them (tokenizers)
+        for ref in reference if isinstance(reference, (list, tuple)) else [reference]:
+            source = folder / f"{str(ref).rsplit('.', 1)[0]}.py" if ref and "--" not in str(ref) else None
+            if source is not None and source.is_file() and source.name not in MODEL_FILES:
+                stale |= {source.name, *(Path(f).name for f in get_relative_import_files(str(source)))}
+    for name in stale:
+        (folder / name).unlink(missing_ok=True)
+    here = Path(__file__).parent
+    for name in MODEL_FILES:
+        shutil.copyfile(here / name, folder / name)
+    config["auto_map"] = dict(AUTO_MAP)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return sorted(stale)

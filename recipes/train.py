@@ -25,6 +25,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import model as shardgpt
 from data import ShardedLoader, prepare_data
+from model.export import save_model_folder
 from training import faults
 from training.accelerator import make_accelerator
 from training.arguments import parse_run_config
@@ -206,18 +207,19 @@ def main(argv: list[str] | None = None) -> None:
     state_dict = engine.full_state_dict()
     memory = peak_memory_per_rank(accelerator)  # collective: every rank's peak memory, for the summary
     if is_main:  # rank 0 only: file writes and the summary
-        unwrapped = engine.unwrapped()
-        unwrapped.config.use_cache = True
-        # What the samples below, and `generate` and `pipeline` on the export, draw with.
-        unwrapped.generation_config = generation_config(cfg, tokenizer.eos_token_id)
-        if unwrapped.config.tie_word_embeddings:  # a state dict may repeat tied weights (ZeRO-1/2): store them once
-            for tied in unwrapped._tied_weights_keys:
+        exported = engine.unwrapped().config  # the model's config as built (vocabulary padded, the tokenizer's ids)
+        exported.use_cache = True
+        if exported.tie_word_embeddings:  # a state dict may repeat tied weights (ZeRO-1/2): store them once
+            for tied in shardgpt.ShardGPTForCausalLM._tied_weights_keys:
                 state_dict.pop(tied, None)
         parameters = sum(t.numel() for t in state_dict.values())  # save_pretrained empties the dict
         with no_transformers_bars():
-            unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+            # Saved as the model's own class whatever class the strategy's wrapper made of it (FSDP2 swaps it), with
+            # the generation settings that the samples below, and `generate` and `pipeline` on the export, draw with.
+            gen = generation_config(cfg, tokenizer.eos_token_id)
+            save_model_folder(out, exported, state_dict, safe_serialization=True, generation_config=gen)
             tokenizer.save_pretrained(out)
-            write_model_card(out, cfg, unwrapped.config, tokenizer, seen, parameters, step)  # README.md for the Hub
+            write_model_card(out, cfg, exported, tokenizer, seen, parameters, step)  # README.md for the Hub
             logger.info("exported the model, tokenizer and configs to %s", out)
             if cfg.sample_max_new_tokens:
                 print_samples(out, tokenizer, packed.validation, cfg)

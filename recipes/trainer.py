@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer = ShardGPTTrainer(
         model=net, args=args, train_dataset=BlockDataset(packed.train), eval_dataset=validation,
-        data_collator=default_data_collator, processing_class=packed.tokenizer, run_config=cfg,
+        data_collator=default_data_collator, processing_class=packed.tokenizer, run_config=cfg, strategy=strategy,
         fused_adamw=args.device.type == "cuda" and not strategy.offloads,
     )  # fmt: skip
     tokens_per_step = cfg.global_batch(dp) * cfg.block_size

@@ -72,8 +72,10 @@ def parse_run_config(
         pass
 
     parser = RunConfigParser(RunConfig, prog=prog)
-    argv, nulls = flags_from_json_file(list(sys.argv[1:] if argv is None else argv))
-    parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=remaining)
+    argv, nulls, source = flags_from_json_file(list(sys.argv[1:] if argv is None else argv))
+    parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if parsed[-1] and not remaining:
+        raise ValueError(unknown_flags(parsed[-1], [f.name for f in fields(RunConfig)], parser.prog, source))
     if nulls:  # JSON's null for a field whose default is not None (--max_eval_batches: every validation block)
         unknown = sorted(set(nulls) - {f.name for f in fields(RunConfig)})
         if unknown:
@@ -82,18 +84,33 @@ def parse_run_config(
     return tuple(parsed) if remaining else parsed[0]
 
 
-def flags_from_json_file(argv: list[str]) -> tuple[list[str], list[str]]:
+def unknown_flags(strings: list[str], names: list[str], prog: str, source: dict[str, str]) -> str:
+    """What is wrong with the command line's `strings` that no flag took: each unknown flag with the flags spelt like
+    it, named as the user wrote it (`source`: the flags an arguments file gave, by the file and key they came from)."""
+    wrong = [a.split("=", 1)[0] for a in strings if a.startswith("-")] or strings
+    described = []
+    for flag in wrong:
+        name, where = flag.lstrip("-"), source.get(flag)
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        spell = (lambda c: repr(c)) if where else (lambda c: f"--{c}")  # a file's keys are written without dashes
+        hint = f" (did you mean {' or '.join(spell(c) for c in close)}?)" if close else ""
+        what = f"key {name!r} of the arguments file {where}" if where else f"unknown flag {flag}"
+        described.append(f"{what}{hint}")
+    return f"{'; '.join(described)}: {prog} has no such flag (`{prog} --help` lists them)"
+
+
+def flags_from_json_file(argv: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
     """`python recipes/train.py args.json` (run_clm's convention): a lone `.json` argument holds the flags, one key
     per flag, and becomes those flags, before any others on the command line (which then win). Every value goes
     through the command line's parser, so a JSON file's choices are checked as strictly as flags are
-    (HfArgumentParser's own `parse_json_file` skips argparse's choices). Returns the flags, and the keys set to
-    null."""
+    (HfArgumentParser's own `parse_json_file` skips argparse's choices). Returns the flags, the keys set to null,
+    and the file each flag it gave came from (`--key` -> the file's name), for the messages."""
     files = [a for a in argv if a.endswith(".json") and not a.startswith("-")]
     if not files:
-        return argv, []
+        return argv, [], {}
     before = argv[argv.index(files[0]) - 1] if argv.index(files[0]) > 0 else ""
     if len(files) > 1 or (before.startswith("-") and "=" not in before):
-        return argv, []  # a flag's value (--deepspeed ds_configs/zero3.json), not an arguments file
+        return argv, [], {}  # a flag's value (--deepspeed ds_configs/zero3.json), not an arguments file
     path = Path(files[0])
     if not path.is_file():
         raise FileNotFoundError(f"arguments file {files[0]!r}: no such file; pass a JSON file of flags, or the flags")
@@ -114,4 +131,4 @@ def flags_from_json_file(argv: list[str]) -> tuple[list[str], list[str]]:
         else:
             flags.append(f"--{key}={value}")
     rest = [a for a in argv if a != files[0]]
-    return [*flags, *rest], nulls
+    return [*flags, *rest], nulls, {f"--{key}": repr(files[0]) for key in values}

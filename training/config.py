@@ -157,6 +157,11 @@ class RunConfig(DataArguments):
     local_rank: int = flag(-1, "Set by the deepspeed launcher; read from the environment otherwise.")
 
     def __post_init__(self):
+        # The degrees first: the launch's data-parallel count divides by them before `validate` runs.
+        for name in ("pipeline_parallel_degree", "pipeline_parallel_virtual_stages"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} {value} must be at least 1 (1: no {name.split('_')[0]} parallelism)")
         # A preset's default learning rate is known as soon as the flags are; a checkpoint's once `resolve` reads it.
         if self.learning_rate is None and not self.model_name_or_path and self.preset in PRESETS:
             object.__setattr__(self, "learning_rate", recipe_learning_rate(self.model_config()))

@@ -57,12 +57,22 @@ def offload_devices(ds: dict) -> dict[str, str]:
 
 def autotp_size(ds: dict) -> int:
     """Ranks each layer is split over by DeepSpeed AutoTP (`tensor_parallel.autotp_size`); 1 without it."""
-    return max(int((ds.get("tensor_parallel") or {}).get("autotp_size", 1) or 1), 1)
+    return degree("tensor_parallel.autotp_size", (ds.get("tensor_parallel") or {}).get("autotp_size"))
 
 
 def sequence_parallel_size(ds: dict) -> int:
     """Ranks each sequence is split over (DeepSpeed Ulysses' `sequence_parallel_size`); 1 without it."""
-    return max(int(ds.get("sequence_parallel_size", 1) or 1), 1)
+    return degree("sequence_parallel_size", ds.get("sequence_parallel_size"))
+
+
+def degree(key: str, value) -> int:
+    """A DeepSpeed config's parallel degree `key` (1 where it is absent or null), refused unless a whole number of
+    at least 1."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"the DeepSpeed config's {key} is {value!r}: set a whole number of ranks, 1 or more")
+    return value
 
 
 def data_parallel_size(ds: dict, world_size: int, source: str) -> int:

@@ -22,6 +22,7 @@ from training.checkpoint import save_checkpoint
 from training.config import RunConfig
 from training.evaluate import evaluate
 from training.export import full_state_dict
+from training.gradnorm import fsdp1_shards
 from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.pipeline import Pipeline, build_pipeline, fsdp2_stages
@@ -70,8 +71,9 @@ class Replicated(Engine):
         divisor = gradient_divisor(s.data_parallel_size, s.sp_size, s.zero_stage, zero, s.cp_size)
         loss_scale = divisor * self.cfg.gradient_accumulation_steps
         context = context_parallel(self.accelerator) if s.cp_size > 1 else None  # CUDA only: ring attention
+        shards = fsdp1_shards(self.net, s.fsdp_version, s.fsdp_sharding)  # FSDP1's gradients' ranks, for the norm
         return train_step(self.accelerator, self.net, self.optimizer, self.scheduler, micro_batches, loss_scale,
-                          self.cfg.max_grad_norm, step, s.tp_size, context)  # fmt: skip
+                          self.cfg.max_grad_norm, step, s.tp_size, context, shards)  # fmt: skip
 
     def evaluate(self, blocks, dp: int, dp_rank: int) -> float | None:
         return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank)  # collective: reduced sums

@@ -17,10 +17,12 @@ from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from data import EpochSampler
+from model.export import write_model_code
 from training import faults
 from training.accelerator import keep_zero3_param_dtype
 from training.comms import StepCommunication
 from training.config import RunConfig
+from training.gradnorm import clip_, fsdp1_shards, grad_norm
 from training.inspection import StateShares, observe_strategy, verify_strategy
 from training.metrics import MetricsWriter, memory_gb
 from training.optim import make_optimizer, make_scheduler
@@ -39,9 +41,34 @@ SAME_FLAGS = (
 class ShardGPTTrainer(Trainer):
     """The Trainer with recipes/train.py's data order, optimizer, schedule and loss normalisation."""
 
-    def __init__(self, *args, run_config: RunConfig, fused_adamw: bool, **kwargs):
-        self.run_config, self.fused_adamw = run_config, fused_adamw
+    def __init__(self, *args, run_config: RunConfig, strategy, fused_adamw: bool, **kwargs):
+        self.run_config, self.strategy, self.fused_adamw = run_config, strategy, fused_adamw
         super().__init__(*args, **kwargs)
+        if strategy.family != "deepspeed":  # DeepSpeed norms in float64 itself
+            # The Trainer clips, and logs the norm, through its accelerator's `clip_grad_norm_`: on this Trainer's
+            # accelerator that is recipes/train.py's norm, summed in float64 (training/gradnorm.py).
+            self.accelerator.clip_grad_norm_ = self.clip_grad_norm_
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """`Accelerator.clip_grad_norm_` with the norm summed in float64 (collective under FSDP: the shards')."""
+        if norm_type != 2:
+            raise ValueError(f"norm_type {norm_type}: the gradient norm here is the 2-norm")
+        self.accelerator.unscale_gradients()  # fp16: the loss scaler's gradients back to their true size first
+        parameters = list(parameters)
+        s = self.strategy
+        total = grad_norm(parameters, self.accelerator.device, fsdp1_shards(self.model_wrapped, s.fsdp_version,
+                                                                             s.fsdp_sharding))  # fmt: skip
+        clip_(parameters, max_norm, total)
+        return total
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's save (its gather of every strategy's shards), then the folder made to load as the Hub
+        loads it: under FSDP2 `save_pretrained` copies torch's FSDP sources in place of the model's
+        (model/export.py's `write_model_code`). The same for the model folder of each checkpoint."""
+        super().save_model(output_dir, _internal_call)
+        folder = Path(output_dir or self.args.output_dir)
+        if self.args.should_save and (folder / "config.json").is_file():  # rank 0 only: a file write
+            write_model_code(folder)
 
     def _get_train_sampler(self, train_dataset=None):
         # ShardedLoader's order; accelerate deals batch k to data-parallel rank k % ranks, as ShardedLoader does

@@ -30,6 +30,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from transformers.masking_utils import create_causal_mask
 
 from training.build import local
+from training.gradnorm import clip_, grad_norm
 from training.step import NonFiniteLossError, StepResult
 
 # The schedules that train like one process on CPU ranks (tests/training/test_pipeline.py), by torch's names, and
@@ -336,18 +337,14 @@ class Pipeline:
 
     def clip_gradients(self, max_norm: float) -> float:
         """The global gradient norm before clipping, as one process would compute it (the tied embedding counted
-        once), and the gradients clipped to `max_norm` (0: measured, not clipped)."""
+        once, by the first stage), summed in float64 (training/gradnorm.py), and the gradients clipped to `max_norm`
+        (0: measured, not clipped)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         copy = self.model.lm_head.weight if self.tie_group is not None and self.model.lm_head is not None else None
-        counted = [p.grad for p in params if p is not copy]  # the first stage counts the tied embedding
-        squares = torch.zeros((), device=self.device)
-        for grad in counted:
-            squares += local(grad).float().pow(2).sum()
-        # collective: over the pipeline's stages, and over the data-parallel shards when FSDP2 shards them
-        dist.all_reduce(squares, group=None if self.sharded else self.pp_group)
-        total = squares.sqrt()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        counted = [p for p in params if p is not copy]
+        # collective: over FSDP2's shards (their DTensor mesh), then over the pipeline's stages
+        total = grad_norm(counted, self.device, across=self.pp_group)
+        clip_(params, max_norm, total)
         return total.item()
 
     def in_force(self) -> dict:

@@ -49,7 +49,17 @@ def yaml_sequence_parallel() -> dict[str, str] | None:
 
 def yaml_sequence_parallel_size() -> int:
     """The accelerate YAML's `parallelism_config_sp_size`; 1 without it."""
-    return int((yaml_sequence_parallel() or {}).get("sp_size", "1") or 1)
+    return yaml_degree("sp_size")
+
+
+def yaml_degree(key: str) -> int:
+    """The accelerate YAML's `parallelism_config_<key>` (as `accelerate launch` exports it), 1 without it, refused
+    unless a whole number of at least 1."""
+    value = (yaml_sequence_parallel() or {}).get(key) or "1"
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"the accelerate config's parallelism_config_{key} is {value!r}: set a whole number of ranks, "
+                         "1 or more")  # fmt: skip
+    return int(value)
 
 
 def with_sequence_parallel(ds: dict, source: str, from_yaml: int | None = None) -> dict:
@@ -136,7 +146,7 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
 
 def yaml_context_parallel_size() -> int:
     """The accelerate YAML's `parallelism_config_cp_size` (torch's ring context parallelism); 1 without it."""
-    return int((yaml_sequence_parallel() or {}).get("cp_size", "1") or 1)
+    return yaml_degree("cp_size")
 
 
 def check_context_parallel(cfg: RunConfig, cp: int, fsdp_version: int, cuda: bool) -> None:

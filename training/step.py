@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import faults
+from .gradnorm import clip_, grad_norm
 
 
 class NonFiniteLossError(RuntimeError):
@@ -32,7 +33,7 @@ class StepResult:
 
 
 def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale: float, max_grad_norm: float,
-               step: int, tp_size: int = 1, context=None) -> StepResult:  # fmt: skip
+               step: int, tp_size: int = 1, context=None, sharded_group=None) -> StepResult:  # fmt: skip
     """Forward and backward every micro batch of this rank, then step the optimizer and the schedule.
 
     Each micro batch's loss is sum(CE) / (targets in the whole global batch). DDP, FSDP and DeepSpeed average
@@ -40,6 +41,8 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
     `loss_scale` = world size x accumulation steps makes the update the gradient of the token-mean loss of the
     global batch, however it is split into micro batches and ranks. `loss_scale` counts data-parallel ranks: the
     `tp_size` ranks of a tensor-parallel group compute the same loss on the same batch.
+
+    `sharded_group`: the ranks FSDP1 shards the gradients over, for their norm (`clip_gradients`).
 
     `context(micro)`, if given, is a context manager each micro batch's forward and backward run in (ring context
     parallelism shards the micro batch's positions in it: training/sequence.py).
@@ -71,7 +74,7 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
                     )
             accelerator.backward(loss * loss_scale)
             if accelerator.sync_gradients:
-                grad_norm = clip_gradients(accelerator, net, max_grad_norm)  # collective under FSDP/ZeRO
+                grad_norm = clip_gradients(accelerator, net, max_grad_norm, sharded_group)  # collective under FSDP
                 if grad_norm is not None and not math.isfinite(grad_norm) and not scaled:
                     raise NonFiniteLossError(
                         f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step"
@@ -121,9 +124,16 @@ def check_gradients_flow(result: StepResult, step: int, compiled: bool) -> None:
     )
 
 
-def clip_gradients(accelerator, net, max_norm: float) -> float | None:
-    """Clip (unless DeepSpeed clips itself, from `gradient_clipping`) and return the global gradient norm."""
+def clip_gradients(accelerator, net, max_norm: float, sharded_group=None) -> float | None:
+    """Clip (unless DeepSpeed clips itself, from `gradient_clipping`) and return the global gradient norm, summed
+    in float64 as DeepSpeed sums its own (training/gradnorm.py). `max_norm` 0 disables clipping; the norm is still
+    measured. `sharded_group`: the ranks FSDP1 shards the plain gradients over (None: each rank holds them whole,
+    or they are DTensors that say so)."""
     if accelerator.distributed_type.name == "DEEPSPEED":
         return None  # DeepSpeed clips inside its step and reports the norm after it
-    limit = max_norm if max_norm > 0 else float("inf")  # 0 disables clipping; the norm is still measured
-    return accelerator.clip_grad_norm_(net.parameters(), limit).item()
+    accelerator.unscale_gradients()  # fp16: the loss scaler's gradients back to their true size first
+    parameters = list(net.parameters())
+    # collective under FSDP: the shards' squares added over the ranks
+    total = grad_norm(parameters, accelerator.device, sharded_group)
+    clip_(parameters, max_norm, total)
+    return total.item()

@@ -18,6 +18,7 @@ from training.accelerator import make_accelerator
 from training.arguments import parse_run_config
 from training.build import build_model
 from training.config import RunConfig
+from training.gradnorm import fsdp1_shards
 from training.inspection import verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.step import train_step
@@ -76,8 +77,10 @@ class SyntheticRun:
         """One `train_step` on this rank's next micro batches (collectives on every rank)."""
         loss_scale = self.strategy.data_parallel_size * self.cfg.gradient_accumulation_steps
         batch = next(self.loader)
+        s = self.strategy
+        shards = fsdp1_shards(self.net, s.fsdp_version, s.fsdp_sharding)  # FSDP1's gradients' ranks, for the norm
         train_step(self.accelerator, self.net, self.optimizer, self.scheduler, batch, loss_scale,
-                   self.cfg.max_grad_norm, step, self.strategy.tp_size)  # fmt: skip
+                   self.cfg.max_grad_norm, step, s.tp_size, None, shards)  # fmt: skip
 
 
 def synthetic_run(argv: list[str] | None = None) -> SyntheticRun:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from recipes import compare, doctor, plan_memory, train, trainer
@@ -37,8 +39,20 @@ def test_a_choice_with_no_close_match_lists_them_all(capsys):
 
 def test_a_misspelt_flag_is_one_line_too(capsys):
     assert "unrecognized arguments: --num_procs" in one_error_line(capsys, doctor.parse_args, ["--num_procs", "2"])
-    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--lr_schedular_type'"):
+    with pytest.raises(ValueError, match=r"unknown flag --lr_schedular_type \(did you mean --lr_scheduler_type\?\)"):
         train.main(["--lr_schedular_type", "cosine"])  # run_rank prints it as `error: ...`
+    with pytest.raises(ValueError, match=r"unknown flag --learning_rte \(did you mean --learning_rate\?\): "):
+        train.main(["--learning_rte=0.001"])
+
+
+@pytest.mark.parametrize("flag", ["--pipeline_parallel_degree", "--pipeline_parallel_virtual_stages"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_degree_below_one_is_refused_when_parsed(flag, value):
+    """Before anything divides by it (a pipeline degree of 0 once ended in a ZeroDivisionError traceback)."""
+    from training.arguments import parse_run_config
+
+    with pytest.raises(ValueError, match=rf"^{flag} {value} must be at least 1"):
+        parse_run_config([flag, value])
 
 
 def test_a_json_arguments_file_is_parsed_as_strictly_as_flags(tmp_path, capsys):
@@ -56,7 +70,8 @@ def test_a_json_arguments_file_is_parsed_as_strictly_as_flags(tmp_path, capsys):
     line = one_error_line(capsys, train.main, [str(args)])
     assert "--pipeline-parallel-schedule: invalid choice '1f1b' (did you mean 1F1B?)" in line
     args.write_text('{"pipline_parallel_degree": 2}')
-    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--pipline_parallel_degree=2'\]"):
+    expected = f"key 'pipline_parallel_degree' of the arguments file '{args}' (did you mean 'pipeline_parallel_degree'"
+    with pytest.raises(ValueError, match=re.escape(expected)):
         parse_run_config([str(args)])
     with pytest.raises(FileNotFoundError, match="arguments file 'missing.json': no such file"):
         parse_run_config(["missing.json"])
