@@ -27,6 +27,10 @@ FLOOR_TESTS ?= tests/model tests/training/test_step.py tests/training/test_shard
 	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[fsdp]" \
 	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[zero3]"
 ARGS   ?=
+# The suite on both cores: pytest-xdist's 2 workers, every test that launches ranks in one group that one worker runs
+# one launch after another (tests/conftest.py), the in-process tests on the other; at the end the slowest tests and
+# where the launches' time went.
+PARALLEL ?= -n 2 --dist loadgroup --durations=25
 
 .PHONY: setup train test test-matrix test-quick test-latest test-floor test-gpu lock lint presets bench
 
@@ -86,13 +90,13 @@ train: setup
 	$(PY) recipes/train.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(PARALLEL) $(ARGS)
 
 test-matrix: setup  # the widest cells: every config x bf16 and compile, a second launcher of a config
-	$(PY) -m pytest -m matrix $(ARGS)
+	$(PY) -m pytest -m matrix $(PARALLEL) $(ARGS)
 
 test-quick: setup
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -m "not slow" $(PARALLEL) $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

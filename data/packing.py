@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow.compute as pc
-from datasets import Dataset, Features, IterableDataset, List, Value
-from transformers import PreTrainedTokenizerFast
+
+# datasets and pyarrow (with pandas) are imported where they are used: reading a complete cache needs neither.
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+    from transformers import PreTrainedTokenizerFast
 
 TEXT = "text"
 IDS = "input_ids"
@@ -51,6 +54,8 @@ def tokenize(
     desc: str,
 ) -> Dataset:
     """Tokenize a map-style split into an Arrow file of our own choosing (kept out of the HF cache)."""
+    from datasets import Features, List, Value
+
     return split.map(
         tokenize_batch,
         fn_kwargs={"tokenizer": tokenizer},
@@ -72,6 +77,8 @@ def write_blocks(tokens: Dataset, block_size: int, dtype: np.dtype, path: Path) 
 
     Streams Arrow batches straight to the file, so memory stays flat whatever the corpus size.
     """
+    import pyarrow.compute as pc
+
     # An empty split (e.g. no document held out) has no columns at all.
     n_tokens = pc.sum(pc.list_value_length(tokens.data[IDS])).as_py() if len(tokens) else 0
     n_blocks = n_tokens // (block_size + 1)

@@ -2,7 +2,8 @@
 
 The packed cache entry is keyed by the corpus fingerprint, the tokenizer's fingerprint and the block
 size, and holds one raw token file per split plus `meta.json` with the counts. A second run with the
-same key memory-maps the files instead of tokenizing again.
+same key memory-maps the files instead of tokenizing again. For local files (and the default corpus) the
+corpus fingerprint reads only file stats, so such a run neither loads the corpus nor imports datasets.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from transformers import PreTrainedTokenizerFast
 from .arguments import DataArguments
 from .cache import atomic_directory, cache_root, fingerprint, is_complete
 from .packing import PackedStream, read_blocks, storage_dtype, tokenize, write_blocks
-from .sources import Corpus, load_corpus
-from .tokenizer import load_tokenizer, tokenizer_fingerprint
+from .sources import Corpus, load_corpus, local_corpus_key
+from .tokenizer import cached_tokenizer, load_tokenizer, tokenizer_fingerprint
 
 # Bump when the layout of a packed cache entry changes, so old entries are not misread.
 FORMAT_VERSION = 1
@@ -62,32 +63,67 @@ def prepare_data(
 
 def _prepare(args: DataArguments, verbose: bool) -> PackedData:
     root = cache_root(args)
+    # A complete cache of local files is found from their stats alone: reuse it without loading the corpus.
+    key = None if args.streaming or args.overwrite_cache else local_corpus_key(args)
+    tokenizer, tokenizer_error = None, None
+    if key is not None:
+        corpus_fingerprint, source = key
+        try:
+            tokenizer = cached_tokenizer(args, corpus_fingerprint, root, verbose)
+        except Exception as error:  # raised below, after the corpus's own errors, as without this shortcut
+            tokenizer_error = error
+        if tokenizer is not None:
+            entry = _packed_entry(root, corpus_fingerprint, tokenizer, args)
+            if is_complete(entry):
+                return _read_packed(entry, source, tokenizer, args, hit=True, verbose=verbose)
     corpus = load_corpus(args)
-    tokenizer = load_tokenizer(args, corpus, root, verbose)
+    if tokenizer_error is not None:
+        raise tokenizer_error
+    if key is None or tokenizer is None or corpus.fingerprint != key[0]:  # (!=: files rewritten meanwhile)
+        tokenizer = load_tokenizer(args, corpus, root, verbose)
+    dtype = _storage_dtype(tokenizer, args)
+    if args.streaming:
+        stats = _stats(corpus.source, tokenizer, dtype, args)
+        train, validation = (PackedStream(corpus.splits[name], tokenizer, args.block_size, dtype) for name in SPLITS)
+        if verbose:
+            print(f"Streaming {corpus.source}: blocks of {args.block_size + 1} tokens are packed on the fly")
+        return PackedData(tokenizer, train, validation, stats)
+
+    entry = _packed_entry(root, corpus.fingerprint, tokenizer, args)
+    hit = is_complete(entry) and not args.overwrite_cache
+    if not hit:
+        _build(corpus, tokenizer, args, dtype, entry)
+    return _read_packed(entry, corpus.source, tokenizer, args, hit, verbose)
+
+
+def _storage_dtype(tokenizer: PreTrainedTokenizerFast, args: DataArguments) -> np.dtype:
     vocab_flag = "--tokenizer_name" if args.tokenizer_name else "--tokenizer_vocab_size"
-    dtype = storage_dtype(len(tokenizer), vocab_flag)
-    stats: dict[str, Any] = {
-        "source": corpus.source,
+    return storage_dtype(len(tokenizer), vocab_flag)
+
+
+def _stats(source: str, tokenizer: PreTrainedTokenizerFast, dtype: np.dtype, args: DataArguments) -> dict[str, Any]:
+    """The stats of a run, before the packed counts."""
+    return {
+        "source": source,
         "tokenizer": tokenizer.name_or_path,
         "vocab_size": len(tokenizer),
         "block_size": args.block_size,
         "dtype": dtype.name,
         "streaming": args.streaming,
     }
-    if args.streaming:
-        train, validation = (PackedStream(corpus.splits[name], tokenizer, args.block_size, dtype) for name in SPLITS)
-        if verbose:
-            print(f"Streaming {corpus.source}: blocks of {args.block_size + 1} tokens are packed on the fly")
-        return PackedData(tokenizer, train, validation, stats)
 
-    entry = (
-        root
-        / "packed"
-        / fingerprint(FORMAT_VERSION, corpus.fingerprint, tokenizer_fingerprint(tokenizer), args.block_size)
-    )
-    hit = is_complete(entry) and not args.overwrite_cache
-    if not hit:
-        _build(corpus, tokenizer, args, dtype, entry)
+
+def _packed_entry(root: Path, corpus_fingerprint: str, tokenizer: PreTrainedTokenizerFast, args: DataArguments) -> Path:
+    key = fingerprint(FORMAT_VERSION, corpus_fingerprint, tokenizer_fingerprint(tokenizer), args.block_size)
+    return root / "packed" / key
+
+
+def _read_packed(
+    entry: Path, source: str, tokenizer: PreTrainedTokenizerFast, args: DataArguments, hit: bool, verbose: bool
+) -> PackedData:
+    """The blocks of a complete packed entry, memory-mapped, with their counts (`hit`: it was there already)."""
+    dtype = _storage_dtype(tokenizer, args)
+    stats = _stats(source, tokenizer, dtype, args)
     counts = json.loads((entry / "meta.json").read_text())["splits"]
     train, validation = (
         read_blocks(entry / f"{name}.bin", dtype, counts[name]["blocks"], args.block_size) for name in SPLITS

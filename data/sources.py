@@ -2,7 +2,8 @@
 
 Every source goes through `datasets.load_dataset`, so hub and local data share one code path. It comes
 out as a `Corpus`: a "train" and a "validation" split with one "text" column each, and a fingerprint
-that changes when the documents do (the caches are keyed by it).
+that changes when the documents do (the caches are keyed by it). The fingerprint of local files reads
+only their stats, so `local_corpus_key` gives it without loading them (or importing datasets).
 """
 
 from __future__ import annotations
@@ -14,16 +15,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
-from datasets import Dataset, IterableDataset, load_dataset
-from datasets.exceptions import DatasetGenerationError
 
 from .cache import fingerprint
 from .files import builder_for, nonempty_files, resolve_files
 from .packing import TEXT
 
 if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+
     from .arguments import DataArguments
 
 # Where installed third-party packages live inside the standard library's folder.
@@ -54,6 +54,8 @@ def stdlib_files() -> list[str]:
 def local_files_without_bars() -> Iterator[None]:
     """datasets' progress bars off while it reads files of this disk: its `Downloading data` bar counts files it
     does not download (1,762 of them for the default corpus), and the tokenizing bar that follows shows the work."""
+    import datasets  # here, not at the top: a complete cache is reused without importing datasets
+
     was_off = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()
     try:
@@ -90,21 +92,9 @@ def _file_stats(files: list[str]) -> list[tuple[str, int, int]]:
     return [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in files]
 
 
-def _load_raw(args: DataArguments) -> tuple[dict, list, str]:
-    """The raw splits, the parts of their fingerprint, and the source flag for messages."""
-    common = {"cache_dir": args.cache_dir, "streaming": args.streaming}
-    if args.dataset_name:
-        try:
-            raw = load_dataset(args.dataset_name, args.dataset_config_name, **common)
-        except ConnectionError as error:  # the hub unreachable (offline mode, no network) and no cached copy
-            local = "pass --train_file with local text files instead"
-            raise ValueError(
-                unreachable("--dataset_name", args.dataset_name, error, local, "HF_DATASETS_OFFLINE")
-            ) from error
-        # A hub dataset is identified by name; its splits' own fingerprints (map-style only) add its version.
-        parts = [args.dataset_name, args.dataset_config_name]
-        parts += [getattr(split, "_fingerprint", None) for split in raw.values()]
-        return dict(raw), parts, f"--dataset_name {args.dataset_name!r}"
+def _local_source(args: DataArguments) -> tuple[dict[str, list[str]], str, dict, str]:
+    """Local files (--train_file, else the default corpus) without reading them: their files per split, the
+    `load_dataset` builder and options that read them, and the source flag for messages."""
     if args.train_file:
         data_files = {"train": resolve_files(args.train_file, "--train_file")}
         if args.validation_file:
@@ -123,6 +113,48 @@ def _load_raw(args: DataArguments) -> tuple[dict, list, str]:
         options = {"sample_by": "document", "encoding_errors": "replace"}
     if not data_files["train"]:
         raise ValueError(f"{source} has no file: pass --train_file or --dataset_name")
+    return data_files, builder, options, source
+
+
+def _local_parts(data_files: dict[str, list[str]], builder: str, options: dict) -> list:
+    """The parts of a local corpus's fingerprint: how it is read and the stats of its files."""
+    return [builder, options, {split: _file_stats(files) for split, files in data_files.items()}]
+
+
+def _corpus_fingerprint(parts: list, args: DataArguments) -> str:
+    # The held-out documents and the text column change the splits, so they are part of the key.
+    return fingerprint(parts, args.text_column_name, args.validation_split_percentage)
+
+
+def local_corpus_key(args: DataArguments) -> tuple[str, str] | None:
+    """(fingerprint, source) of a local corpus, as `load_corpus` gives them, without loading it (so without
+    importing datasets); None for --dataset_name, whose fingerprint needs the dataset loaded."""
+    if args.dataset_name:
+        return None
+    data_files, builder, options, source = _local_source(args)
+    parts = _local_parts(data_files, builder, options)
+    return _corpus_fingerprint(parts, args), source
+
+
+def _load_raw(args: DataArguments) -> tuple[dict, list, str]:
+    """The raw splits, the parts of their fingerprint, and the source flag for messages."""
+    from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    common = {"cache_dir": args.cache_dir, "streaming": args.streaming}
+    if args.dataset_name:
+        try:
+            raw = load_dataset(args.dataset_name, args.dataset_config_name, **common)
+        except ConnectionError as error:  # the hub unreachable (offline mode, no network) and no cached copy
+            local = "pass --train_file with local text files instead"
+            raise ValueError(
+                unreachable("--dataset_name", args.dataset_name, error, local, "HF_DATASETS_OFFLINE")
+            ) from error
+        # A hub dataset is identified by name; its splits' own fingerprints (map-style only) add its version.
+        parts = [args.dataset_name, args.dataset_config_name]
+        parts += [getattr(split, "_fingerprint", None) for split in raw.values()]
+        return dict(raw), parts, f"--dataset_name {args.dataset_name!r}"
+    data_files, builder, options, source = _local_source(args)
     try:
         with local_files_without_bars():
             raw = load_dataset(builder, data_files=data_files, **options, **common)
@@ -132,8 +164,7 @@ def _load_raw(args: DataArguments) -> tuple[dict, list, str]:
             f"{source} could not be read as {builder} data ({error.__cause__ or error}): check that its "
             "files are valid and hold at least one document"
         ) from error
-    parts = [builder, options, {split: _file_stats(files) for split, files in data_files.items()}]
-    return dict(raw), parts, source
+    return dict(raw), _local_parts(data_files, builder, options), source
 
 
 def _first_columns(split: Dataset | IterableDataset) -> list[str]:
@@ -145,6 +176,8 @@ def _first_columns(split: Dataset | IterableDataset) -> list[str]:
 
 def load_corpus(args: DataArguments) -> Corpus:
     """Load the source, keep its text column as "text", and hold out validation documents if needed."""
+    from datasets import Dataset
+
     raw, parts, source = _load_raw(args)
     if "train" not in raw:
         raise ValueError(f"{source} has no 'train' split (it has {sorted(raw)}): pick another dataset or config")
@@ -166,11 +199,13 @@ def load_corpus(args: DataArguments) -> Corpus:
         raise ValueError(f"{source} has no documents: pass a non-empty corpus")
     if "validation" not in splits:
         splits["train"], splits["validation"] = _hold_out(train, args.validation_split_percentage)
-    return Corpus(splits, fingerprint(parts, args.text_column_name, args.validation_split_percentage), source)
+    return Corpus(splits, _corpus_fingerprint(parts, args), source)
 
 
 def _hold_out(train: Dataset | IterableDataset, percentage: int) -> tuple:
     """Split documents into (train, validation) with `validation_mask`."""
+    from datasets import IterableDataset
+
     if isinstance(train, IterableDataset):
 
         def keep(_, indices, held_out):

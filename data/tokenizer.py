@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from datasets import Dataset, IterableDataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -24,6 +23,8 @@ from .packing import TEXT
 from .sources import unreachable
 
 if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+
     from .arguments import DataArguments
     from .sources import Corpus
 
@@ -37,6 +38,8 @@ def sample_documents(train: Dataset | IterableDataset, budget_bytes: int) -> Ite
     From a map-style split, a fixed random subset, so the sample spans the whole corpus; from a stream,
     its first documents (the only ones that are cheap to reach).
     """
+    from datasets import Dataset
+
     if isinstance(train, Dataset):
         order = np.random.default_rng(0).permutation(len(train))
         documents = (train[int(i)][TEXT] for i in order)
@@ -79,36 +82,63 @@ def load_tokenizer(args: DataArguments, corpus: Corpus, root: Path, verbose: boo
     and padding on the left, where batched generation needs it. Neither changes how the corpus is tokenized:
     packing neither pads nor truncates, and the cache key reads only the backend.
     """
-    for_the_model = dict(model_max_length=args.block_size, padding_side="left")
-    if args.tokenizer_name:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, cache_dir=args.cache_dir, **for_the_model)
-        except OSError as error:  # not on the hub, not a folder, or the hub unreachable and nothing cached
-            if Path(args.tokenizer_name).is_dir():
-                raise
-            instead = "pass a local tokenizer folder, or leave --tokenizer_name out (a BPE is trained on the corpus)"
-            raise ValueError(
-                unreachable("--tokenizer_name", args.tokenizer_name, error, instead, "HF_HUB_OFFLINE")
-            ) from error
-        if not tokenizer.is_fast:
-            raise ValueError(f"--tokenizer_name {args.tokenizer_name!r} has no fast (Rust) version: pick one that does")
-        if tokenizer.eos_token_id is None:
-            raise ValueError(
-                f"--tokenizer_name {args.tokenizer_name!r} has no EOS token, which separates packed "
-                "documents: pick a tokenizer that has one"
-            )
+    tokenizer = cached_tokenizer(args, corpus.fingerprint, root, verbose)
+    if tokenizer is not None:
         return tokenizer
-    # The two modes sample differently (see `sample_documents`), so each gets its own entry: a cache
-    # entry's tokenizer must not depend on which mode happened to run first.
-    key = fingerprint(corpus.fingerprint, args.tokenizer_vocab_size, BPE_SAMPLE_BYTES, args.streaming)
-    entry = root / "tokenizers" / key
+    entry = tokenizer_entry(args, corpus.fingerprint, root)
+    if verbose:
+        print(f"Training a byte-level BPE (vocab {args.tokenizer_vocab_size}) on {corpus.source}")
+    documents = sample_documents(corpus.splits["train"], BPE_SAMPLE_BYTES)
+    with atomic_directory(entry) as tmp:
+        train_bpe(documents, args.tokenizer_vocab_size).save_pretrained(tmp)
+    return AutoTokenizer.from_pretrained(entry, **_for_the_model(args))
+
+
+def cached_tokenizer(
+    args: DataArguments, corpus_fingerprint: str, root: Path, verbose: bool
+) -> PreTrainedTokenizerFast | None:
+    """What `load_tokenizer` returns without training, so without the corpus itself: `--tokenizer_name` if
+    given, else the cached BPE for the corpus with this fingerprint, or None if it is not cached yet."""
+    if args.tokenizer_name:
+        return _named_tokenizer(args)
+    entry = tokenizer_entry(args, corpus_fingerprint, root)
     # Not rebuilt by --overwrite_cache: training is deterministic, it would only redo the same merges.
     if not is_complete(entry):
-        if verbose:
-            print(f"Training a byte-level BPE (vocab {args.tokenizer_vocab_size}) on {corpus.source}")
-        documents = sample_documents(corpus.splits["train"], BPE_SAMPLE_BYTES)
-        with atomic_directory(entry) as tmp:
-            train_bpe(documents, args.tokenizer_vocab_size).save_pretrained(tmp)
-    elif verbose:
+        return None
+    if verbose:
         print(f"Reusing the tokenizer cached at {entry}")
-    return AutoTokenizer.from_pretrained(entry, **for_the_model)
+    return AutoTokenizer.from_pretrained(entry, **_for_the_model(args))
+
+
+def tokenizer_entry(args: DataArguments, corpus_fingerprint: str, root: Path) -> Path:
+    """The cache entry of the BPE trained on the corpus with this fingerprint."""
+    # The two modes sample differently (see `sample_documents`), so each gets its own entry: a cache
+    # entry's tokenizer must not depend on which mode happened to run first.
+    key = fingerprint(corpus_fingerprint, args.tokenizer_vocab_size, BPE_SAMPLE_BYTES, args.streaming)
+    return root / "tokenizers" / key
+
+
+def _for_the_model(args: DataArguments) -> dict:
+    # See `load_tokenizer`.
+    return dict(model_max_length=args.block_size, padding_side="left")
+
+
+def _named_tokenizer(args: DataArguments) -> PreTrainedTokenizerFast:
+    """`--tokenizer_name`, which must be a fast tokenizer with an EOS token."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, cache_dir=args.cache_dir, **_for_the_model(args))
+    except OSError as error:  # not on the hub, not a folder, or the hub unreachable and nothing cached
+        if Path(args.tokenizer_name).is_dir():
+            raise
+        instead = "pass a local tokenizer folder, or leave --tokenizer_name out (a BPE is trained on the corpus)"
+        raise ValueError(
+            unreachable("--tokenizer_name", args.tokenizer_name, error, instead, "HF_HUB_OFFLINE")
+        ) from error
+    if not tokenizer.is_fast:
+        raise ValueError(f"--tokenizer_name {args.tokenizer_name!r} has no fast (Rust) version: pick one that does")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"--tokenizer_name {args.tokenizer_name!r} has no EOS token, which separates packed "
+            "documents: pick a tokenizer that has one"
+        )
+    return tokenizer

@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument(
         "--build-ops", "--build_ops", dest="build_ops", action="store_true",
         help=f"Compile (or load) the DeepSpeed ops launches use (GPUs: {', '.join(GPU_OPS)}; CPU ranks: "
-        f"{', '.join(CPU_OPS)}): minutes the first time, cached in ~/.cache/torch_extensions.",
+        f"{', '.join(CPU_OPS)}): minutes the first time, cached in <virtualenv>/torch_extensions.",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="Print the checks as JSON instead of a table.")
     p.add_argument("--show_ds_config", action="store_true", help="Also print the whole resolved DeepSpeed JSON.")

@@ -56,16 +56,16 @@ from training.strategy import (
     launched_world_size,
     requested_strategy,
 )
-from training.summary import peak_memory_per_rank, run_summary
+from training.summary import WallClock, peak_memory_per_rank, run_summary
 from training.watchdog import make_watchdog
 
 logger = logging.getLogger("shardgpt")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> object:
     # ------------------------------------------------------------------ setup
     # Everything that can be checked without a process group is checked here, before anything heavy.
-    started = time.perf_counter()
+    clock = WallClock()  # this launch's phases: start-up (the imports) until now, set-up, training, export
     configure_console()  # the project's lines on rank 0; third-party messages known to be harmless, filtered
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                  "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
         return engine.save(cfg.output_dir, step, state, cfg.save_total_limit)
 
+    clock.mark("setup")
     first_step = step + 1
     # Counts the collectives of one step: the third, or the first after it that --profile does not record.
     comms = StepCommunication(first_step, cfg.max_steps, profiler.records)
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             if stop is not None and step < cfg.max_steps:
                 raise Preempted(stop_message(stop, step, saved or save()))  # save: collective
     watchdog.stop()  # the export has no step deadline
+    clock.mark("train")
 
     # ------------------------------------------------------------------ export
     # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
@@ -224,10 +226,13 @@ def main(argv: list[str] | None = None) -> None:
             if cfg.sample_max_new_tokens:
                 print_samples(out, tokenizer, packed.validation, cfg)
         print(f"training curves: {plot_training_curves(metrics.path)}")
-        wall = time.perf_counter() - started
-        print(run_summary(step, tokens_per_step, wall, log.throughput, metrics.latest, memory, out, accelerator.device))
+        clock.mark("export")
+        metrics.write(clock.record(step))  # where this launch's time went (rank 0's)
+        summary = run_summary(step, tokens_per_step, clock, log.throughput, metrics.latest, memory, out, log.device)
+        print(summary)
     accelerator.wait_for_everyone()  # collective: nobody exits (tearing down the group) before the export
     accelerator.end_training()
+    return engine  # kept by run_rank until the process exits: freeing it could hang in torch's gloo teardown
 
 
 if __name__ == "__main__":

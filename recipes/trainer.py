@@ -47,7 +47,7 @@ from training.strategy import (
 )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> object:
     configure_console()  # the project's lines on rank 0; third-party messages known to be harmless, filtered
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
     cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"training curves: {plot_training_curves(Path(cfg.output_dir) / 'metrics.jsonl')}")
     trainer.accelerator.wait_for_everyone()  # collective: nobody tears the group down before the export
     trainer.accelerator.end_training()
+    return trainer  # kept by run_rank until the process exits: freeing it could hang in torch's gloo teardown
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Shared by the whole suite: the repository and tests/ on the import path, a fixed seed per test, DeepSpeed's ops
-built once before any launch, and the small corpus the launched tests train on."""
+"""Shared by the whole suite: the repository and tests/ on the import path, a fixed seed per test, the launches
+grouped for pytest-xdist and timed, and the small corpus the launched tests train on."""
 
 import os
 import random
@@ -18,6 +18,38 @@ if str(ROOT / "tests") not in sys.path:  # the helpers every test folder shares 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_sessionstart(session):
+    """A new launch log for this session (tests/launching.py), begun by the controlling process only."""
+    if not hasattr(session.config, "workerinput"):  # pytest-xdist's workers have it
+        from launching import LAUNCH_LOG
+
+        LAUNCH_LOG.unlink(missing_ok=True)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Where the launches' time went: their count and wall time, the phases rank 0 recorded, the slowest ones."""
+    from launching import LAUNCH_LOG
+
+    if hasattr(config, "workerinput") or not LAUNCH_LOG.is_file():
+        return
+    import json
+
+    launches = [json.loads(line) for line in LAUNCH_LOG.read_text().splitlines()]
+    wall = sum(r["wall_s"] for r in launches)
+    write = terminalreporter.write_line
+    terminalreporter.section("launches")
+    write(f"{len(launches)} launches, {wall / 60:.1f} min of wall time in all ({LAUNCH_LOG})")
+    timed = [r for r in launches if "wall_s" in r and "startup_s" in r]
+    if timed:
+        phases = ("startup_s", "setup_s", "train_s", "export_s")
+        means = ", ".join(f"{p[:-2]} {sum(r.get(p, 0) for r in timed) / len(timed):.1f} s" for p in phases)
+        launcher = sum(r["wall_s"] - r["wall_s_rank0"] for r in timed) / len(timed)
+        write(f"mean of the {len(timed)} that trained to the end: {means}, rank 0's; the launcher and teardown "
+              f"{launcher:.1f} s")  # fmt: skip
+    for r in sorted(launches, key=lambda r: -r["wall_s"])[:10]:
+        write(f"{r['wall_s']:7.1f} s  {r['launcher']} {r['config'] or ''} {r['script']}  {r['test']}")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     import torch
@@ -25,23 +57,31 @@ def _seed():
     torch.manual_seed(0)
 
 
-def pytest_collection_finish(session):
-    """Compile DeepSpeed's C++ ops once, before any launch, when launched tests were selected.
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the markers
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs 2 workers): the tests that launch ranks (marked `multiproc`) form one
+    group that one worker runs one after another, so that two launches never share the 2 cores; the in-process tests
+    and the one-process launches take the other worker meanwhile."""
+    for item in items:
+        if item.get_closest_marker("multiproc"):
+            item.add_marker(pytest.mark.xdist_group("launches"))
 
-    DeepSpeed compiles them the first time a rank needs them: minutes on 2 cores, then cached in
-    ~/.cache/torch_extensions. Inside a launch that time counts against the launch's timeout, and a build killed
-    midway leaves a lock file on which every later load waits forever; the suite removes such a lock."""
-    if session.config.option.collectonly or not any(i.get_closest_marker("multiproc") for i in session.items):
-        return
-    from training.doctor.machine import build_ops
-    from training.doctor.report import Report
 
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    reporter.write_line("DeepSpeed ops: compiling or loading (minutes the first time, cached after)")
-    report = Report()
-    build_ops(report, remove_stale_locks=True)
-    for check in report.checks:
-        reporter.write_line(f"  {check.name}: {check.status} {check.detail}")
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: one core of its own; the other runs the launches
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _current_test(request):
+    """The running test, for `launching.launch`'s check that a test launching ranks is marked `multiproc`."""
+    import launching
+
+    launching.CURRENT_TEST = request.node
+    yield
+    launching.CURRENT_TEST = None
 
 
 @pytest.fixture(scope="session")

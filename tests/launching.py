@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TIMEOUT = 600  # seconds per launch; a hang fails the test instead of stalling the suite
+# One JSON line per launch (the test, the command, its wall time and rank 0's phases), summarised at the end of the
+# session (tests/conftest.py): where the suite's time goes.
+LAUNCH_LOG = Path(os.environ.get("SHARDGPT_LAUNCH_LOG", ROOT / ".launches.jsonl"))
+CURRENT_TEST = None  # the running test's item (tests/conftest.py)
+_ops_ready = False  # DeepSpeed's ops compiled or loaded in this process
 
 
 def free_port() -> int:
@@ -115,7 +121,13 @@ def launch(
         **(env or {}),
     }
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    if cmd[0] != sys.executable and CURRENT_TEST is not None and not CURRENT_TEST.get_closest_marker("multiproc"):
+        pytest.fail(f"{CURRENT_TEST.nodeid} launches ranks ({Path(cmd[0]).name}) but is not marked multiproc: "
+                    "pytest-xdist would run it beside another launch")  # fmt: skip
+    if uses_deepspeed(cmd, args):
+        build_deepspeed_ops()
     before = len(metrics_lines(Path(output_dir)))
+    started = time.perf_counter()
     # A session of its own, so a timeout kills the ranks too, not only the launcher that started them.
     p = subprocess.Popen(
         [*cmd, *args, "--output_dir", str(output_dir)],
@@ -135,6 +147,51 @@ def launch(
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     run = Run(output_dir, stdout, stderr, p.returncode, before)
+    log_launch(cmd, args, run, time.perf_counter() - started)
     if check and p.returncode != 0:
         pytest.fail(f"launch failed ({p.returncode}): {' '.join(cmd + args)}\n--- stderr tail ---\n{stderr[-8000:]}")
     return run
+
+
+def log_launch(cmd: list[str], args: list[str], run: Run, wall: float) -> None:
+    """Append the launch to `LAUNCH_LOG`: the test that made it, the launcher, config and script, its wall time and
+    exit status, and the phases rank 0 recorded (train.py's last metrics record: start-up, set-up, training,
+    export)."""
+    phases = next((r for r in reversed(run.records[run.records_before :]) if "wall_s" in r), {})
+    phases = {k if k != "wall_s" else "wall_s_rank0": v for k, v in phases.items() if k.endswith("_s")}
+    script = next((Path(a).name for a in reversed(cmd) if a.endswith(".py")), Path(cmd[0]).name)
+    config = next((Path(a).stem for a in [*cmd, *args] if a.endswith((".yaml", ".json"))), None)
+    line = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+        "launcher": Path(cmd[0]).name if Path(cmd[0]).name != Path(sys.executable).name else "python",
+        "config": config, "script": script, "wall_s": round(wall, 2), "returncode": run.returncode,
+        **phases,
+    }  # fmt: skip
+    with open(LAUNCH_LOG, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def uses_deepspeed(cmd: list[str], args: list[str]) -> bool:
+    """Whether a launch runs DeepSpeed: its launcher, a --deepspeed JSON, or an accelerate config of DeepSpeed."""
+    if Path(cmd[0]).name == "deepspeed" or any(a.startswith("--deepspeed") for a in args):
+        return True
+    configs = [Path(a) for a in cmd if a.endswith(".yaml")]
+    return any(p.is_file() and "distributed_type: DEEPSPEED" in p.read_text() for p in configs)
+
+
+def build_deepspeed_ops() -> None:
+    """Compile DeepSpeed's C++ ops once per test process, before its first DeepSpeed launch (minutes the first time,
+    cached in the environment's torch_extensions/ after): inside a launch that time would count against the
+    launch's timeout, and a build killed midway leaves a lock file on which every later load waits forever; a lock
+    left so is removed. Under pytest-xdist the launching worker builds while the other runs the in-process tests."""
+    global _ops_ready
+    if _ops_ready:
+        return
+    from training.doctor.machine import build_ops
+    from training.doctor.report import Report
+
+    report = Report()
+    build_ops(report, remove_stale_locks=True)
+    for check in report.checks:
+        print(f"DeepSpeed ops: {check.name}: {check.status} {check.detail}", file=sys.stderr)
+    _ops_ready = True

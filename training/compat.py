@@ -16,10 +16,14 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   (`_resolve_process_group`): to count every collective a step calls, in bytes (training/comms.py); checked on 2.13.
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
+- DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
+  out of a run whose optimizer is not Muon, see `skip_deepspeed_muon`.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from importlib.metadata import version
 
 import torch
@@ -120,3 +124,28 @@ def keep_zero3_param_dtype() -> None:
 
     _set_dtype.keeps_given_dtype = True
     ZeroInit._set_dtype = _set_dtype
+
+
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def skip_deepspeed_muon(ds_config: dict) -> None:
+    """Keep DeepSpeed's Muon optimizer module unimported in a run that does not use Muon.
+
+    deepspeed 0.19.8 imports `deepspeed.runtime.zero.muon.muon_optimizer` in every ZeRO engine (its supported-
+    optimizer check, zero/utils.py; ZeRO-1/2/3's and the bf16 optimizer's set-up) for one thing only:
+    `isinstance(optimizer, MuonWithAuxAdam)`. Importing it applies `torch.compile` to Muon's kernels as it defines
+    them, which loads torch's inductor: 2.7 s of CPU on every rank of every ZeRO launch here (measured with cProfile
+    on a 2-core AMD EPYC), a fifth of a short CPU run, for an optimizer nobody asked for. In its place stands a module
+    whose `MuonWithAuxAdam` no optimizer is an instance of, so every one of those checks answers as it would.
+    Not done where the DeepSpeed config's own optimizer is Muon, or where the module is already imported."""
+    optimizer = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
+    if "muon" in optimizer or MUON in sys.modules:
+        return
+    stand_in = types.ModuleType(MUON, "DeepSpeed's Muon module's stand-in in a run without Muon (training/compat.py)")
+
+    class MuonWithAuxAdam:  # never instantiated: DeepSpeed only asks whether the optimizer is one
+        pass
+
+    stand_in.MuonWithAuxAdam = MuonWithAuxAdam
+    sys.modules[MUON] = stand_in

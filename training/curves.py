@@ -21,17 +21,16 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_training_curves(metrics: Path, out: Path | None = None) -> Path:
     """Draw metrics.jsonl's curves into `out` (default: training_curves.png beside it); returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display is needed, and none is opened
-    import matplotlib.pyplot as plt
+    # A Figure of its own, drawn to a file: no pyplot (its global state and backend machinery), no display.
+    from matplotlib.figure import Figure
 
     metrics = Path(metrics)
     out = Path(out) if out is not None else metrics.with_name(CURVES)
     records = read_metrics(metrics)
     if not any("loss" in r for r in records):
         raise ValueError(f"{metrics} holds no training-loss record: pass a metrics.jsonl that recipes/train.py wrote")
-    fig, (loss, lr, speed) = plt.subplots(3, 1, sharex=True, figsize=(7, 7), height_ratios=(2, 1, 1))
+    fig = Figure(figsize=(7, 7))
+    loss, lr, speed = fig.subplots(3, 1, sharex=True, height_ratios=(2, 1, 1))
     loss.plot(*series(records, "loss"), label="training (mean since the last log)", color="tab:blue")
     eval_steps, eval_loss = series(records, "eval_loss")
     if eval_steps:
@@ -51,5 +50,4 @@ def plot_training_curves(metrics: Path, out: Path | None = None) -> Path:
     fig.suptitle(f"{metrics.parent.name}: {max(r['step'] for r in records)} steps")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out

@@ -23,7 +23,7 @@ from training.config import RunConfig
 from training.evaluate import evaluate
 from training.export import full_state_dict
 from training.gradnorm import fsdp1_shards
-from training.inspection import StateShares, observe_strategy, uncompiled, verify_strategy
+from training.inspection import StateShares, observe_strategy, uncompiled, unwrap, verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.pipeline import Pipeline, build_pipeline, fsdp2_stages
 from training.sequence import context_parallel, gradient_divisor
@@ -48,7 +48,7 @@ class Engine:
 
     def unwrapped(self) -> torch.nn.Module:
         """The model as transformers sees it (its config, `save_pretrained`)."""
-        return self.accelerator.unwrap_model(uncompiled(self.net))
+        return unwrap(self.accelerator, uncompiled(self.net))
 
     def save(self, output_dir: str, step: int, state: dict, limit: int | None) -> Path:
         """A resumable checkpoint (collective: every rank saves its share)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
-from training.inspection import _fsdp1_handles
+from training.inspection import _fsdp1_handles, unwrap
 
 
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
@@ -23,4 +23,7 @@ def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
         whole = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, whole):
             return model.state_dict()  # collective: every rank gathers
-    return accelerator.get_state_dict(model)
+    if accelerator.distributed_type.name in ("DEEPSPEED", "FSDP"):
+        return accelerator.get_state_dict(model)  # collective: ZeRO-3 and FSDP gather
+    # DDP or one process: the model inside DDP, unwrapped without importing DeepSpeed (`unwrap`)
+    return accelerator.get_state_dict(unwrap(accelerator, model), unwrap=False)

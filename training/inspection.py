@@ -33,7 +33,7 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
             "DeepSpeed and FSDP: set `use_cpu: false` (this script uses gloo on CPU by itself)"
         )
     model = uncompiled(model)  # under --torch_compile: OptimizedModule(DDP) or OptimizedModule(FSDP module)
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     total = parameter_count(unwrapped)
     local = sum(_local_numel(p) for p in unwrapped.parameters())
     if _fsdp1_handles(model):  # FSDP1 replaced the parameters by flat ones: count what they hold
@@ -136,6 +136,20 @@ def verify_ulysses(engine, unwrapped: torch.nn.Module, strategy: Strategy,
     if getattr(attention, "__name__", "") != "uattn_wrapper":
         refuse(f"transformers' {implementation} attention is not DeepSpeed's Ulysses wrapper")
     return {"size": sp, "data_parallel_size": strategy.data_parallel_size, "attention": implementation}
+
+
+def unwrap(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside the strategy's wrapper: `accelerator.unwrap_model` under DeepSpeed; DDP's or FSDP1's
+    `module` otherwise (FSDP2 keeps the model itself). accelerate 1.15 imports DeepSpeed on every `unwrap_model` call
+    where it is installed, 1-2 s of each CPU rank's start-up in a launch that does not use it."""
+    if accelerator.distributed_type.name == "DEEPSPEED":
+        return accelerator.unwrap_model(model)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)):
+        model = model.module
+    return model
 
 
 def uncompiled(model: torch.nn.Module) -> torch.nn.Module:

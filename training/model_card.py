@@ -60,6 +60,13 @@ A Llama-architecture causal language model trained from scratch with shardgpt. I
 |---|---|
 {table}
 
+## Use
+
+```python
+from transformers import pipeline
+print(pipeline("text-generation", "{out}", trust_remote_code=True)("def ")[0]["generated_text"])
+```
+
 ## Training command
 
 Each rank ran (under the launcher that chose the strategy above):

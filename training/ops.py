@@ -1,7 +1,8 @@
 """DeepSpeed's C++ ops and torch's JIT build cache, checked before a launch needs them.
 
 DeepSpeed compiles an op the first time a process loads it (minutes, printing nothing), caching it in torch's
-extension directory (`~/.cache/torch_extensions/<python>_<accelerator>/<op>/`). While it compiles, torch holds
+extension directory (TORCH_EXTENSIONS_DIR; here `<virtualenv>/torch_extensions/<op>/` unless set:
+`use_environment_op_cache`). While it compiles, torch holds
 `<op>/lock`. Up to torch 2.13 every other process that loads the op waits for as long as that file exists: a build
 killed midway (a rank killed by a timeout, a cut-off job) leaves it behind, and every later launch hangs silently.
 From torch 2.14 the lock is an OS lock on that file, released when its holder dies: the file stays after every
@@ -11,6 +12,8 @@ build and blocks nothing (`training.compat.build_lock_blocks`).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +25,16 @@ from training.deepspeed_config import offload_devices
 GPU_OPS = ("fused_adam", "cpu_adam", "async_io")
 CPU_OPS = ("cpu_adam", "async_io", "pin_memory", "deepspeed_shm_comm")
 STALE_LOCK_S = 3600  # no op build takes an hour: an older lock file was left by a killed build
+
+
+def use_environment_op_cache() -> None:
+    """Keep DeepSpeed's compiled ops in this Python environment's own folder, `<virtualenv>/torch_extensions`, unless
+    TORCH_EXTENSIONS_DIR says where. torch's default, ~/.cache/torch_extensions/<python>_<accelerator>/, is shared by
+    every environment of one Python version: two checkouts, or a torch 2.11 and a torch 2.13 environment, would each
+    rebuild the other's ops (minutes each time, an ABI mismatch if they did not). Outside a virtualenv, torch's
+    default stays. Set before anything loads an op; the launched ranks inherit it."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ and sys.prefix != sys.base_prefix:
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
 
 
 def used_ops() -> tuple[str, ...]:
@@ -82,9 +95,11 @@ def left_by_killed_build(name: str, lock: Path) -> str:
 
 def check_op_cache(names: tuple[str, ...]) -> list[str]:
     """Refuse a launch that would wait forever on a lock left by a killed build; return the ops of `names`
-    that are neither installed prebuilt nor in the JIT cache, i.e. that this launch will compile."""
+    that are neither installed prebuilt nor in the JIT cache, i.e. that this launch will compile. The cache is this
+    environment's (`use_environment_op_cache`, set here first)."""
     from deepspeed.git_version_info import installed_ops
 
+    use_environment_op_cache()
     to_build = []
     for name in names:
         if installed_ops.get(name):

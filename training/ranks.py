@@ -58,7 +58,13 @@ def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...]
     group (they keep it alive from C++; the threads are still there after garbage collection), and a
     rank that had finished and written everything has been seen to abort during finalization with
     "terminate called without an active exception" (exit -6), failing a completed run. Everything is
-    flushed here first; the script has already finished its trackers and destroyed the group."""
+    flushed here first; the script has already finished its trackers and destroyed the group.
+
+    Nor is anything that holds the process group destroyed before that exit: `main` returns what it built (the
+    prepared model, the engine), or raises with it in its frames, and both are kept here until `os._exit`. In
+    torch 2.13 freeing DDP's reducer destroys the gloo process group, which joins gloo's worker thread while
+    holding the GIL; a worker thread still freeing a barrier's work waits for the GIL: a rank that had finished
+    everything hung for good (seen with two launches sharing 2 cores)."""
     # DeepSpeed (0.19.8) calls torch's deprecated collective names; under ZeRO-3 the FutureWarning was
     # printed again and again (2,384 times in a 30-step `tiny` run), burying everything else on stderr.
     warnings.filterwarnings(
@@ -66,21 +72,25 @@ def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...]
         message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
         category=FutureWarning,
     )
+    kept = None  # what main built, alive until os._exit (see above)
     try:
-        main()
+        kept = main()
         code = 0
     except errors as e:
+        kept = e  # its traceback holds main's frame
         if os.environ.get("SHARDGPT_TRACEBACK"):
             raise
         if not (getattr(e, "same_on_every_rank", False) and not _is_rank_0()):  # else rank 0 says it for all
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
     except Preempted as e:
+        kept = e
         if _is_rank_0():  # rank 0 only: one line for the whole run
             print(e, file=sys.stderr, flush=True)
         code = PREEMPTED
     remove_deepspeed_shm_buffer()
     if launched_world_size() <= 1:
+        del kept
         sys.exit(code)
     logging.shutdown()
     sys.stdout.flush()

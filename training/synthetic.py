@@ -24,6 +24,7 @@ from training.optim import make_optimizer, make_scheduler
 from training.step import train_step
 from training.strategy import (
     Strategy,
+    check_deepspeed_ops,
     launch_precision,
     launched_data_parallel_size,
     launched_world_size,
@@ -51,6 +52,7 @@ def set_up(argv: list[str] | None):
     cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())  # the run's final config
     config = cfg.model_config()
     strategy = requested_strategy(cfg, config.hidden_size)
+    check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
     set_seed(cfg.seed)
     return cfg, world, config, strategy, accelerator

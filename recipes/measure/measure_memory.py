@@ -93,7 +93,7 @@ class Probe:
         return wrapped
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     run = synthetic_run(argv)
     cfg, strategy, accelerator = run.cfg, run.strategy, run.accelerator
     probe = Probe(run.net, run.optimizer, strategy)
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     (out / f"memory_rank{accelerator.process_index}.json").write_text(json.dumps(record, indent=2))
     accelerator.wait_for_everyone()  # collective: nobody tears the group down while another still steps
     accelerator.end_training()
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     cfg, world, config, strategy, accelerator = set_up(argv)  # collective: the process group
     before = peak_rss()
 
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"| resident after prepare {now / GiB:.2f}")  # fmt: skip
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
 
 
 if __name__ == "__main__":

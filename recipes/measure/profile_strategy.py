@@ -28,7 +28,7 @@ from training.synthetic import synthetic_run
 WARMUP = 2  # the first steps create Adam's state and fill DeepSpeed's and FSDP's buffers
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith("--max_steps") for a in argv):
         argv.append("--max_steps=5")
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     run.accelerator.wait_for_everyone()  # collective: nobody tears the group down while another still steps
     run.accelerator.end_training()
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
 
 
 if __name__ == "__main__":

@@ -270,6 +270,47 @@ def test_cache_is_reused_and_overwritten(tmp_path, monkeypatch, capsys):
     assert prepare_data(data_args(tmp_path, **{**vars(args), "block_size": 8})).stats["cache"] != first.stats["cache"]
 
 
+HIT_IN_A_FRESH_PROCESS = """
+import json, sys
+sys.path.insert(0, {root!r})
+from data import DataArguments, prepare_data
+packed = prepare_data(DataArguments(**{settings!r}))
+print(json.dumps([packed.stats, packed.train.tolist(), "datasets" in sys.modules]))
+"""
+
+
+def test_a_complete_cache_of_local_files_is_reused_without_loading_them(tmp_path, monkeypatch):
+    # Every rank of every launch prepares the data: with the cache complete, it needs neither the corpus nor the
+    # `datasets` library (seconds of imports), only the files' stats.
+    write_jsonl(tmp_path / "corpus.jsonl", documents(60))
+    args = data_args(tmp_path, train_file=str(tmp_path / "corpus.jsonl"))
+    first = prepare_data(args)
+    root = str(Path(__file__).resolve().parents[2])
+    code = HIT_IN_A_FRESH_PROCESS.format(root=root, settings=vars(args))
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    stats, train, imported_datasets = json.loads(run.stdout.strip().splitlines()[-1])
+    assert stats["cache_hit"] and stats["cache"] == first.stats["cache"] and not imported_datasets
+    assert stats == json.loads(json.dumps(first.stats | {"cache_hit": True}))
+    assert f"Reusing packed data cached at {first.stats['cache']}" in run.stdout
+    assert f"Reusing the tokenizer cached at {first.tokenizer.name_or_path}" in run.stdout
+    np.testing.assert_array_equal(train, first.train)
+
+    # The same with a named tokenizer (the trained one: the same ids, so the same entry); a rewritten file (new
+    # stats) is loaded again.
+    named = data_args(tmp_path, **{**vars(args), "tokenizer_name": first.tokenizer.name_or_path})
+
+    def no_loading(*_, **__):
+        raise AssertionError("loaded the corpus although the cache was complete")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(data.prepare, "load_corpus", no_loading)
+        assert prepare_data(named).stats["cache"] == first.stats["cache"]
+        write_jsonl(tmp_path / "corpus.jsonl", documents(61))
+        with pytest.raises(AssertionError, match="loaded the corpus"):
+            prepare_data(named)
+
+
 def test_half_written_cache_is_never_trusted(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "corpus.jsonl", documents(60))
     reference = prepare_data(data_args(tmp_path / "ref", train_file=str(tmp_path / "corpus.jsonl")))
@@ -348,6 +389,11 @@ BAD_INPUTS = {
         ValueError,
         "--text_column_name 'body'|'id'|'text'",
     ),
+    "unknown text column, and no tokenizer in the folder named": (  # the corpus's error first, as it is loaded first
+        {"train_file": "ok.jsonl", "text_column_name": "body", "tokenizer_name": "."},
+        ValueError,
+        "--text_column_name 'body'|'id'|'text'",
+    ),
     "two sources": (
         {"train_file": "ok.jsonl", "dataset_name": "wikitext"},
         ValueError,
@@ -375,7 +421,7 @@ def test_bad_input_fails_before_tokenizing_and_names_the_flag(case, tmp_path, mo
     (tmp_path / "norows.json").write_text("[]")
     (tmp_path / "table.csv").write_text("text\nhello\n")
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "norows.parquet")
-    for key in ("train_file", "validation_file"):
+    for key in ("train_file", "validation_file", "tokenizer_name"):
         if key in flags:
             flags = {**flags, key: str(tmp_path / flags[key])}
 

@@ -23,7 +23,7 @@ from training.strategy import launch_precision, launched_world_size, requested_s
 VOCAB = 16384  # x hidden 64 = 1,048,576 embedding elements: half per rank, 2 MiB in fp32
 
 
-def main() -> None:
+def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
     cfg = cfg.resolve(launched_world_size(), launch_precision())
     config = shardgpt.ShardGPTConfig.from_preset(cfg.preset, vocab_size=VOCAB)
@@ -59,6 +59,7 @@ def main() -> None:
         (out / "nvme.json").write_text(json.dumps(record))
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from training.strategy import launch_precision, launched_data_parallel_size, req
 from training.synthetic import StandInTokenizer
 
 
-def main() -> None:
+def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
     cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())
     config = cfg.model_config()
@@ -41,6 +41,7 @@ def main() -> None:
         torch.save(loaded, Path(cfg.output_dir) / "loaded.pt")
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 from communication import assert_closed_form
+from hub import assert_loads_as_the_hub_does
 from launching import BIN, ROOT, TIMEOUT, Run, free_port, launch, launcher_command
 
 STEPS = 10
@@ -86,6 +87,9 @@ def test_two_nodes_train_like_one(single, config, per_node, extra, corpus, tmp_p
     # Same ranks: the same sums in the same order. Four ranks sum the gradients in another order (see
     # test_strategies' tolerance).
     assert two.losses == pytest.approx(one.losses, rel=1e-6 if per_node == 1 else 1e-5)
+    norms = [{r["step"]: r["grad_norm"] for r in run.records if "loss" in r} for run in (two, one)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)  # summed in float64 on every strategy
+    assert_loads_as_the_hub_does(two.output_dir, one.output_dir, atol=1e-4)  # the two-node export, as users load it
     assert (tmp_path / "two_nodes" / "checkpoint-10" / "checkpoint_complete").exists()
     # What each rank sent in the third step, to the byte: hybrid sharding gathers and reduce-scatters within a node
     # and all-reduces each rank's shard of the gradients across the nodes.

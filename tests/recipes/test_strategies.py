@@ -26,8 +26,8 @@ import json
 
 import pytest
 from communication import assert_closed_form
+from hub import assert_loads_as_the_hub_does
 from launching import ROOT, launch, launcher_command, quiet_console_problems
-from safetensors.torch import load_file
 from trackers import assert_same_as_metrics, tensorboard_scalars, wandb_history
 
 STEPS = 20
@@ -42,6 +42,8 @@ TWO_RANKS = ["--per_device_train_batch_size=4"]
 ACCUMULATING = {("accelerate", "fsdp"), ("accelerate", "fsdp_shard_grad_op"), ("accelerate", "zero1"),
                 ("deepspeed", "zero2"), ("deepspeed", "zero3")}  # fmt: skip
 EXPORT_ATOL = 1e-4  # 10x the measured worst difference (module docstring)
+MAX_GRAD_NORM = 1.0  # --max_grad_norm's default, below every step's norm here: clipping acts at every step
+NORM_RTOL = 1e-6  # every step's gradient norm against one process's
 
 # What the prepared objects must show, per strategy. shares: this rank's fraction of (parameters, gradients
 # given to the optimizer, Adam's states). ZeRO-1 and -2 both hand the optimizer a 1/N gradient partition;
@@ -152,21 +154,25 @@ def assert_in_force(seen: dict, strategy: str) -> None:
     assert on_nvme == pytest.approx(want.get("nvme", (0, 0)), abs=0.02), f"(params, optimizer states) on NVMe: {seen}"
 
 
+def by_step(run, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in run.records if key in r}
+
+
 def assert_same_training(run, reference) -> None:
-    """Every step's loss and the exported weights equal the single process's (tolerances: module docstring)."""
+    """Every step's loss and gradient norm (before clipping, which acts at every step) equal the single process's,
+    and the export loads as the Hub loads it, holding the single process's weights (tolerances: module docstring)."""
     losses, ref = run.losses, reference.losses
     assert sorted(losses) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         rtol = 1e-6 if step == 1 else 1e-5
         assert losses[step] == pytest.approx(ref[step], rel=rtol), f"step {step}"
-    ours, theirs = (
-        load_file(run.output_dir / "model.safetensors"),
-        load_file(reference.output_dir / "model.safetensors"),
-    )
-    assert ours.keys() == theirs.keys()
-    worst = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
-    print(f"exported weights: max abs difference {worst:.3g}")
-    assert worst <= EXPORT_ATOL, f"exported weights differ by up to {worst}"
+    norms, ref_norms = by_step(run, "grad_norm"), by_step(reference, "grad_norm")
+    assert sorted(norms) == sorted(ref_norms) and min(ref_norms.values()) > MAX_GRAD_NORM, ref_norms  # clipping acts
+    worst = max(abs(norms[step] / ref_norms[step] - 1) for step in ref_norms)
+    print(f"gradient norms: largest relative difference {worst:.3g}")
+    assert worst <= NORM_RTOL, {step: (norms[step], ref_norms[step]) for step in ref_norms}
+    seen = assert_loads_as_the_hub_does(run.output_dir, reference.output_dir, EXPORT_ATOL)
+    print(f"exported weights: max abs difference {seen['max_abs_diff']:.3g}")
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 from communication import SCALARS
+from hub import assert_loads_as_the_hub_does
 from launching import launch, launcher_command
 from transformers import AutoModelForCausalLM
 
@@ -103,7 +104,9 @@ def test_trainer_trains_what_train_py_trains(launcher, config, split, corpus, tm
             k: v for k, v in ds_ref.items() if k not in TRAINER_DS_KEYS
         }
 
-    # The exports are the same model.
+    # The exports are the same model, and the Trainer's loads as users load it (its save_model writes the model's
+    # own code: model/export.py).
+    assert_loads_as_the_hub_does(run.output_dir, ref.output_dir, atol=1e-5)
     ours = AutoModelForCausalLM.from_pretrained(run.output_dir, trust_remote_code=True).state_dict()
     theirs = AutoModelForCausalLM.from_pretrained(ref.output_dir, trust_remote_code=True).state_dict()
     assert ours.keys() == theirs.keys()
@@ -120,6 +123,7 @@ def test_micro_batches_are_weighted_by_tokens(tmp_path):
     from model import ShardGPTConfig, ShardGPTForCausalLM
     from training.config import RunConfig
     from training.hf_trainer import ShardGPTTrainer
+    from training.strategy import Strategy
 
     torch.manual_seed(0)
     net = ShardGPTForCausalLM(ShardGPTConfig.from_preset("debug"))
@@ -134,7 +138,7 @@ def test_micro_batches_are_weighted_by_tokens(tmp_path):
     )
     cfg = RunConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2)
     try:
-        trainer = ShardGPTTrainer(model=net, args=args, run_config=cfg, fused_adamw=False)
+        trainer = ShardGPTTrainer(model=net, args=args, run_config=cfg, strategy=Strategy("single"), fused_adamw=False)
         batches, count = trainer.get_batch_samples(iter(micro), 2, torch.device("cpu"))
         assert count.item() == (labels != -100).sum().item() == 2 * 16 + 2 * 4
         loss = sum(trainer.training_step(net, batch, count) for batch in batches)

@@ -23,7 +23,7 @@ from training.strategy import Strategy, launch_precision, launched_world_size, r
 from training.synthetic import StandInTokenizer
 
 
-def main() -> None:
+def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
     cfg = cfg.resolve(launched_world_size(), launch_precision())
     config = cfg.model_config()
@@ -62,6 +62,7 @@ def main() -> None:
         (Path(cfg.output_dir) / "refusals.json").write_text(json.dumps(seen, indent=2))
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
 
 
 def check(accelerator, net, asked: Strategy) -> str:

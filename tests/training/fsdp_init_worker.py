@@ -26,7 +26,7 @@ from training.strategy import launch_precision, launched_world_size, requested_s
 from training.synthetic import StandInTokenizer
 
 
-def main() -> None:
+def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
     cfg = cfg.resolve(launched_world_size(), launch_precision())
     config = cfg.model_config()
@@ -72,6 +72,7 @@ def main() -> None:
         keys = ("built_on_meta", "held_fraction", "optimizer_on_shards", "same_weights", "same_rng_after", "same_read")
         (out / "fsdp_init.json").write_text(json.dumps([dict(zip(keys, row, strict=True)) for row in every]))
     accelerator.wait_for_everyone()  # collective
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def rank_micro_batches(ids, labels, micro: int, accumulation: int, world: int, r
             for s in starts]  # fmt: skip
 
 
-def main() -> None:
+def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
     world = launched_world_size()
     cfg = cfg.resolve(world, launch_precision())
@@ -72,6 +72,7 @@ def main() -> None:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "final.pt")
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
+from training.gradnorm import clip_, grad_norm
 from training.optim import param_groups
 from training.pipeline import build_pipeline, fsdp2_stages
 
@@ -70,7 +71,9 @@ def one_process(micro_batches: int, data_parallel: int) -> dict:
             loss = net(**micro).loss
             loss.backward()
             total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_GRAD_NORM).item())
+        total = grad_norm(list(net.parameters()), torch.device("cpu"))  # one process's: float64 (training/gradnorm.py)
+        clip_(list(net.parameters()), MAX_GRAD_NORM, total)
+        norms.append(total.item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)

@@ -4,8 +4,9 @@ across the pipelines, and every bad layout is refused in one line before any pro
 The launches run tests/training/pipeline_worker.py: a 4-layer `debug` model (tied embeddings), 3 AdamW steps with
 clipping active, micro batches 2 x pp x stages per rank, against the same steps in one process. Measured (torch 2.13,
 2 and 4 gloo ranks): losses within 1.2e-7 relative, gradient norms within 4e-7, weights within 2.8e-5 after the 3
-steps (Adam's normalisation carries a few ulps of reordered sums); the bars below are the suite's: 1e-6 at step 1,
-1e-5 after, and 1e-4 on the weights.
+steps (Adam's normalisation carries a few ulps of reordered sums); the bars below are the suite's: losses 1e-6 at
+step 1 and 1e-5 after, gradient norms 1e-6 at every step (both summed in float64: training/gradnorm.py), and 1e-4 on
+the weights.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def assert_like_one_process(record: dict, spec: str) -> None:
     ours, ref = record["pipeline"], record["reference"]
     for step, (loss, want) in enumerate(zip(ours["losses"], ref["losses"], strict=True), 1):
         assert loss == pytest.approx(want, rel=1e-6 if step == 1 else 1e-5), f"{spec}: loss at step {step}"
-    assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), spec
+    assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-6), spec
     assert record["missing_weights"] == [] and record["max_weight_difference"] <= 1e-4, (spec, record)
 
 

@@ -15,7 +15,14 @@ import time
 from pathlib import Path
 
 from training.doctor.report import FAIL, NA, OK, WARN, Report, size
-from training.ops import build_dir, check_op_cache, left_by_killed_build, stale_lock, used_ops
+from training.ops import (
+    build_dir,
+    check_op_cache,
+    left_by_killed_build,
+    stale_lock,
+    use_environment_op_cache,
+    used_ops,
+)
 
 SLOW_DISK_MBPS = 500  # below this, NVMe offload's swapping dominates the step (a local NVMe writes > 1 GB/s)
 
@@ -172,6 +179,7 @@ def build_ops(report: Report, names: tuple[str, ...] | None = None, remove_stale
     removed with `remove_stale_locks`, instead of making this wait forever."""
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
+    use_environment_op_cache()  # into this environment's cache, where its launches look
     for name in names or used_ops():
         builder = ALL_OPS.get(name)
         if builder is None or not builder.is_compatible(verbose=False):
