@@ -79,7 +79,7 @@ test-latest:
 # The lock's packages with the oldest supported torch (FLOOR_TORCH) in .venv-floor, and FLOOR_TESTS on it.
 test-floor:
 	$(MAKE) setup VENV=.venv-floor TORCH="$(FLOOR_TORCH)"
-	.venv-floor/bin/python -m pytest -m "" $(FLOOR_TESTS) $(ARGS)  # -m "": the compiled launches are matrix cells
+	.venv-floor/bin/python -m pytest -m "" $(PARALLEL) $(FLOOR_TESTS) $(ARGS)  # -m "": the compiled launches are matrix cells
 
 # On a CUDA machine: every config one GPU can run, compile, fp16 loss scaling, the profiler, a resume under another
 # strategy (tests marked gpu; they skip without a GPU). Run with the GPU's own torch: make setup TORCH=... first.

@@ -118,6 +118,8 @@ def launch(
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "offline",  # a launch that reports to W&B writes its run under output_dir, never online
+        "WANDB_SILENT": "true",
         **(env or {}),
     }
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
@@ -163,6 +165,7 @@ def log_launch(cmd: list[str], args: list[str], run: Run, wall: float) -> None:
     config = next((Path(a).stem for a in [*cmd, *args] if a.endswith((".yaml", ".json"))), None)
     line = {
         "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "started": round(time.time() - wall, 1),
         "launcher": Path(cmd[0]).name if Path(cmd[0]).name != Path(sys.executable).name else "python",
         "config": config, "script": script, "wall_s": round(wall, 2), "returncode": run.returncode,
         **phases,

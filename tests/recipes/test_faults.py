@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import BIN, ROOT, Run, free_port, launch, launcher_command
+from parity import cell_args, cell_run
 from safetensors.torch import load_file
 
 from training.checkpoint import (
@@ -102,7 +103,7 @@ def assert_resumes_to_the_same_run(cmd, args, out: Path, straight, resumed_from:
     """A relaunch with --resume_from_checkpoint auto gives bitwise the straight run's later losses and weights."""
     resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out, timeout=LAUNCH_TIMEOUT)
     again = resumed.own_losses  # this run's records alone: a step it failed to log cannot pass
-    assert again == {s: straight.losses[s] for s in range(resumed_from + 1, STEPS + 1)}
+    assert again == {s: straight.losses[s] for s in range(resumed_from + 1, max(straight.losses) + 1)}
     final, expected = final_weights(out), final_weights(straight.output_dir)
     assert all(torch.equal(final[k], expected[k]) for k in expected)
 
@@ -193,9 +194,9 @@ def test_preempted_run_exits_with_its_own_status(monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def straight(corpus, tmp_path_factory):
-    """The uninterrupted DDP run every interrupted one must reproduce (checkpoints at 5 and 10)."""
-    out = tmp_path_factory.mktemp("straight") / "out"
-    return launch(launcher_command("accelerate", "ddp"), [*corpus["flags"], *TRAIN, "--save_steps=5"], out)
+    """The uninterrupted DDP run every interrupted one must reproduce: tests/recipes/parity.py's DDP cell, 20 steps
+    with checkpoints every 5."""
+    return cell_run("accelerate", "ddp", corpus, tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -205,11 +206,11 @@ def test_sigterm_to_the_launcher_saves_then_resume_is_exact(straight, corpus, tm
     the launcher forwards it; both ranks finish the step in flight, save a complete checkpoint and stop, one line
     names the signal and the checkpoint; the relaunch with auto ends bitwise where the straight run ended."""
     cmd = launcher_command("accelerate", "ddp")
-    args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
+    args = cell_args("accelerate", "ddp", corpus, tmp_path)  # the straight run's flags
     out = tmp_path / "out"
     stopped = launch(cmd, args, out, check=False, timeout=LAUNCH_TIMEOUT, env={"SHARDGPT_FAULT": "term_launcher@7"})
     sig, step, checkpoint = stop_line(stopped)
-    assert sig == "SIGTERM" and 7 <= step < STEPS and checkpoint == out / f"checkpoint-{step}"
+    assert sig == "SIGTERM" and 7 <= step < max(straight.losses) and checkpoint == out / f"checkpoint-{step}"
     # The launcher's own status: torch elastic re-raises the signal after its workers have ended.
     assert stopped.returncode != 0 and "SignalException" in stopped.stderr
     assert latest_checkpoint(out) == checkpoint and json.loads((checkpoint / STATE).read_text())["step"] == step
@@ -259,16 +260,16 @@ def test_damaged_newest_checkpoint_auto_resumes_from_the_one_before(straight, co
     out = tmp_path / "out"
     shutil.copytree(straight.output_dir, out)
     (out / "model.safetensors").unlink()
-    flip_byte(out / "checkpoint-10" / "optimizer.bin")
+    flip_byte(out / "checkpoint-20" / "optimizer.bin")
     cmd = launcher_command("accelerate", "ddp")
-    args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
-    damaged = out / "checkpoint-10"
+    args = cell_args("accelerate", "ddp", corpus, tmp_path)  # the straight run's flags
+    damaged = out / "checkpoint-20"
     refused = launch(cmd, [*args, f"--resume_from_checkpoint={damaged}"], out, check=False, timeout=LAUNCH_TIMEOUT)
     line = f"error: --resume_from_checkpoint '{damaged}' is damaged: {damaged / 'optimizer.bin'} has CRC-32"
     assert refused.returncode != 0 and refused.stderr.count(line) == 1  # one line, rank 0's, naming the file
     resumed = launch(cmd, [*args, "--resume_from_checkpoint=auto"], out, timeout=LAUNCH_TIMEOUT)
     assert f"skipping damaged checkpoint {damaged}: {damaged / 'optimizer.bin'} has CRC-32" in resumed.stderr
-    assert f"resumed from {out / 'checkpoint-5'}" in resumed.stderr
+    assert f"resumed from {out / 'checkpoint-15'}" in resumed.stderr
     final, expected = final_weights(out), final_weights(straight.output_dir)
     assert all(torch.equal(final[k], expected[k]) for k in expected)
 

@@ -7,27 +7,28 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 from communication import assert_closed_form
 from hub import assert_loads_as_the_hub_does
-from launching import BIN, ROOT, TIMEOUT, Run, free_port, launch, launcher_command
-
-STEPS = 10
-TRAIN = [
-    "--preset=debug", f"--max_steps={STEPS}", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",
-    "--eval_steps=0", "--save_steps=5", "--sample_max_new_tokens=0",
-]  # fmt: skip
+from launching import BIN, ROOT, TIMEOUT, Run, build_deepspeed_ops, free_port, log_launch, uses_deepspeed
+from parity import STEPS, cell_args, cell_run
 
 
 def launch_two_nodes(config: str, args: list[str], out, per_node: int = 1, extra: tuple[str, ...] = ()) -> Run:
     """`accelerate launch --machine_rank R` of accelerate_configs/<config>.yaml for R = 0, 1 on loopback."""
     port = str(free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),
+           "WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # fmt: skip
+    yaml = str(ROOT / "accelerate_configs" / f"{config}.yaml")
+    if uses_deepspeed([yaml], args):
+        build_deepspeed_ops()
+    started = time.perf_counter()
     nodes = []
     for rank in (0, 1):
         cmd = [
-            str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+            str(BIN / "accelerate"), "launch", "--config_file", yaml,
             "--num_machines", "2", "--num_processes", str(2 * per_node), "--machine_rank", str(rank),
             "--main_process_ip", "127.0.0.1", "--main_process_port", port, *extra,
             str(ROOT / "recipes" / "train.py"), *args, "--output_dir", str(out),
@@ -53,10 +54,18 @@ def launch_two_nodes(config: str, args: list[str], out, per_node: int = 1, extra
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait()
+    run = Run(out, results[0][1], results[0][2], max(code for code, _, _ in results))
+    log_launch([str(BIN / "accelerate"), yaml, "train.py"], args, run, time.perf_counter() - started)
     for rank, (code, _, stderr) in enumerate(results):
         if code != 0:
             pytest.fail(f"node {rank} failed ({code}):\n{stderr[-6000:]}")
-    return Run(out, results[0][1], results[0][2], 0)
+    return run
+
+
+def per_rank(flag: str, per_node: int) -> str:
+    """The micro batch of a flag list divided over `per_node` ranks of a node (the global batch kept)."""
+    name, _, value = flag.partition("=")
+    return f"{name}={int(value) // per_node}" if name == "--per_device_train_batch_size" else flag
 
 
 # (one-node config, two-node config as in accelerate_configs/, ranks per node, extra launch flags)
@@ -74,11 +83,12 @@ NODES = [
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("single", "config", "per_node", "extra"), NODES, ids=lambda v: str(v))
-def test_two_nodes_train_like_one(single, config, per_node, extra, corpus, tmp_path):
-    micro = [f"--per_device_train_batch_size={4 // per_node}"]
-    one = launch(launcher_command("accelerate", single), [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=4"],
-                 tmp_path / "one_node")  # fmt: skip
-    two = launch_two_nodes(config, [*corpus["flags"], *TRAIN, *micro], tmp_path / "two_nodes", per_node, extra)
+def test_two_nodes_train_like_one(single, config, per_node, extra, corpus, tmp_path, tmp_path_factory):
+    # One node: tests/recipes/parity.py's cell of the config (checkpoints every 5 steps); two nodes: its flags, the
+    # micro batch split over the ranks of a node.
+    one = cell_run("accelerate", single, corpus, tmp_path_factory)
+    args = [per_rank(a, per_node) for a in cell_args("accelerate", single, corpus, tmp_path)]
+    two = launch_two_nodes(config, args, tmp_path / "two_nodes", per_node, extra)
     hybrid = "fsdp-hybrid" if "hybrid" in config else one.strategy["strategy"]
     assert two.strategy["world_size"] == 2 * per_node and two.strategy["strategy"] == hybrid
     # Each rank holds what one node's ranks hold: hybrid sharding shards over a node's 2 ranks, not all 4.

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from launching import launch, launcher_command, quiet_console_problems
+from parity import cell_args, cell_run
 from safetensors.torch import load_file
 
 from training.checkpoint import MARKER, latest_checkpoint, resolve_resume
@@ -17,6 +18,9 @@ TRAIN = [
     "--preset=debug", "--max_steps=20", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",
     "--eval_steps=0", "--sample_max_new_tokens=0", "--per_device_train_batch_size=4", "--save_total_limit=5",
 ]  # fmt: skip
+# The straight runs: tests/recipes/parity.py's cells of these configs, which save every 5 steps; AutoTP's is this
+# module's own.
+SHARED = {"ddp", "fsdp", "zero2", "zero3"}
 
 STRATEGIES = [
     ("accelerate", "ddp"), ("accelerate", "fsdp"), ("accelerate", "zero2"), ("accelerate", "zero3"),
@@ -52,11 +56,20 @@ def megabytes(checkpoint) -> str:
     return f"{sum(f['size'] for f in files.values()) / 1e6:,.1f} MB"
 
 
+def straight_args(config: str, corpus, scratch) -> list[str]:
+    """The flags of `config`'s straight run, with which its resumed runs are launched too."""
+    if config in SHARED:
+        return cell_args("accelerate", config, corpus, scratch)
+    return [*corpus["flags"], *TRAIN, "--save_steps=5"]
+
+
 def straight_run(config: str, corpus, tmp_path_factory):
-    """20 steps with a checkpoint every 5, once per strategy for every test of this module that needs it."""
+    """20 steps with a checkpoint every 5, once per strategy for every test that needs it."""
+    if config in SHARED:
+        return cell_run("accelerate", config, corpus, tmp_path_factory)
     if config not in _STRAIGHT:
         out = tmp_path_factory.mktemp(f"straight-{config}")
-        args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
+        args = straight_args(config, corpus, out)
         _STRAIGHT[config] = launch(launcher_command("accelerate", config), args, out / "run")
     return _STRAIGHT[config]
 
@@ -72,7 +85,7 @@ def test_resume_continues_exactly(launcher, config, corpus, tmp_path, tmp_path_f
     straight = straight_run(config, corpus, tmp_path_factory)
     out = tmp_path / "run"
     shutil.copytree(straight.output_dir, out)
-    args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
+    args = straight_args(config, corpus, tmp_path)
     losses, weights = straight.losses, final_weights(straight)
     # The resumed-from state is far from a fresh one, so a resume that silently restarted from the initial
     # weights (or the first batches) could not match the straight run's later steps.
@@ -157,7 +170,7 @@ def test_killed_run_resumes_to_the_same_weights(config, fault, resumed_from, cor
     down; a relaunch with `--resume_from_checkpoint auto` skips the half-written checkpoint and ends with the
     uninterrupted run's weights."""
     cmd = launcher_command("accelerate", config)
-    args = [*corpus["flags"], *TRAIN, "--save_steps=5"]
+    args = straight_args(config, corpus, tmp_path)
     straight = straight_run(config, corpus, tmp_path_factory)
     out = tmp_path / "killed"
     killed = launch(cmd, args, out, check=False, env={"SHARDGPT_FAULT": fault})

@@ -1,12 +1,17 @@
 """Every config of accelerate_configs/ and ds_configs/ trains the same model on 2 CPU ranks (gloo).
 
-Same seed, initial weights, data order and global batch (8 sequences): each launch's per-step losses must
-equal a single-process run's at every step. Tolerance: fp32 throughout; the ranks' partial gradients are summed
-by gloo in another order than one process's batched matmuls, which perturbs each step by a few ulps, and Adam's
-normalisation carries that forward. Measured on 2 CPU cores: at most 1.2e-7 relative over 20 steps for every
-launch below; the test allows 1e-6 at step 1 and 1e-5 after (10-100x margin for other CPUs' kernels). The
-exported weights after 20 steps (magnitudes up to about 1) differ from the single process's by at most 1.0e-5
-(measured, every launch below); the test allows EXPORT_ATOL = 1e-4.
+Same seed, initial weights, data order and global batch (8 sequences): each launch's per-step losses and gradient
+norms must equal a single-process run's at every step. The launches are tests/recipes/parity.py's cells, made once
+and read by other modules too (resume, faults, two nodes, the Trainer, activation checkpointing on four of them).
+Tolerance: fp32 throughout; the ranks' partial gradients are summed by gloo in another order than one process's
+batched matmuls, which perturbs each step by a few ulps, and Adam's normalisation carries that forward. Measured on
+2 CPU cores: at most 1.2e-7 relative over 20 steps for every launch below; the test allows 1e-6 at step 1 and 1e-5
+after (10-100x margin for other CPUs' kernels). The gradient norm before clipping (clipping acts at every step:
+--max_grad_norm 1.0 is below every norm here) is summed in float64 by every strategy (training/gradnorm.py, as
+DeepSpeed sums its own): within NORM_RTOL = 1e-6 of one process's at every step. The exported weights after 20
+steps (magnitudes up to about 1) differ from the single process's by at most 1.0e-5 (measured, every launch below);
+the test allows EXPORT_ATOL = 1e-4, read in a fresh process without the project, as the Hub loads the folder
+(tests/hub.py: `from_pretrained` with trust_remote_code and the model card's own `pipeline(...)` line).
 
 DeepSpeed AutoTP (`ds_configs/autotp.json`) splits every layer over the 2 ranks, which then train on one batch: its
 launch takes micro batch 8, the reference's global batch, and must match it the same way (measured: steps 1-3 equal
@@ -28,21 +33,10 @@ import pytest
 from communication import assert_closed_form
 from hub import assert_loads_as_the_hub_does
 from launching import ROOT, launch, launcher_command, quiet_console_problems
+from parity import MAX_GRAD_NORM, STEPS, TRACKERS, TRAIN, TWO_RANKS, by_step, cell_run, reference_run
 from trackers import assert_same_as_metrics, tensorboard_scalars, wandb_history
 
-STEPS = 20
-TRAIN = [
-    "--preset=debug", f"--max_steps={STEPS}", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",
-    "--eval_steps=10", "--max_eval_batches=4", "--save_steps=0", "--sample_max_new_tokens=0",
-]  # fmt: skip
-TWO_RANKS = ["--per_device_train_batch_size=4"]
-# These cells take the same 8 sequences a step as 2 micro batches of 2 per rank: what a step sends with gradient
-# accumulation (FSDP2 and ZeRO-3 gather every micro batch; FSDP2 and ZeRO-1 reduce once a step, ZeRO-2 and ZeRO-3
-# every micro batch) is held to its closed form too.
-ACCUMULATING = {("accelerate", "fsdp"), ("accelerate", "fsdp_shard_grad_op"), ("accelerate", "zero1"),
-                ("deepspeed", "zero2"), ("deepspeed", "zero3")}  # fmt: skip
 EXPORT_ATOL = 1e-4  # 10x the measured worst difference (module docstring)
-MAX_GRAD_NORM = 1.0  # --max_grad_norm's default, below every step's norm here: clipping acts at every step
 NORM_RTOL = 1e-6  # every step's gradient norm against one process's
 
 # What the prepared objects must show, per strategy. shares: this rank's fraction of (parameters, gradients
@@ -107,16 +101,12 @@ LAUNCHES = [
     ("deepspeed", "autotp", "zero1-autotp"),
     ("torchrun", None, "ddp"),
 ]
-# Launches that also report to trackers, read back from their files (W&B offline): rank 0's metrics, as
-# metrics.jsonl holds them (tests/recipes/test_debugging.py reads W&B under DDP).
-TRACKERS = {("accelerate", "ddp"): "tensorboard", ("accelerate", "zero3"): "tensorboard,wandb"}
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """One process, micro batch 8: the losses every 2-rank launch (micro 4 x 2 ranks) must reproduce."""
-    out = tmp_path_factory.mktemp("reference")
-    return launch(launcher_command("python"), [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=8"], out)
+    return reference_run(corpus, tmp_path_factory)
 
 
 def needs_libaio(config):
@@ -154,10 +144,6 @@ def assert_in_force(seen: dict, strategy: str) -> None:
     assert on_nvme == pytest.approx(want.get("nvme", (0, 0)), abs=0.02), f"(params, optimizer states) on NVMe: {seen}"
 
 
-def by_step(run, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in run.records if key in r}
-
-
 def assert_same_training(run, reference) -> None:
     """Every step's loss and gradient norm (before clipping, which acts at every step) equal the single process's,
     and the export loads as the Hub loads it, holding the single process's weights (tolerances: module docstring)."""
@@ -178,20 +164,10 @@ def assert_same_training(run, reference) -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("launcher", "config", "strategy"), LAUNCHES, ids=lambda v: str(v))
-def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, reference, tmp_path):
+def test_strategy_trains_the_same_model(launcher, config, strategy, corpus, reference, tmp_path_factory):
     needs_libaio(config)
-    # Tensor-parallel ranks train on the same batch: one data-parallel rank takes the whole global batch of 8.
-    batch = ["--per_device_train_batch_size=8"] if "autotp" in strategy else TWO_RANKS
-    if (launcher, config) in ACCUMULATING:
-        batch = ["--per_device_train_batch_size=2", "--gradient_accumulation_steps=2"]
-    args = [*corpus["flags"], *TRAIN, *batch, f"--nvme_path={tmp_path}"]
-    if launcher in ("deepspeed", "torchrun") and config:
-        args.append(f"--deepspeed=ds_configs/{config}.json")
+    run = cell_run(launcher, config, corpus, tmp_path_factory)  # the cell's flags: tests/recipes/parity.py
     trackers = TRACKERS.get((launcher, config))
-    if trackers:
-        args.append(f"--report_to={trackers}")
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    run = launch(launcher_command(launcher, config), args, tmp_path / "out", env=env)
 
     # The strategy in force is the one asked for, as the prepared objects show it.
     assert run.strategy["strategy"] == strategy

@@ -71,9 +71,9 @@ def one_process(micro_batches: int, data_parallel: int) -> dict:
             loss = net(**micro).loss
             loss.backward()
             total += loss.item()
-        total = grad_norm(list(net.parameters()), torch.device("cpu"))  # one process's: float64 (training/gradnorm.py)
-        clip_(list(net.parameters()), MAX_GRAD_NORM, total)
-        norms.append(total.item())
+        norm = grad_norm(list(net.parameters()), torch.device("cpu"))  # one process's: float64 (training/gradnorm.py)
+        clip_(list(net.parameters()), MAX_GRAD_NORM, norm)
+        norms.append(norm.item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
