@@ -119,11 +119,12 @@ def test_resume_under_another_strategy(source, config, nproc, flags, corpus, tmp
     shutil.copytree(checkpoint, out / "checkpoint-3")
     args = [*corpus["flags"], *TRAIN, *flags, "--resume_from_checkpoint=auto"]
 
-    # What the prepared objects hold once loaded, gathered by the libraries' getters (tests/recipes/resume_worker.py,
-    # which prepares the whole model: not a pipeline's stages).
+    # One launch: the training script resuming, which (tests/recipes/resume_worker.py, outside pipelines) first
+    # writes what the prepared objects hold once loaded, gathered by the libraries' getters, then trains on.
     expected = read_checkpoint(checkpoint)
-    if PIPELINE[0] not in flags:
-        launch(command(config, nproc, worker=True), args, out)
+    pipelined = PIPELINE[0] in flags
+    resumed = launch(command(config, nproc, worker=not pipelined), args, out)
+    if not pipelined:
         loaded = torch.load(out / "loaded.pt")
         assert loaded["step"] == expected["step"] == 3
         for key in ("weights", "exp_avg", "exp_avg_sq"):
@@ -135,7 +136,6 @@ def test_resume_under_another_strategy(source, config, nproc, flags, corpus, tmp
         assert loaded["lr"] == pytest.approx([lr_at_3] * 2, rel=1e-12)
 
     # The rest of the run: steps 4-6 log the straight run's losses.
-    resumed = launch(command(config, nproc), args, out)
     assert f"resumed from {out / 'checkpoint-3'} at step 3" in resumed.stderr
     losses = resumed.own_losses
     assert sorted(losses) == [4, 5, 6], f"the resumed run logged steps {sorted(losses)}"
