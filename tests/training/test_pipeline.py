@@ -31,9 +31,13 @@ def run_worker(tmp_path, nproc: int, pp: int, specs: list[str]) -> dict[str, dic
 def assert_like_one_process(record: dict, spec: str) -> None:
     assert record["error"] is None, f"{spec}: {record['error']}"
     ours, ref = record["pipeline"], record["reference"]
+    # Step 1 is the same weights on the same data: the losses and the norms agree to 1e-6. From step 2 the weights
+    # carry the first step's rounding (the stages and data-parallel ranks sum in another order; 4e-6 measured on
+    # the norm at step 3 of pp 2 x dp 2), and both are held to 1e-5.
     for step, (loss, want) in enumerate(zip(ours["losses"], ref["losses"], strict=True), 1):
         assert loss == pytest.approx(want, rel=1e-6 if step == 1 else 1e-5), f"{spec}: loss at step {step}"
-    assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-6), spec
+    for step, (norm, want) in enumerate(zip(ours["grad_norms"], ref["grad_norms"], strict=True), 1):
+        assert norm == pytest.approx(want, rel=1e-6 if step == 1 else 1e-5), f"{spec}: gradient norm at step {step}"
     assert record["missing_weights"] == [] and record["max_weight_difference"] <= 1e-4, (spec, record)
 
 
@@ -68,11 +72,11 @@ def test_stages_are_laid_out_looped_or_v_shaped():
 
 def test_the_pipeline_is_the_outermost_degree():
     """4 ranks, pp 2: ranks 0 and 2 form one pipeline and read share 0; 1 and 3 the other, share 1."""
-    s = Strategy("ddp", 4, pp_size=2)
+    s = Strategy.of("ddp", 4, pp=2)
     assert (s.name, s.data_parallel_size) == ("ddp-pp2", 2)
     assert [s.pipeline_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert [s.data_parallel_rank(r) for r in range(4)] == [0, 1, 0, 1]
-    fsdp = Strategy("fsdp", 4, fsdp_version=2, pp_size=2)
+    fsdp = Strategy.of("fsdp", 4, fsdp_version=2, pp=2)
     assert (fsdp.name, fsdp.shard_size) == ("fsdp-pp2", 2)
     for name in ("single-pp2", "ddp-pp2", "fsdp-pp2"):
         assert Strategy.from_name(name, 4).name == name
@@ -113,7 +117,7 @@ def run_config(**flags):
 
 
 @pytest.mark.parametrize(("world", "flags", "variables", "refusal"), [
-    (3, {}, {}, "--pipeline_parallel_degree 2 does not divide the 3 launched ranks: pass one of [1, 3]"),
+    (3, {}, {}, "--pipeline_parallel_degree = 2 does not divide the 3 launched ranks: set it to one of [1, 3]"),
     (2, {"deepspeed": str(ROOT / "ds_configs" / "zero1.json")}, {}, "(ZeRO-1): the pipeline's stages are run by"),
     (2, {"deepspeed": str(ROOT / "ds_configs" / "autotp.json")}, {}, "(ZeRO-1 with AutoTP)"),
     (2, {}, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE":
