@@ -344,7 +344,9 @@ def main(argv: list[str] | None = None) -> None:
         names = (pipelined if pp > 1 else STRATEGIES) if args.strategy == "all" else args.strategy.split(",")
         strategies = [Strategy.from_name(name, args.num_gpus) for name in names]
         if pp > 1:
-            strategies = [replace(s, pp_size=pp, pp_schedule=args.pipeline_parallel_schedule) for s in strategies]
+            strategies = [
+                replace(s.with_degrees(pp=pp), pp_schedule=args.pipeline_parallel_schedule) for s in strategies
+            ]
         ds = load_json(args.ds_config) if args.ds_config else None
         if args.largest:
             print(largest(args, overrides, strategies, ds))

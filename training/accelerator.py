@@ -50,7 +50,7 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
         # Ulysses from the JSON's sequence_parallel_size: the parallelism config with which `prepare` registers
         # DeepSpeed's sequence-parallel attention and groups (an accelerate YAML's own block is read by accelerate).
-        kwargs["parallelism_config"] = accelerator_parallelism_config(strategy.world_size, strategy.sp_size)
+        kwargs["parallelism_config"] = accelerator_parallelism_config(strategy.mesh)
     elif on_cpu:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
     fsdp_on_cpu = strategy.family == "fsdp" and on_cpu

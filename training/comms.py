@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -335,7 +335,7 @@ def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mic
       each over micro_tokens / sp positions; and, in the forward, an all-gather of the position ids (int64).
     - The ZeRO stage's own traffic over every rank, as without sequence parallelism (`expected_payloads`).
     """
-    base = expected_payloads(replace(strategy, sp_size=1), shape, bytes_per_element, micro_batches)
+    base = expected_payloads(strategy.with_degrees(sp=1), shape, bytes_per_element, micro_batches)
     if base is None:
         return None
     h, layers = config.hidden_size, config.num_hidden_layers

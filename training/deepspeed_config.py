@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from training.parallel.mesh import Mesh
+
 if TYPE_CHECKING:
     from training.config import RunConfig
 
@@ -83,15 +85,10 @@ def data_parallel_size(ds: dict, world_size: int, source: str) -> int:
             f"{autotp_size(ds)}) in {source}: DeepSpeed does not combine the two; remove tensor_parallel from the "
             "DeepSpeed config, or the sequence-parallel setting"
         )
-    for key, size in (("tensor_parallel.autotp_size", autotp_size(ds)),
-                      ("sequence_parallel_size", sequence_parallel_size(ds))):  # fmt: skip
-        if world_size % size:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(
-                f"DeepSpeed config {source}: {key} = {size} does not divide the {world_size} "
-                f"launched ranks; set it to one of {divisors}, or launch a multiple of {size} ranks"
-            )
-    return world_size // (autotp_size(ds) * sequence_parallel_size(ds))
+    try:
+        return Mesh.of_world(world_size, tp=autotp_size(ds), sp=sequence_parallel_size(ds)).dp
+    except ValueError as e:
+        raise ValueError(f"DeepSpeed config {source}: {e}") from None
 
 
 def gradient_reduction_dtype(bf16: bool, bf16_gradient_reduction: bool) -> str:

@@ -68,7 +68,7 @@ class Replicated(Engine):
         # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (training/sequence.py).
         s = self.strategy
         zero = (s.deepspeed or {}).get("zero_optimization") or {}
-        divisor = gradient_divisor(s.data_parallel_size, s.sp_size, s.zero_stage, zero, s.cp_size)
+        divisor = gradient_divisor(s.mesh, s.zero_stage, zero)
         loss_scale = divisor * self.cfg.gradient_accumulation_steps
         context = context_parallel(self.accelerator) if s.cp_size > 1 else None  # CUDA only: ring attention
         shards = fsdp1_shards(self.net, s.fsdp_version, s.fsdp_sharding)  # FSDP1's gradients' ranks, for the norm
@@ -154,9 +154,9 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     pipeline = None
     if pipelined:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config
         shard = stage_sharder(cfg, strategy, accelerator.device) if strategy.family == "fsdp" else None
-        pipeline = build_pipeline(net, accelerator.process_index, strategy.world_size, strategy.pp_size,
-                                  strategy.pp_schedule, strategy.pp_stages_per_rank, cfg.gradient_accumulation_steps,
-                                  accelerator.device, shard)  # fmt: skip  # collective: the groups, the mesh
+        pipeline = build_pipeline(net, strategy.mesh, accelerator.process_index, strategy.pp_schedule,
+                                  strategy.pp_stages_per_rank, cfg.gradient_accumulation_steps, accelerator.device,
+                                  shard)  # fmt: skip  # collective: the groups
     fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)

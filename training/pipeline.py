@@ -31,6 +31,8 @@ from transformers.masking_utils import create_causal_mask
 
 from training.build import local
 from training.gradnorm import clip_, grad_norm
+from training.parallel.groups import new_groups
+from training.parallel.mesh import Mesh
 from training.step import NonFiniteLossError, StepResult
 
 # The schedules that train like one process on CPU ranks (tests/training/test_pipeline.py), by torch's names, and
@@ -444,35 +446,38 @@ class Pipeline:
         return whole
 
 
-def build_pipeline(model: nn.Module, rank: int, world: int, pp: int, schedule_name: str, per_rank: int,
-                   micro_batches: int, device: torch.device, shard) -> Pipeline:  # fmt: skip
-    """This rank's stages of `model` (trimmed in place), wrapped for data parallelism (`shard`: FSDP2's
-    `fully_shard` over the data-parallel ranks, or None: DDP where there are several), and the schedule over them.
-    Collective: creates the pipeline, data-parallel and tied-embedding process groups (every rank creates every
-    group)."""
-    dp = world // pp
-    pp_rank, dp_rank = rank // dp, rank % dp
+def build_pipeline(model: nn.Module, mesh: Mesh, rank: int, schedule_name: str, per_rank: int, micro_batches: int,
+                   device: torch.device, shard) -> Pipeline:  # fmt: skip
+    """`rank`'s stages of `model` (trimmed in place) on the launch's `mesh` (pp x data parallel), wrapped for data
+    parallelism (`shard`: FSDP2's `fully_shard` over the data-parallel ranks, or None: DDP where there are several),
+    and the schedule over them. Collective: creates the pipeline, data-parallel and tied-embedding process groups
+    (every rank creates every group)."""
+    if mesh.world != mesh.pp * mesh.dp:
+        raise ValueError(f"a pipeline runs on pp x data-parallel ranks; the mesh is {mesh.shape}")
+    pp, dp, pp_rank = mesh.pp, mesh.dp, mesh.coordinates(rank)["pp"]
     owners = stage_ranks(schedule_name, pp, per_rank)
     num_stages = len(owners)
     mine = [s for s, owner in enumerate(owners) if owner == pp_rank]
-    # collective: every rank creates every group, in the same order
-    pp_groups = [dist.new_group([d + p * dp for p in range(pp)]) for d in range(dp)]
-    dp_groups = [dist.new_group([d + p * dp for d in range(dp)]) for p in range(pp)]
+    pp_group = new_groups(mesh, rank, "pp")  # collective: every rank creates every group, in the same order
+    dp_group = new_groups(mesh, rank, "dp_replicate", "dp_shard")  # collective
     tied = model.config.tie_word_embeddings and owners[0] != owners[-1]
-    tie_groups = [dist.new_group([d + owners[0] * dp, d + owners[-1] * dp]) for d in range(dp)] if tied else []
+    tie_group = None
+    if tied:  # the first and last stage's ranks of each pipeline (collective: every rank creates every group)
+        for pipeline_ranks in mesh.groups("pp"):
+            ends = [pipeline_ranks[owners[0]], pipeline_ranks[owners[-1]]]
+            group = dist.new_group(ends)
+            tie_group = group if rank in ends else tie_group
     parameters = sum(p.numel() for p in model.parameters())  # the whole model's, tied weights once
     # The busy clock's marks in the autograd graph break the zero-bubble schedules' split backward: not timed there.
     clock = None if schedule_name in ZERO_BUBBLE else BusyClock(device)
     stages = keep_stages(model, mine, num_stages, clock)
     if shard is not None:
         for stage in stages:
-            shard(stage, dp_groups[pp_rank])
+            shard(stage, dp_group)
     pipeline = Pipeline(
-        model=model, stages=stages, schedule=None, pp_group=pp_groups[dp_rank],
-        dp_group=dp_groups[pp_rank] if dp > 1 else None,
-        tie_group=tie_groups[dp_rank] if tied and pp_rank in (owners[0], owners[-1]) else None,
-        sharded=shard is not None, pp_rank=pp_rank, pp_size=pp, data_parallel_size=dp, owners=owners,
-        parameters=parameters, clock=clock,
+        model=model, stages=stages, schedule=None, pp_group=pp_group, dp_group=dp_group if dp > 1 else None,
+        tie_group=tie_group, sharded=shard is not None, pp_rank=pp_rank, pp_size=pp, data_parallel_size=dp,
+        owners=owners, parameters=parameters, clock=clock,
     )  # fmt: skip
     pipeline_stages = [
         PipelineStage(module, index, num_stages, device, group=pipeline.pp_group)

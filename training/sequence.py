@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from training.parallel.mesh import Mesh
+
 if TYPE_CHECKING:
     from model import ShardGPTConfig
     from training.config import RunConfig
@@ -110,9 +112,7 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
             f"sequence parallelism (sp_size {sp}) with --pipeline_parallel_degree {cfg.pipeline_parallel_degree}: "
             "a pipeline does not run under DeepSpeed here; choose one of them"
         )
-    if world % sp:
-        divisors = [d for d in range(2, world + 1) if world % d == 0]
-        raise ValueError(f"sp_size {sp} does not divide the {world} launched ranks: set it to one of {divisors}")
+    Mesh.of_world(world, sp=sp)  # refuses an sp_size that does not divide the ranks
     shard = block.get("dp_shard_size")
     replicate = int(block.get("dp_replicate_size", "1") or 1)
     if block and shard is not None and int(shard) * replicate * sp != world:
@@ -180,20 +180,20 @@ def check_context_parallel(cfg: RunConfig, cp: int, fsdp_version: int, cuda: boo
         )
 
 
-def gradient_divisor(data_parallel: int, sp: int, zero_stage: int, zero: dict, cp: int = 1) -> int:
-    """What the gradient reduction divides each summed gradient by, with `sp` (Ulysses) or `cp` (ring context)
-    ranks a sequence, `data_parallel` groups of them: the data-parallel count without either. DeepSpeed 0.19.8 under
+def gradient_divisor(mesh: Mesh, zero_stage: int, zero: dict) -> int:
+    """What the gradient reduction divides each summed gradient by, on the launch's `mesh`: with sp (Ulysses) or cp
+    (ring context) ranks a sequence, dp groups of them, the data-parallel count without either. DeepSpeed 0.19.8 under
     Ulysses (`zero` the config's zero_optimization): ZeRO-3's reduce-scatter (`reduce_scatter`, true by default) by
     every rank of the sequence-and-data-parallel group (runtime/comm/coalesced_collectives.py:
     `reduce_scatter_coalesced` pre-divides by the group's size); ZeRO-1 and 2, and ZeRO-3 without reduce_scatter,
     by that count over sp (runtime/zero/stage_1_and_2.py `average_tensor`, stage3.py
     `__avg_scatter_contiguous_grads`: `world_size / sequence_parallel_size`). FSDP2 under ring context parallelism
     reduce-scatters over accelerate's flattened dp_shard x cp mesh, averaging over all of its ranks."""
-    if cp > 1:
-        return data_parallel * cp
-    if sp > 1 and zero_stage == 3 and zero.get("reduce_scatter", True):
-        return data_parallel * sp
-    return data_parallel
+    if mesh.cp > 1:
+        return mesh.dp * mesh.cp
+    if mesh.sp > 1 and zero_stage == 3 and zero.get("reduce_scatter", True):
+        return mesh.dp * mesh.sp
+    return mesh.dp
 
 
 def context_parallel(accelerator):
@@ -212,16 +212,17 @@ def context_parallel(accelerator):
     return enter
 
 
-def accelerator_parallelism_config(world: int, sp: int):
+def accelerator_parallelism_config(mesh: Mesh):
     """The accelerate `ParallelismConfig` that turns Ulysses on in `prepare` for a launch whose degree came from
-    the DeepSpeed JSON (no accelerate YAML block): sp over consecutive ranks, the rest data-parallel. None where
-    the YAML's own block is in force (accelerate reads it) or without sequence parallelism."""
-    if sp == 1 or yaml_sequence_parallel() is not None:
+    the DeepSpeed JSON (no accelerate YAML block): the launch's mesh, sp over consecutive ranks, the rest
+    data-parallel. None where the YAML's own block is in force (accelerate reads it) or without sequence
+    parallelism."""
+    if mesh.sp == 1 or yaml_sequence_parallel() is not None:
         return None
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
     return ParallelismConfig(
-        dp_shard_size=world // sp, sp_size=sp, sp_backend="deepspeed",
+        dp_shard_size=mesh.dp, sp_size=mesh.sp, sp_backend="deepspeed",
         sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
     )  # fmt: skip

@@ -34,6 +34,7 @@ from training.deepspeed_config import (
     zero_stage,
 )
 from training.ops import check_op_cache, launch_ops
+from training.parallel.mesh import Mesh, MeshError
 from training.pipeline import ZERO_BUBBLE
 from training.sequence import (
     check_context_parallel,
@@ -57,8 +58,9 @@ class Strategy:
     family: Family
     """Who wraps the model: nobody (one process, "single"), DDP, torch's FSDP through accelerate, or a DeepSpeed
     engine."""
-    world_size: int = 1
-    """Ranks the launcher started."""
+    mesh: Mesh = Mesh()
+    """The degrees of every parallel axis (training/parallel/mesh.py): pipeline, data-parallel replicas and shards,
+    ring context, Ulysses sequence and tensor parallelism; their product is the launched world."""
     zero_stage: int = 0
     """DeepSpeed's ZeRO stage (0 to 3); 0 outside DeepSpeed."""
     offload_param: Device = "none"
@@ -73,29 +75,11 @@ class Strategy:
     """FSDP's sharding, in torch's names: FULL_SHARD frees a unit's gathered parameters after its forward,
     SHARD_GRAD_OP keeps them until its backward (FSDP2's `fsdp_reshard_after_forward: false`), NO_SHARD (FSDP1)
     shards nothing."""
-    replicas: int = 1
-    """Hybrid FSDP: the copies of the model, each sharded over world_size / replicas ranks (accelerate's
-    parallelism_config); 1 otherwise."""
-    tp_size: int = 1
-    """Ranks each layer is split over (DeepSpeed AutoTP); the ranks of a tensor-parallel group train on the same
-    batch."""
-    pp_size: int = 1
-    """Pipeline stages' ranks: the decoder's layers split over this many ranks (--pipeline_parallel_degree), which
-    train on the same batch, one micro batch after another (training/pipeline.py). The outermost degree: ranks
-    r and r + world / pp_size hold neighbouring stages of one pipeline."""
     pp_schedule: str = "1F1B"
     """The pipeline schedule (torch.distributed.pipelining's name: GPipe, 1F1B, Interleaved1F1B, ...); unused
     without pipeline parallelism."""
     pp_stages_per_rank: int = 1
     """Stages each pipeline rank holds: 1, or more under the interleaved and V-shaped schedules."""
-    sp_size: int = 1
-    """Ranks each sequence is split over (DeepSpeed's Ulysses sequence parallelism, training/sequence.py): each
-    holds block_size / sp_size positions of the same sequences and the attention exchanges heads for positions
-    (all-to-all). Consecutive ranks form a group, as DeepSpeed's `initialize_sequence_parallel` builds them."""
-    cp_size: int = 1
-    """Ranks each sequence is split over by torch's ring context parallelism (an accelerate YAML's
-    parallelism_config cp_size, FSDP2 on CUDA GPUs only: training/sequence.py); consecutive ranks, as accelerate's
-    mesh (dp_replicate, dp_shard, cp, tp) places them."""
     deepspeed: dict | None = field(default=None, compare=False)
     """The DeepSpeed config with every "auto" resolved from the flags; None outside DeepSpeed."""
     deepspeed_source: str | None = field(default=None, compare=False)
@@ -103,24 +87,35 @@ class Strategy:
     fsdp_env: Mapping[str, str] = field(default_factory=dict, compare=False)
     """accelerate's FSDP_* variables as launched: what only FSDP's own set-up and checks read (the wrap policy)."""
 
+    @classmethod
+    def of(cls, family: Family, world: int = 1, *, pp: int = 1, cp: int = 1, sp: int = 1, tp: int = 1,
+           replicas: int = 1, **wrapper) -> Strategy:  # fmt: skip
+        """The strategy `family` runs on `world` ranks with these model-parallel degrees and hybrid replicas, the
+        rest of the ranks data parallel: sharded under FSDP and ZeRO, replicated under DDP (`Mesh.of_world`, where
+        the degrees are checked against the world). `wrapper`: the other fields."""
+        mesh = Mesh.of_world(world, pp=pp, cp=cp, sp=sp, tp=tp, replicas=replicas,
+                             shard=family in ("fsdp", "deepspeed"))  # fmt: skip
+        return cls(family, mesh, **wrapper)
+
+    def with_degrees(self, world: int | None = None, **degrees) -> Strategy:
+        """This strategy on `world` ranks (its own by default) with other model-parallel degrees (`Strategy.of`'s
+        pp, cp, sp, tp, replicas; the others kept), the rest of the ranks data parallel."""
+        m = self.mesh
+        kept = {"pp": m.pp, "cp": m.cp, "sp": m.sp, "tp": m.tp, "replicas": self.replicas}
+        mesh = Mesh.of_world(world or m.world, **{**kept, **degrees}, shard=m.dp_shard > 1 or self.family != "ddp")
+        return replace(self, mesh=mesh)
+
     def __post_init__(self):
-        if self.world_size < 1 or self.tp_size < 1 or not 1 <= self.replicas <= self.world_size:
-            raise ValueError(
-                f"Strategy: {self.world_size} ranks cannot hold {self.replicas} replicas or split layers over "
-                f"{self.tp_size}"
-            )
-        if self.pp_size < 1 or self.pp_stages_per_rank < 1 or self.world_size % self.pp_size:
-            raise ValueError(
-                f"Strategy: {self.world_size} ranks cannot hold {self.pp_size} pipelines' ranks of "
-                f"{self.pp_stages_per_rank} stages each"
-            )
-        if min(self.sp_size, self.cp_size) < 1 or self.world_size % (self.sp_size * self.cp_size * self.pp_size):
-            raise ValueError(
-                f"Strategy: {self.world_size} ranks cannot split sequences over {self.sp_size * self.cp_size} ranks "
-                f"in each of {self.pp_size} pipeline stages' ranks"
-            )
+        if self.pp_stages_per_rank < 1:
+            raise ValueError(f"Strategy: {self.pp_stages_per_rank} stages per pipeline rank; at least 1")
         if self.replicas > 1 and self.fsdp_version != 2:
             raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
+        sharded = self.family in ("fsdp", "deepspeed")
+        if (self.family == "deepspeed" and self.mesh.dp_replicate > 1) or (not sharded and self.mesh.dp_shard > 1):
+            raise ValueError(
+                f"Strategy: {self.family} does not run on the mesh {self.mesh.shape} (ZeRO shards every "
+                "data-parallel rank, DDP replicates)"
+            )
         for name, kind in (("family", Family), ("offload_param", Device), ("offload_optimizer", Device),
                            ("fsdp_sharding", Sharding)):  # fmt: skip
             if getattr(self, name) not in get_args(kind):
@@ -157,6 +152,8 @@ class Strategy:
         match = NAME.fullmatch(name)
         try:
             strategy = spelled(match, world_size) if match else None
+        except MeshError:  # degrees the name spells that do not divide the ranks: that error says which
+            raise
         except ValueError:  # parts that make no strategy: fsdp1-hybrid, -hybrid on one rank
             strategy = None
         if strategy is None or strategy.name not in (name, name.replace("-offload", "-offload-cpu")):
@@ -183,29 +180,33 @@ class Strategy:
         sharding, 1 under NO_SHARD; 1 outside FSDP."""
         if self.family != "fsdp" or self.fsdp_sharding == "NO_SHARD":
             return 1
-        return self.data_parallel_size * self.cp_size // self.replicas  # ring context: over dp_shard x cp
+        return self.mesh.dp_shard * self.mesh.cp  # ring context: over dp_shard x cp
 
     @property
-    def data_parallel_size(self) -> int:
-        """Ranks that train on different data: the global batch is micro x accumulation x this. The world over the
-        pipeline, sequence-parallel (Ulysses or ring context) and tensor-parallel degrees."""
-        return self.world_size // (self.tp_size * self.sp_size * self.cp_size * self.pp_size)
+    def replicas(self) -> int:
+        """Hybrid FSDP: the copies of the model, each sharded over shard_size ranks; 1 otherwise."""
+        return self.mesh.dp_replicate if self.family == "fsdp" else 1
+
+    # The mesh's degrees and sizes under the names the runtimes and records use.
+    world_size = property(lambda self: self.mesh.world, doc="Ranks the launcher started.")
+    pp_size = property(lambda self: self.mesh.pp, doc="Pipeline ranks: the decoder's layers split over them.")
+    cp_size = property(lambda self: self.mesh.cp, doc="Ranks each sequence is split over by ring attention.")
+    sp_size = property(lambda self: self.mesh.sp, doc="Ranks each sequence is split over by Ulysses.")
+    tp_size = property(lambda self: self.mesh.tp, doc="Ranks each layer is split over (AutoTP).")
+    data_parallel_size = property(lambda self: self.mesh.dp, doc="Ranks that train on different data.")
 
     def data_parallel_rank(self, rank: int) -> int:
-        """Which share of the global batch `rank` trains on. The mesh is (pp, dp, sp, tp), tp innermost as in
-        DeepSpeed's and accelerate's meshes, sp next as DeepSpeed groups consecutive ranks, and pp outermost as in
-        torchtitan's: ranks 0..tp-1 share one share, so do the ranks of one sequence-parallel group and those of
-        one pipeline (rank, rank + world / pp, ...)."""
-        return (rank // (self.tp_size * self.sp_size * self.cp_size)) % self.data_parallel_size
+        """Which share of the global batch `rank` trains on."""
+        return self.mesh.dp_rank(rank)
 
     def sequence_parallel_rank(self, rank: int) -> int:
         """Which slice of each sequence `rank` holds: positions [r T / sp, (r + 1) T / sp); 0 without sequence
         parallelism."""
-        return (rank // self.tp_size) % self.sp_size
+        return self.mesh.coordinates(rank)["sp"]
 
     def pipeline_rank(self, rank: int) -> int:
         """Which of the pipeline's ranks `rank` is (0 holds the first stage); 0 without pipeline parallelism."""
-        return rank // (self.world_size // self.pp_size)
+        return self.mesh.coordinates(rank)["pp"]
 
 
 # A name as `Strategy.name` spells it; `from_name` builds from its parts and checks that the name reads back.
@@ -224,27 +225,27 @@ def spelled(match: re.Match, world: int) -> Strategy:
     pp = int(part["pp"] or 1)
     if part["family"] == "zero":
         stage = int(part["number"] or 0)
-        return Strategy("deepspeed", world, zero_stage=stage, offload_param=device if stage == 3 else "none",
-                        offload_optimizer=device, tp_size=2 if part["autotp"] else 1, pp_size=pp,
-                        sp_size=int(part["sp"] or 1))  # fmt: skip
+        return Strategy.of("deepspeed", world, zero_stage=stage, offload_param=device if stage == 3 else "none",
+                           offload_optimizer=device, tp=2 if part["autotp"] else 1, pp=pp,
+                           sp=int(part["sp"] or 1))  # fmt: skip
     if part["sp"]:
         return None  # Ulysses runs under DeepSpeed only (a -cpN the spelled strategy has not fails the read-back)
     if part["family"] == "fsdp":
-        return Strategy(
+        return Strategy.of(
             "fsdp", world, offload_param=device, offload_optimizer=device, fsdp_version=int(part["number"] or 2),
             fsdp_sharding=next(s for s, suffix in SHARDING_SUFFIX.items() if suffix == (part["sharding"] or "")),
-            replicas=2 if part["hybrid"] else 1, pp_size=pp, cp_size=int(part["cp"] or 1),
+            replicas=2 if part["hybrid"] else 1, pp=pp, cp=int(part["cp"] or 1),
         )  # fmt: skip
-    return Strategy(part["family"], world, pp_size=pp)
+    return Strategy.of(part["family"], world, pp=pp)
 
 
 def deepspeed_strategy(ds: dict, world: int, source: str | None = None) -> Strategy:
     """The strategy a resolved DeepSpeed config runs on `world` ranks: its stage, offload devices, AutoTP size and
     sequence-parallel size."""
     devices = offload_devices(ds)
-    return Strategy(
+    return Strategy.of(
         "deepspeed", world, zero_stage=zero_stage(ds), offload_param=devices["offload_param"],
-        offload_optimizer=devices["offload_optimizer"], tp_size=autotp_size(ds), sp_size=sequence_parallel_size(ds),
+        offload_optimizer=devices["offload_optimizer"], tp=autotp_size(ds), sp=sequence_parallel_size(ds),
         deepspeed=ds, deepspeed_source=source,
     )  # fmt: skip
 
@@ -255,9 +256,10 @@ FSDP1_SHARDING = {
 }  # fmt: skip
 
 
-def fsdp_strategy(fsdp_env: Mapping[str, str], world: int, shard_size: int) -> Strategy:
+def fsdp_strategy(fsdp_env: Mapping[str, str], world: int, replicas: int = 1, **degrees) -> Strategy:
     """The strategy accelerate's FSDP_* variables (as `accelerate launch` exports them from the YAML's fsdp_config)
-    run on `world` ranks, sharding one copy of the model over `shard_size` of them (fewer than `world`: hybrid)."""
+    run on `world` ranks: one copy of the model sharded over the data-parallel ranks of each of `replicas` copies
+    (more than 1: hybrid), with the model-parallel `degrees` (`Strategy.of`'s pp, cp, and the pipeline's fields)."""
     offload = "cpu" if fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true" else "none"
     if fsdp_version(fsdp_env) == 1:
         sharding = fsdp1_sharding(fsdp_env)
@@ -266,14 +268,14 @@ def fsdp_strategy(fsdp_env: Mapping[str, str], world: int, shard_size: int) -> S
                 f"fsdp_sharding_strategy: {sharding} is not one of torch's: set FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
                 "HYBRID_SHARD or HYBRID_SHARD_ZERO2"
             )
-        return Strategy("fsdp", world, offload_param=offload, offload_optimizer=offload, fsdp_version=1,
-                        fsdp_sharding=sharding, fsdp_env=fsdp_env)  # fmt: skip
+        return Strategy.of("fsdp", world, offload_param=offload, offload_optimizer=offload, fsdp_version=1,
+                           fsdp_sharding=sharding, fsdp_env=fsdp_env, **degrees)  # fmt: skip
     reshard = fsdp_env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "shard_grad_op")
     keep_gathered = fsdp_env.get("FSDP_SHARDING_STRATEGY") == "SHARD_GRAD_OP" or not reshard
-    return Strategy(
+    return Strategy.of(
         "fsdp", world, offload_param=offload, offload_optimizer=offload, fsdp_version=2,
-        fsdp_sharding="SHARD_GRAD_OP" if keep_gathered else "FULL_SHARD", replicas=math.ceil(world / shard_size),
-        fsdp_env=fsdp_env,
+        fsdp_sharding="SHARD_GRAD_OP" if keep_gathered else "FULL_SHARD", replicas=replicas, fsdp_env=fsdp_env,
+        **degrees,
     )  # fmt: skip
 
 
@@ -331,28 +333,32 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         return deepspeed_strategy(ds, world, source)
     pipeline = pipeline_fields(cfg)
     if use_fsdp:
-        # Hybrid shard: accelerate's parallelism_config shards over dp_shard ranks and replicates the shards; ring
-        # context parallelism shards over dp_shard x cp.
-        shard_size = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", world)) if parallelism_config() else world
         if fsdp_version(fsdp_env) == 1:
             check_fsdp1_checkpoints(cfg, fsdp_env)
             check_fsdp1(fsdp_env)
-        strategy = fsdp_strategy(fsdp_env, world, shard_size * cp)
+        strategy = fsdp_strategy(fsdp_env, world, hybrid_replicas(world, cp), cp=cp, **pipeline)
         check_pipeline_with_fsdp(cfg, strategy)
-        return replace(strategy, cp_size=cp, **pipeline)
+        return strategy
     return replicated_strategy(world, pipeline)
+
+
+def hybrid_replicas(world: int, cp: int = 1) -> int:
+    """Hybrid sharding: the copies of the model an accelerate parallelism_config keeps, each sharded over its
+    dp_shard x cp ranks (the shards replicated over the rest); 1 without the block or its dp_shard_size."""
+    shard = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", world)) if parallelism_config() else world
+    return math.ceil(world / (shard * cp))
 
 
 def pipeline_fields(cfg: RunConfig) -> dict:
     """The Strategy fields of the pipeline flags."""
-    return {"pp_size": cfg.pipeline_parallel_degree, "pp_schedule": cfg.pipeline_parallel_schedule,
+    return {"pp": cfg.pipeline_parallel_degree, "pp_schedule": cfg.pipeline_parallel_schedule,
             "pp_stages_per_rank": cfg.pipeline_stages_per_rank}  # fmt: skip
 
 
 def replicated_strategy(world: int, pipeline: dict) -> Strategy:
     """DDP, or one process; the ranks of a pipeline train one batch, so there is no DDP among them."""
-    data_parallel = world // pipeline["pp_size"]
-    return Strategy("ddp" if data_parallel > 1 else "single", world, **pipeline)
+    strategy = Strategy.of("ddp", world, **pipeline)
+    return strategy if strategy.data_parallel_size > 1 else replace(strategy, family="single")
 
 
 def check_pipeline_with_deepspeed(cfg: RunConfig, raw: dict, source: str) -> None:
@@ -427,15 +433,9 @@ def data_parallel_ranks(cfg: RunConfig, world: int, launched: tuple[dict, str] |
     """`launched_data_parallel_size` for `world` ranks, the DeepSpeed config `launched` ((JSON, how messages
     name it), or None) and `cp` ring-context-parallel ranks a sequence, as the doctor reads them from a launch's
     files."""
-    pp = cfg.pipeline_parallel_degree * cp
-    if world % pp:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(
-            f"--pipeline_parallel_degree {pp} does not divide the {world} launched ranks: pass one of {divisors}, "
-            f"or launch a multiple of {pp} ranks"
-        )
+    mesh = Mesh.of_world(world, pp=cfg.pipeline_parallel_degree, cp=cp)  # refuses degrees that do not divide
     if launched is None:
-        return world // pp
+        return mesh.dp
     raw, source = launched
     check_pipeline_with_deepspeed(cfg, raw, source)
     return data_parallel_size(raw, world, source)  # refuses an autotp_size that does not divide the world

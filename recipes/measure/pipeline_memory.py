@@ -15,8 +15,6 @@ stay exact, the times do not.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
 from training.bubble import ModelCase, add_run_flags, measure_model, run_recipe, save_against_micro_batches
@@ -45,7 +43,7 @@ def parse_args(argv: list[str] | None = None):
 def predicted(case: ModelCase, schedule: str, pp: int, micro_batches: int) -> list[int]:
     """The planner's bytes held for the backward, per stage."""
     config = ShardGPTConfig.from_preset(case.preset, **case.overrides)
-    strategy = replace(Strategy("single", pp, pp_size=pp), pp_schedule=schedule)
+    strategy = Strategy.of("single", pp, pp=pp, pp_schedule=schedule)
     stages = predict(config, strategy, "fp32", case.micro_batch, case.seq_len, micro_batches=micro_batches)
     return [stage["held_for_backward"] for stage in stages["stages"]]
 

@@ -86,7 +86,7 @@ def test_verify_refuses_a_world_size_mismatch():
     net = torch.nn.Linear(4, 4)
     fake = SimpleNamespace(num_processes=1, distributed_type="DistributedType.NO", unwrap_model=lambda m: m)
     with pytest.raises(RuntimeError, match=r"the launcher started 2 ranks but accelerate runs 1 process\(es\)"):
-        verify_strategy(fake, net, Strategy("deepspeed", 2, zero_stage=2))
+        verify_strategy(fake, net, Strategy.of("deepspeed", 2, zero_stage=2))
 
 
 # What `verify_strategy` says when the prepared model is not what was asked for (tests/recipes/verify_worker.py).

@@ -229,7 +229,7 @@ def test_autotp_splits_the_planned_matrices_and_shards_adam_over_data_parallel_r
     assert pred["inputs"]["tensor_parallel_size"] == 2 and pred["inputs"]["psi"] == psi
     assert pred["model_states"] == 2 * local + 2 * local + (4 + 8) * local // 4 + 4 * 2
     assert pred["model_states"] < pm.predict(config, named("zero1", 8), "bf16")["model_states"]
-    with pytest.raises(ValueError, match="world_size 3 must be a multiple"):
+    with pytest.raises(ValueError, match="tensor_parallel.autotp_size = 2 does not divide the 3 launched ranks"):
         pm.predict(config, named("zero1-autotp", 3))
 
 
@@ -299,7 +299,7 @@ def test_zero2_offload_keeps_a_gradient_partition_on_the_device_in_the_accumulat
 
 
 def pipeline(name: str, world: int, pp: int, schedule: str = "1F1B") -> Strategy:
-    return replace(named(name, world), pp_size=pp, pp_schedule=schedule)
+    return replace(named(name, world).with_degrees(pp=pp), pp_schedule=schedule)
 
 
 def test_pipeline_stages_hold_their_layers_and_the_tied_embedding_on_the_first_and_last():

@@ -4,7 +4,6 @@ whole on this rank. Rank 0 writes {case: the refusal, or "ok"} to refusals.json.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from unittest import mock
@@ -36,16 +35,16 @@ def main() -> dict:
     world = strategy.world_size
     cases = {
         "as launched": strategy,
-        "asked for ZeRO-2": Strategy("deepspeed", world, zero_stage=2),
-        "asked for ZeRO-3": Strategy("deepspeed", world, zero_stage=3),
-        "asked for FSDP": Strategy("fsdp", world, fsdp_version=2),
-        "asked for DDP": Strategy("ddp", world),
+        "asked for ZeRO-2": Strategy.of("deepspeed", world, zero_stage=2),
+        "asked for ZeRO-3": Strategy.of("deepspeed", world, zero_stage=3),
+        "asked for FSDP": Strategy.of("fsdp", world, fsdp_version=2),
+        "asked for DDP": Strategy.of("ddp", world),
     }
     seen = {}
     for name, asked in cases.items():
         seen[name] = check(accelerator, net, asked)
     if strategy.tp_size > 1:  # DeepSpeed AutoTP: another tensor-parallel size, and a plan its shards do not follow
-        cases_tp = {"asked for tensor parallelism over 4": dataclasses.replace(strategy, tp_size=4)}
+        cases_tp = {"asked for tensor parallelism over 4": strategy.with_degrees(tp=4)}
         for name, asked in cases_tp.items():
             seen[name] = check(accelerator, net, asked)
         model = accelerator.unwrap_model(net)

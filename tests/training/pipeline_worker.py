@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.gradnorm import clip_, grad_norm
 from training.optim import param_groups
+from training.parallel.mesh import Mesh
 from training.pipeline import build_pipeline, fsdp2_stages
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
@@ -85,7 +86,8 @@ def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_b
     dp = world // pp
     net = model().train()
     shard = fsdp2_stages(MixedPrecisionPolicy(), True, "cpu") if data_parallel == "fsdp" else None
-    pipeline = build_pipeline(net, rank, world, pp, schedule, per_rank, micro_batches, torch.device("cpu"), shard)
+    mesh = Mesh.of_world(world, pp=pp, shard=data_parallel == "fsdp")
+    pipeline = build_pipeline(net, mesh, rank, schedule, per_rank, micro_batches, torch.device("cpu"), shard)
     optimizer = adamw(net)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     losses, norms = [], []

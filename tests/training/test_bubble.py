@@ -28,7 +28,6 @@ def test_the_models_stages_hold_for_their_backward_what_the_planner_predicts():
     """The `debug` model in 2 stages (a layer each, the tied embedding on both), 4 micro batches of 2 x 32 tokens,
     fp32: the peak bytes each stage holds for its backward (autograd's saved tensors and the stage's kept outputs,
     counted live) equal the planner's to the byte, under GPipe (4 micro batches in flight) and 1F1B (2, then 1)."""
-    from dataclasses import replace
 
     from model import ShardGPTConfig
     from training.bubble import ModelCase, measure_model
@@ -40,7 +39,7 @@ def test_the_models_stages_hold_for_their_backward_what_the_planner_predicts():
     config = ShardGPTConfig.from_preset(case.preset)
     held = {}
     for schedule in ("GPipe", "1F1B"):
-        strategy = replace(Strategy("single", 2, pp_size=2), pp_schedule=schedule)
+        strategy = Strategy.of("single", 2, pp=2, pp_schedule=schedule)
         stages = pm.predict(config, strategy, "fp32", case.micro_batch, case.seq_len, micro_batches=m)["stages"]
         for r in (r for r in records if r["schedule"] == schedule):
             assert r["peak_held_bytes"] == stages[r["stage"]]["held_for_backward"], r

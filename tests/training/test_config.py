@@ -269,7 +269,7 @@ def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variabl
     assert (strategy.name, strategy.data_parallel_size, strategy.shard_size) == ("fsdp-cp2", 2, 4)
     assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert Strategy.from_name("fsdp-cp2", 4) == strategy
-    assert gradient_divisor(strategy.data_parallel_size, 1, 0, {}, strategy.cp_size) == 4
+    assert gradient_divisor(strategy.mesh, 0, {}) == 4
 
 
 def test_sequence_parallel_refuses_key_value_heads_it_cannot_split():

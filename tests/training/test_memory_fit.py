@@ -102,7 +102,7 @@ def test_planner_models_the_training_scripts_strategies():
 
 def test_skip_memory_check_starts_anyway():
     huge = ShardGPTConfig.from_preset("llama-7b", num_hidden_layers=200)
-    strategy = Strategy("ddp", 2)
+    strategy = Strategy.of("ddp", 2)
     with pytest.raises(MemoryFitError):
         check_launch_fits(RunConfig(preset="llama-7b"), huge, strategy)
     check_launch_fits(RunConfig(preset="llama-7b", skip_memory_check=True), huge, strategy)
@@ -136,7 +136,7 @@ def test_a_pipeline_is_checked_by_its_largest_stage():
     """pp 2 on 2 CPU ranks, 1F1B over 2 micro batches: each rank needs the process and its stage's prediction; the
     fit check counts the larger stage on both ranks of the host. Schedules the planner does not model are not
     checked, and a fix that halves the micro batch keeps the global batch (twice the micro batches)."""
-    strategy = replace(Strategy("single", 2, pp_size=2), pp_schedule="1F1B")
+    strategy = Strategy.of("single", 2, pp=2, pp_schedule="1F1B")
     assert planner_strategy(strategy) == strategy
     assert planner_strategy(replace(strategy, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)) is None
     launch = Launch(strategy, 2, "fp32", 2, 128, True, micro_batches=2)

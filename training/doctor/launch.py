@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -110,19 +111,17 @@ def launched_strategy(launch: dict | None, ds: dict | None, world: int, cfg=None
     """The strategy the training script builds for this launch (`training/strategy.py`), from the YAML and the
     resolved DeepSpeed JSON `ds` instead of the environment `accelerate launch` makes of them, with the pipeline
     degree of the training flags `cfg`."""
-    from dataclasses import replace
-
     from training.strategy import deepspeed_strategy, fsdp_strategy, pipeline_fields, replicated_strategy
 
     if ds is not None:
         return deepspeed_strategy(ds, world)
-    pipeline = pipeline_fields(cfg) if cfg is not None else {"pp_size": 1}
+    pipeline = pipeline_fields(cfg) if cfg is not None else {}
     if launch and launch.get("distributed_type") == "FSDP":
         fsdp = launch.get("fsdp_config") or {}
         env = {var: str(fsdp[key]).lower() if isinstance(fsdp[key], bool) else str(fsdp[key])
                for key, var in FSDP_VARIABLES.items() if key in fsdp}  # fmt: skip
-        shard = (launch.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size", world)
-        return replace(fsdp_strategy(env, world, shard), **pipeline)
+        shard = int((launch.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size", world))
+        return fsdp_strategy(env, world, math.ceil(world / shard), **pipeline)
     return replicated_strategy(world, pipeline)
 
 

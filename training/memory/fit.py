@@ -82,11 +82,11 @@ def planner_strategy(strategy: Strategy) -> Strategy | None:
     if strategy.pp_size > 1:
         return strategy if models_pipeline(strategy) else None
     if strategy.family == "single" or strategy.fsdp_sharding == "NO_SHARD":
-        strategy = Strategy("ddp", strategy.world_size)
+        strategy = Strategy.of("ddp", strategy.world_size)
     elif strategy.family == "fsdp":
-        strategy = replace(strategy, fsdp_version=2, world_size=strategy.shard_size, replicas=1)
+        strategy = replace(strategy.with_degrees(strategy.shard_size, replicas=1, cp=1), fsdp_version=2)
     # Ulysses: the planner plans the ZeRO strategy with each rank's seq_len / sp positions.
-    return strategy if replace(strategy, sp_size=1).name in STRATEGIES else None
+    return strategy if strategy.with_degrees(sp=1).name in STRATEGIES else None
 
 
 def capacity(nvme_path: str | None, local_rank: int = 0) -> Capacity:
@@ -140,7 +140,7 @@ def cheapest_fix(config, launch: Launch, have: Capacity) -> str:
         ))  # fmt: skip
         micro //= 2
     world, now = launch.world_size, launch.strategy
-    zero3 = Strategy("deepspeed", world, zero_stage=3)
+    zero3 = Strategy.of("deepspeed", world, zero_stage=3)
     if world > 1 and now != zero3 and now.pp_size == 1:  # ZeRO does not run under a pipeline
         candidates.append(("launch with accelerate_configs/zero3.yaml (ZeRO-3 shards every state)",
                            replace(launch, strategy=zero3, ds_config=None)))  # fmt: skip
@@ -152,7 +152,7 @@ def cheapest_fix(config, launch: Launch, have: Capacity) -> str:
     for more in (2, 4, 8, 16):
         if now.family in ("deepspeed", "fsdp"):
             candidates.append((f"launch on {more * hosts} hosts of {launch.ranks_per_host} ranks (more shards)",
-                               replace(launch, strategy=replace(now, world_size=more * world))))  # fmt: skip
+                               replace(launch, strategy=now.with_degrees(more * world))))  # fmt: skip
     for fix, changed in candidates:
         if not shortfalls(config, changed, have):
             return fix

@@ -19,7 +19,6 @@ columns), the norms stay whole; ZeRO-1 then partitions that local model over the
 from __future__ import annotations
 
 import copy
-import dataclasses
 import fnmatch
 import math
 import sys
@@ -31,6 +30,7 @@ from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.config import RunConfig
 from training.deepspeed_config import autotp_size, cpu_capped, gradient_reduction_dtype, load_json, resolve_deepspeed
 from training.optim import param_groups
+from training.parallel.mesh import Mesh
 from training.paths import ROOT
 from training.pipeline import check_pipeline, stage_layers
 from training.strategy import Strategy
@@ -546,7 +546,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
                                  activation_checkpointing, decay_embeddings, cpu_ranks)  # fmt: skip
         return {**max(stages, key=lambda stage: stage["total"]), "stages": stages}
     sp, asked = strategy.sp_size, strategy.name  # Ulysses: ZeRO partitions over every rank, each holds T / sp
-    strategy = dataclasses.replace(strategy, sp_size=1)
+    strategy = strategy.with_degrees(sp=1)
     if strategy.name not in STRATEGIES:
         raise ValueError(f"the planner does not model {strategy.name}; choose one of {', '.join(STRATEGIES)} or all")
     if seq_len % sp:
@@ -556,10 +556,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     if world_size < 1 or micro_batch < 1 or seq_len < 1:
         raise ValueError("world_size, micro_batch and seq_len must be at least 1")
     tp = tensor_parallel_size(strategy, ds_config)
-    if world_size % tp:
-        raise ValueError(
-            f"{strategy.name} splits each layer over {tp} ranks: world_size {world_size} must be a multiple"
-        )
+    Mesh.of_world(world_size, tp=tp)  # refuses a tensor-parallel size that does not divide the ranks
     whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp)
     dp = world_size // tp  # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks
     zero = None

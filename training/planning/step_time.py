@@ -409,7 +409,7 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         calls = (6 if layout.checkpointing else 4) * layout.stage_layers(config) * layout.micro_batches
         comm["tp_all_reduce"] = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
     if layout.sp > 1:
-        strategy = Strategy("ddp", layout.world, sp_size=layout.sp)
+        strategy = Strategy.of("ddp", layout.world, sp=layout.sp)
         sent = ulysses_payloads(strategy, ModelShape.of(config), config, micro_tokens, 1, ACTIVATION_BYTES)
         repeats = layout.micro_batches * (1.5 if layout.checkpointing else 1)  # recompute repeats the forward's
         bandwidth = cluster.link_bandwidth(layout.tp * layout.sp)
@@ -462,15 +462,15 @@ class Memory:
 
     def _predict(self, layout: Layout) -> tuple[float, str]:
         c, world = self.config, layout.world
-        strategy = replace(Strategy.from_name(layout.strategy, world), sp_size=layout.sp)
+        strategy = Strategy.from_name(layout.strategy, world).with_degrees(sp=layout.sp)
         ds = None
         if layout.tp > 1 and layout.sharding == "zero1" and layout.pp == 1:
-            strategy, ds = replace(strategy, tp_size=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
+            strategy, ds = strategy.with_degrees(tp=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
             ds["tensor_parallel"]["autotp_size"] = layout.tp
         planned = layout.tp == 1 and layout.pp == 1 or ds is not None
         planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")
         if layout.pp > 1:
-            strategy = replace(strategy, pp_size=layout.pp, pp_schedule=layout.memory_schedule)
+            strategy = replace(strategy.with_degrees(pp=layout.pp), pp_schedule=layout.memory_schedule)
         if planned:
             try:
                 row = predict(c, strategy, "bf16", layout.micro_batch, self.seq_len, layout.checkpointing,
