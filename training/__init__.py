@@ -4,8 +4,10 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
 
     config.py        RunConfig: every flag, resolved once into the run's frozen config before anything heavy
     deepspeed_config.py  a DeepSpeed JSON checked and its "auto" values filled from the flags
+    parallel/mesh.py the degrees of every parallel axis in one mesh (pp, dp_replicate, dp_shard, cp, sp, tp): a
+                     rank's coordinates, the data-parallel size and rank, the groups; the one divisibility check
     strategy.py      Strategy, the launch's typed facts and their names, built once from the launcher's environment
-                     and the DeepSpeed JSON; the checks before the group
+                     and the DeepSpeed JSON, holding its mesh; the checks before the group
     accelerator.py   the Accelerator, and the switches that run every GPU strategy on CPU ranks
     build.py         the model of a run: a preset or a checkpoint, built sharded (ZeRO-3, FSDP2), same weights per seed
     optim.py         AdamW's parameter groups and the learning-rate schedule
@@ -41,6 +43,8 @@ The modules a training run uses, in the order `recipes/train.py` reads them:
                      APIs used, each with why
 
 The parts of the other tools:
+
+    parallel/        the mesh (above) and the process groups of its axes for the runtimes that build their own
 
     compare/         recipes/compare.py: launching runs, reading what they left, the report and plots
     doctor/          recipes/doctor.py: the report, checks of the machine, checks of one launch
