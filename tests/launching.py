@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,29 +133,98 @@ def launch(
         build_deepspeed_ops()
     before = len(metrics_lines(Path(output_dir)))
     started = time.perf_counter()
-    # A session of its own, so a timeout kills the ranks too, not only the launcher that started them.
-    p = subprocess.Popen(
-        [*cmd, *args, "--output_dir", str(output_dir)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    argv = [*cmd, *args, "--output_dir", str(output_dir)]
+    stdout, stderr, returncode = (served_launch if served(cmd) else plain_launch)(argv, env, timeout)
+    run = Run(output_dir, stdout, stderr, returncode, before)
+    log_launch(cmd, args, run, time.perf_counter() - started)
+    if check and returncode != 0:
+        pytest.fail(f"launch failed ({returncode}): {' '.join(cmd + args)}\n--- stderr tail ---\n{stderr[-8000:]}")
+    return run
+
+
+def timed_out(argv: list[str], timeout: int, stdout: str, stderr: str):
+    pytest.fail(
+        f"launch timed out after {timeout}s: {' '.join(argv)}\n"
+        f"--- stdout tail ---\n{stdout[-4000:]}\n--- stderr tail ---\n{stderr[-6000:]}"
+    )
+
+
+def plain_launch(argv: list[str], env: dict, timeout: int) -> tuple[str, str, int]:
+    """`argv` as a new process, in a session of its own, so a timeout kills the ranks too, not only the launcher
+    that started them."""
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
     try:
         stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
-        pytest.fail(
-            f"launch timed out after {timeout}s: {' '.join(cmd + args)}\n"
-            f"--- stdout tail ---\n{stdout[-4000:]}\n--- stderr tail ---\n{stderr[-6000:]}"
-        )
+        timed_out(argv, timeout, *p.communicate())
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    run = Run(output_dir, stdout, stderr, p.returncode, before)
-    log_launch(cmd, args, run, time.perf_counter() - started)
-    if check and p.returncode != 0:
-        pytest.fail(f"launch failed ({p.returncode}): {' '.join(cmd + args)}\n--- stderr tail ---\n{stderr[-8000:]}")
-    return run
+    return stdout, stderr, p.returncode
+
+
+# ---------------------------------------------------------------------------------------------- the launch server
+# `accelerate launch`, torchrun and the deepspeed launcher spend most of their time before the first rank importing
+# torch, accelerate and deepspeed (5.0 s, 3.1 s and 9.6 s of a no-op launch on the 2-core machines, the last with a
+# second process of its own): tests/launch_server.py pays the imports once per test process and forks a launcher
+# per launch, which runs the launcher's own main and starts fresh ranks as always.
+# SHARDGPT_LAUNCH_SERVER=0 launches every command as a new process instead.
+
+_server: tuple[subprocess.Popen, str, bytes] | None = None
+
+
+def served(cmd: list[str]) -> bool:
+    """Whether `cmd` is a launcher the server runs: `accelerate launch`, torchrun or deepspeed."""
+    if os.environ.get("SHARDGPT_LAUNCH_SERVER", "1") == "0":
+        return False
+    name = Path(cmd[0]).name
+    return (name == "accelerate" and cmd[1:2] == ["launch"]) or name in ("torchrun", "deepspeed")
+
+
+def ask(request: dict):
+    """Send `request` to this process's launch server (started on first use) and return its answer."""
+    from multiprocessing.connection import Client
+
+    global _server
+    if _server is None or _server[0].poll() is not None:
+        address = os.path.join(tempfile.mkdtemp(prefix="shardgpt-"), "launch.sock")  # short: AF_UNIX allows 107
+        key = secrets.token_hex(16).encode()
+        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "launch_server.py"), address], cwd=ROOT,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        server.stdin.write(key + b"\n")
+        server.stdin.close()
+        for line in server.stdout:  # the libraries' start-up messages, then "ready"
+            if line.strip() == b"ready":
+                break
+        else:
+            raise RuntimeError(f"the launch server did not start (exit status {server.wait()})")
+        _server = (server, address, key)
+        atexit.register(server.kill)
+    with Client(_server[1], family="AF_UNIX", authkey=_server[2]) as conn:
+        conn.send(request)
+        return conn.recv()
+
+
+def served_launch(argv: list[str], env: dict, timeout: int) -> tuple[str, str, int]:
+    """`argv` run by the launch server: its stdout and stderr (through files), and its exit status."""
+    entry = "accelerate-launch" if Path(argv[0]).name == "accelerate" else Path(argv[0]).name
+    rest = argv[2:] if entry == "accelerate-launch" else argv[1:]  # the launcher's arguments
+    with tempfile.TemporaryDirectory(prefix="shardgpt-launch-") as scratch:
+        out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
+        pid = ask({"op": "start", "argv": [entry, *rest], "env": env, "cwd": str(ROOT), "stdout": out, "stderr": err})
+        deadline = time.monotonic() + timeout
+        while (returncode := ask({"op": "poll", "pid": pid})) is None:
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)  # the launcher's session: its ranks too
+                while ask({"op": "poll", "pid": pid}) is None:
+                    time.sleep(0.05)
+                timed_out(argv, timeout, *(Path(f).read_text(errors="replace") for f in (out, err)))
+            time.sleep(0.05)
+        stdout, stderr = (Path(f).read_text(errors="replace") for f in (out, err))
+    return stdout, stderr, returncode
 
 
 def log_launch(cmd: list[str], args: list[str], run: Run, wall: float) -> None:
