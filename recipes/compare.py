@@ -60,6 +60,7 @@ from training.compare.report import (
     rel,
     write_report,
 )
+from training.parallel.mesh import block_degree, exported
 from training.paths import ROOT
 
 BIN = Path(sys.executable).parent
@@ -148,13 +149,13 @@ def tensor_parallel_size(launch: dict) -> int:
             return autotp_size(load_json(path))
         except (OSError, ValueError):
             return 1  # the launch itself fails and reports why
-    return int((launch.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+    return block_degree("tp_size", environ=exported(launch))
 
 
 def sequence_parallel_size(launch: dict) -> int:
     """Ranks each sequence is split over in an accelerate config (its parallelism_config's sp size): they train on
     one micro batch, as a tensor-parallel group does."""
-    return int((launch.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1))
+    return block_degree("sp_size", environ=exported(launch))
 
 
 def launch_command(spec: Spec, port: int | None) -> list[str]:

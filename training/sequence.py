@@ -25,12 +25,11 @@ each micro batch's positions.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from training.parallel.mesh import Mesh
+from training.parallel.mesh import Mesh, block_degree, parallelism_block
 
 if TYPE_CHECKING:
     from model import ShardGPTConfig
@@ -40,28 +39,9 @@ if TYPE_CHECKING:
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
-def yaml_sequence_parallel() -> dict[str, str] | None:
-    """The accelerate YAML's `parallelism_config` block as `accelerate launch` exports it (PARALLELISM_CONFIG_*),
-    or None without one."""
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return None
-    prefix = "PARALLELISM_CONFIG_"
-    return {k[len(prefix) :].lower(): v for k, v in os.environ.items() if k.startswith(prefix)}
-
-
 def yaml_sequence_parallel_size() -> int:
     """The accelerate YAML's `parallelism_config_sp_size`; 1 without it."""
-    return yaml_degree("sp_size")
-
-
-def yaml_degree(key: str) -> int:
-    """The accelerate YAML's `parallelism_config_<key>` (as `accelerate launch` exports it), 1 without it, refused
-    unless a whole number of at least 1."""
-    value = (yaml_sequence_parallel() or {}).get(key) or "1"
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError(f"the accelerate config's parallelism_config_{key} is {value!r}: set a whole number of ranks, "
-                         "1 or more")  # fmt: skip
-    return int(value)
+    return block_degree("sp_size")
 
 
 def with_sequence_parallel(ds: dict, source: str, from_yaml: int | None = None) -> dict:
@@ -88,7 +68,7 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
                             deepspeed: bool) -> None:  # fmt: skip
     """Refuse, before any process group, a sequence-parallel launch that could not train as asked. Each message
     names the setting, its value and the fix."""
-    block = yaml_sequence_parallel() or {}
+    block = parallelism_block() or {}
     cp = int(block.get("cp_size", "1") or 1)
     if cp > 1 and sp > 1:
         raise ValueError(
@@ -146,7 +126,7 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
 
 def yaml_context_parallel_size() -> int:
     """The accelerate YAML's `parallelism_config_cp_size` (torch's ring context parallelism); 1 without it."""
-    return yaml_degree("cp_size")
+    return block_degree("cp_size")
 
 
 def check_context_parallel(cfg: RunConfig, cp: int, fsdp_version: int, cuda: bool) -> None:
@@ -217,7 +197,7 @@ def accelerator_parallelism_config(mesh: Mesh):
     the DeepSpeed JSON (no accelerate YAML block): the launch's mesh, sp over consecutive ranks, the rest
     data-parallel. None where the YAML's own block is in force (accelerate reads it) or without sequence
     parallelism."""
-    if mesh.sp == 1 or yaml_sequence_parallel() is not None:
+    if mesh.sp == 1 or parallelism_block() is not None:
         return None
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig

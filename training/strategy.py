@@ -34,7 +34,7 @@ from training.deepspeed_config import (
     zero_stage,
 )
 from training.ops import check_op_cache, launch_ops
-from training.parallel.mesh import Mesh, MeshError
+from training.parallel.mesh import Mesh, MeshError, block_degree, parallelism_block
 from training.pipeline import ZERO_BUBBLE
 from training.sequence import (
     check_context_parallel,
@@ -345,7 +345,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
 def hybrid_replicas(world: int, cp: int = 1) -> int:
     """Hybrid sharding: the copies of the model an accelerate parallelism_config keeps, each sharded over its
     dp_shard x cp ranks (the shards replicated over the rest); 1 without the block or its dp_shard_size."""
-    shard = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", world)) if parallelism_config() else world
+    shard = block_degree("dp_shard_size", default=world)
     return math.ceil(world / (shard * cp))
 
 
@@ -512,7 +512,7 @@ def check_parallelism_config_tp() -> None:
     end every rank inside `prepare`, on GPUs as on CPUs. Without FSDP (`tp_size` = the world) it is refused too:
     this script has no data-parallel gradient reduction for it. DeepSpeed AutoTP splits the same plan and trains;
     torch's own FSDP2 x TP of this model's plan trains like one process (tests/model/test_tensor_parallel.py)."""
-    tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) if parallelism_config() else 1
+    tp = block_degree("tp_size")
     if tp > 1:
         blocker = (
             "accelerate/accelerator.py:1618 imports transformers' removed ReplicateParallel"
@@ -535,7 +535,7 @@ def accelerate_tp_importable() -> bool:
 
 def parallelism_config() -> bool:
     """Whether the accelerate config has a `parallelism_config` block (`accelerate launch` exports it)."""
-    return env_flag("ACCELERATE_USE_PARALLELISM_CONFIG")
+    return parallelism_block() is not None
 
 
 def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:

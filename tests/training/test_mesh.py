@@ -75,3 +75,16 @@ def test_other_degrees_rebuild_the_mesh_on_the_same_ranks():
     assert zero.with_degrees(16).mesh == Mesh(dp_shard=8, sp=2)
     with pytest.raises(MeshError, match="sequence_parallel_size = 2 x tensor_parallel.autotp_size = 4"):
         zero.with_degrees(tp=4, world=4)
+
+
+def test_the_yaml_block_is_read_in_one_place_from_the_launch_or_the_file():
+    """What `accelerate launch` exports of a parallelism_config block, and the same read from the YAML file."""
+    from training.parallel.mesh import block_degree, exported, parallelism_block
+
+    launch = {"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_sp_size": 2}}
+    environ = exported(launch)
+    assert parallelism_block(environ) == {"dp_shard_size": "2", "sp_size": "2"}
+    assert block_degree("sp_size", environ=environ) == 2 and block_degree("cp_size", environ=environ) == 1
+    assert parallelism_block({}) is None and block_degree("dp_shard_size", default=8, environ={}) == 8
+    with pytest.raises(ValueError, match="parallelism_config_sp_size is '0': set a whole number"):
+        block_degree("sp_size", environ=exported({"parallelism_config": {"parallelism_config_sp_size": 0}}))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from training.doctor.machine import check_nvme
 from training.doctor.report import FAIL, NA, OK, WARN, Report, size
+from training.parallel.mesh import block_degree, exported
 from training.paths import ROOT
 
 if TYPE_CHECKING:  # training.strategy imports torch and accelerate: the doctor imports it where it is used
@@ -120,7 +121,7 @@ def launched_strategy(launch: dict | None, ds: dict | None, world: int, cfg=None
         fsdp = launch.get("fsdp_config") or {}
         env = {var: str(fsdp[key]).lower() if isinstance(fsdp[key], bool) else str(fsdp[key])
                for key, var in FSDP_VARIABLES.items() if key in fsdp}  # fmt: skip
-        shard = int((launch.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size", world))
+        shard = block_degree("dp_shard_size", default=world, environ=exported(launch))
         return fsdp_strategy(env, world, math.ceil(world / shard), **pipeline)
     return replicated_strategy(world, pipeline)
 
@@ -142,7 +143,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         return
     world = launch["_world"] if launch else args.num_processes or max(len(found), 1)
     # Ulysses: the YAML's parallelism_config degree joins the JSON, as the training script joins them.
-    yaml_sp = int(((launch or {}).get("parallelism_config") or {}).get("parallelism_config_sp_size", 1))
+    yaml_sp = block_degree("sp_size", environ=exported(launch))
     ds_file = cfg.deepspeed or ((launch or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
     try:
         # The ranks that train on different data: the world over the pipeline's and AutoTP's degrees, as the
