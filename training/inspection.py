@@ -64,7 +64,7 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
         sharded = strategy.zero_stage == 3 and world > 1
         if sharded and local > total / world * 1.05 + 1024:
             refuse(f"this rank holds {local} of {total} parameters (ZeRO-3 should hold about 1/{world})")
-        if strategy.tp_size > 1:
+        if strategy.tp_size > 1 or (model.autotp_size() or 1) > 1:  # asked for, or running (an engine of its own)
             seen["tensor_parallel"] = verify_autotp(model, unwrapped, strategy, refuse)
         if strategy.sp_size > 1:
             seen["sequence_parallel"] = verify_ulysses(model, unwrapped, strategy, refuse)

@@ -105,7 +105,7 @@ REFUSALS = {
         "asked for ZeRO-3": "the engine runs ZeRO stage 1",
         "asked for FSDP": "accelerate runs DistributedType.DEEPSPEED",
         "asked for DDP": "the prepared model is a DeepSpeedEngine, not DistributedDataParallel",
-        "asked for tensor parallelism over 4": "the engine splits layers over 2 ranks",
+        "asked for no tensor parallelism": "the engine splits layers over 2 ranks",
         "as launched, rows and columns swapped": (
             "model.layers.0.self_attn.q_proj (rowwise) holds a weight of (32, 64), not 1/2 of (64, 64) along dim 1"
         ),
