@@ -8,6 +8,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import AcceleratorState
 
 from training.step import StepResult, ZeroGradientError, check_gradients_flow, update_was_skipped
 
@@ -18,6 +19,7 @@ def test_a_skipped_update_is_counted_with_fused_and_unfused_adamw(fused):
     calls the optimizer's step, which skips inside: accelerate's `step_was_skipped` then stays False (what the
     H100 run's `overflow_skipped_steps` showed), while the scaler's lowered scale says it. On CPU (torch's CPU
     GradScaler and fused AdamW), as on GPUs."""
+    AcceleratorState._reset_state(reset_partial_state=True)  # an earlier test's state, in this process, is not ours
     Accelerator(cpu=True)  # the state AcceleratedOptimizer reads
     net = torch.nn.Linear(4, 4)
     scaler = torch.amp.GradScaler("cpu")

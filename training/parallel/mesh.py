@@ -155,10 +155,11 @@ class Mesh:
 # ---------------------------------------------------------------------------------------------- the YAML's block
 
 
-def parallelism_block(environ: Mapping[str, str] = os.environ) -> dict[str, str] | None:
+def parallelism_block(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """The accelerate YAML's `parallelism_config` block as `accelerate launch` exports it (ACCELERATE_USE_PARALLELISM_
     CONFIG and the PARALLELISM_CONFIG_* variables, keys lower-cased without the prefix: `sp_size`, `dp_shard_size`,
-    `sp_backend`, ...), or None without one."""
+    `sp_backend`, ...), or None without one. `environ`: the process's environment by default, read when called."""
+    environ = os.environ if environ is None else environ
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return None
     prefix = "PARALLELISM_CONFIG_"
@@ -175,7 +176,7 @@ def exported(launch: Mapping | None) -> dict[str, str]:
     return {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", **{k.upper(): str(v) for k, v in block.items()}}
 
 
-def block_degree(key: str, default: int = 1, environ: Mapping[str, str] = os.environ) -> int:
+def block_degree(key: str, default: int = 1, environ: Mapping[str, str] | None = None) -> int:
     """The block's `parallelism_config_<key>` (`default` without the block or the key), refused unless a whole
     number of at least 1."""
     value = (parallelism_block(environ) or {}).get(key) or str(default)
