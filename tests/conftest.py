@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,17 @@ def pytest_terminal_summary(terminalreporter, config):
               f"{launcher:.1f} s")  # fmt: skip
     for r in sorted(launches, key=lambda r: -r["wall_s"])[:10]:
         write(f"{r['wall_s']:7.1f} s  {r['launcher']} {r['config'] or ''} {r['script']}  {r['test']}")
+
+
+# SHARDGPT_TEST_BUDGET_S: a session's time budget in seconds (.ci/run gives the matrix cells what CI's limit leaves).
+# A test that would start past it is skipped, saying so; one already running finishes.
+BUDGET_S = float(os.environ.get("SHARDGPT_TEST_BUDGET_S") or 0)
+STARTED = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    if BUDGET_S and time.monotonic() - STARTED > BUDGET_S:
+        pytest.skip(f"past this session's time budget (SHARDGPT_TEST_BUDGET_S={BUDGET_S:.0f} s)")
 
 
 @pytest.fixture(autouse=True)
