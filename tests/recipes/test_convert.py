@@ -147,6 +147,7 @@ def test_resume_under_another_strategy(source, config, nproc, flags, corpus, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc  # the zero2@2 run it reads is a 2-rank launch
 def test_a_resume_with_another_global_batch_is_refused(corpus, tmp_path, tmp_path_factory):
     src = source_run("zero2@2", corpus, tmp_path_factory)
     out = tmp_path / "run"
@@ -162,6 +163,7 @@ def test_a_resume_with_another_global_batch_is_refused(corpus, tmp_path, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc  # the zero2@2 run it reads is a 2-rank launch
 def test_convert_checkpoint_writes_an_hf_folder_offline(corpus, tmp_path, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
