@@ -234,7 +234,9 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # the hub refused
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(REFUSED))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.multiproc) if REFUSED[n][0] else n for n in REFUSED]
+)  # an accelerate YAML's case is a launch of ranks: with the others that launch, one at a time
 def test_user_config_is_refused_in_one_line(name, corpus, tmp_path):
     yaml, extra, field, fix = REFUSED[name]
     cmd = accelerate_with(write(tmp_path, f"{name}.yaml", yaml)) if yaml else launcher_command("python")
