@@ -47,6 +47,7 @@ from training.sequence import (
 Family = Literal["single", "ddp", "fsdp", "deepspeed"]
 Device = Literal["none", "cpu", "nvme"]
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+SHARDED = ("fsdp", "deepspeed")  # the families whose data-parallel ranks shard one copy (the mesh's dp_shard)
 SHARDING_SUFFIX = {"FULL_SHARD": "", "SHARD_GRAD_OP": "-shard-grad-op", "NO_SHARD": "-no-shard"}  # in names
 
 
@@ -93,8 +94,7 @@ class Strategy:
         """The strategy `family` runs on `world` ranks with these model-parallel degrees and hybrid replicas, the
         rest of the ranks data parallel: sharded under FSDP and ZeRO, replicated under DDP (`Mesh.of_world`, where
         the degrees are checked against the world). `wrapper`: the other fields."""
-        mesh = Mesh.of_world(world, pp=pp, cp=cp, sp=sp, tp=tp, replicas=replicas,
-                             shard=family in ("fsdp", "deepspeed"))  # fmt: skip
+        mesh = Mesh.of_world(world, pp=pp, cp=cp, sp=sp, tp=tp, replicas=replicas, shard=family in SHARDED)
         return cls(family, mesh, **wrapper)
 
     def with_degrees(self, world: int | None = None, **degrees) -> Strategy:
@@ -102,7 +102,7 @@ class Strategy:
         pp, cp, sp, tp, replicas; the others kept), the rest of the ranks data parallel."""
         m = self.mesh
         kept = {"pp": m.pp, "cp": m.cp, "sp": m.sp, "tp": m.tp, "replicas": self.replicas}
-        mesh = Mesh.of_world(world or m.world, **{**kept, **degrees}, shard=m.dp_shard > 1 or self.family != "ddp")
+        mesh = Mesh.of_world(world or m.world, **{**kept, **degrees}, shard=self.family in SHARDED)
         return replace(self, mesh=mesh)
 
     def __post_init__(self):
@@ -110,7 +110,7 @@ class Strategy:
             raise ValueError(f"Strategy: {self.pp_stages_per_rank} stages per pipeline rank; at least 1")
         if self.replicas > 1 and self.fsdp_version != 2:
             raise ValueError("Strategy: replicas of a sharded model (hybrid sharding) are FSDP2's")
-        sharded = self.family in ("fsdp", "deepspeed")
+        sharded = self.family in SHARDED
         if (self.family == "deepspeed" and self.mesh.dp_replicate > 1) or (not sharded and self.mesh.dp_shard > 1):
             raise ValueError(
                 f"Strategy: {self.family} does not run on the mesh {self.mesh.shape} (ZeRO shards every "

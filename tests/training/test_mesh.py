@@ -88,3 +88,10 @@ def test_the_yaml_block_is_read_in_one_place_from_the_launch_or_the_file():
     assert parallelism_block({}) is None and block_degree("dp_shard_size", default=8, environ={}) == 8
     with pytest.raises(ValueError, match="parallelism_config_sp_size is '0': set a whole number"):
         block_degree("sp_size", environ=exported({"parallelism_config": {"parallelism_config_sp_size": 0}}))
+
+
+def test_other_degrees_keep_the_family_s_data_parallel_kind():
+    """`with_degrees` places the data-parallel ranks as `Strategy.of` does: replicated outside FSDP and ZeRO."""
+    single = Strategy.of("single", 2, pp=2)
+    assert single.with_degrees(4).mesh == Mesh(pp=2, dp_replicate=2) == Strategy.of("single", 4, pp=2).mesh
+    assert Strategy.of("ddp", 2).with_degrees(4).mesh == Mesh(dp_replicate=4)
