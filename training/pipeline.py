@@ -458,15 +458,14 @@ def build_pipeline(model: nn.Module, mesh: Mesh, rank: int, schedule_name: str, 
     owners = stage_ranks(schedule_name, pp, per_rank)
     num_stages = len(owners)
     mine = [s for s, owner in enumerate(owners) if owner == pp_rank]
-    pp_group = new_groups(mesh, rank, "pp")  # collective: every rank creates every group, in the same order
-    dp_group = new_groups(mesh, rank, "dp_replicate", "dp_shard")  # collective
+    # collective: every rank creates every group, in the same order
+    pp_group = new_groups(rank, mesh.groups("pp"))
+    dp_group = new_groups(rank, mesh.groups("dp_replicate", "dp_shard"))
     tied = model.config.tie_word_embeddings and owners[0] != owners[-1]
-    tie_group = None
-    if tied:  # the first and last stage's ranks of each pipeline (collective: every rank creates every group)
-        for pipeline_ranks in mesh.groups("pp"):
-            ends = [pipeline_ranks[owners[0]], pipeline_ranks[owners[-1]]]
-            group = dist.new_group(ends)
-            tie_group = group if rank in ends else tie_group
+    # the first and last stage's ranks of each pipeline, for the tied embedding's gradient
+    tie_group = (
+        new_groups(rank, [[ranks[owners[0]], ranks[owners[-1]]] for ranks in mesh.groups("pp")]) if tied else None
+    )
     parameters = sum(p.numel() for p in model.parameters())  # the whole model's, tied weights once
     # The busy clock's marks in the autograd graph break the zero-bubble schedules' split backward: not timed there.
     clock = None if schedule_name in ZERO_BUBBLE else BusyClock(device)

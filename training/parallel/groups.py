@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from training.parallel.mesh import Mesh
 
-
-def new_groups(mesh: Mesh, rank: int, *axes: str) -> dist.ProcessGroup:
-    """`rank`'s process group along `axes` (several: flattened). Collective: every rank creates every group of the
-    axes, in the mesh's order, as `dist.new_group` requires."""
+def new_groups(rank: int, groups: list[list[int]]) -> dist.ProcessGroup | None:
+    """`rank`'s process group among `groups` (each a list of ranks; `Mesh.groups` gives an axis's), or None where
+    `rank` is in none of them. Collective: every rank creates every group, in the order given, as `dist.new_group`
+    requires."""
     mine = None
-    for ranks in mesh.groups(*axes):
+    for ranks in groups:
         group = dist.new_group(ranks)  # collective
         if rank in ranks:
             mine = group
