@@ -28,8 +28,8 @@ How each number is measured (the report repeats it):
 - peak memory per rank: every worker's resident host memory, sampled by this script every 0.25 s over the
   whole run (start-up, training, save, export); on GPUs also `torch.cuda.max_memory_allocated` of rank 0.
 - checkpoint: the run saves once, at its last step (`--save_steps STEPS`). Size: the bytes under
-  `checkpoint-STEPS/`. Save time: from the last write of `metrics.jsonl` (the final evaluation, just
-  before the save) to the checkpoint's completion marker, which is written after every rank's shard.
+  `checkpoint-STEPS/`. Save time: the training script's own clock around the save (rank 0's, until the
+  checkpoint's completion marker, written after every rank's shard), `checkpoint_save_s` in `metrics.jsonl`.
 - load time: a second launch resumes from that checkpoint for one more step; the time between its log lines
   "strategy in force" and "resumed from" is `load_checkpoint` (rank 0's clock, millisecond log stamps).
 """
@@ -252,7 +252,7 @@ def collect(res: Result, out: Path, sampler: Sampler, args) -> None:
         res.local_parameter_fraction = seen.get("local_parameter_fraction")
     if comm:  # the busiest rank's bytes in the counted step
         res.volume_mb, res.sent_mb = (max(r[k] for r in comm["per_rank"]) / 1e6 for k in ("volume_bytes", "wire_bytes"))
-    res.checkpoint_mb, res.save_s = checkpoint_measures(out, args.steps)
+    res.checkpoint_mb, res.save_s = checkpoint_measures(out, args.steps, records)
     predict_memory(res, out, args)
 
 

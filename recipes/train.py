@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> object:
                 net.train()
 
             watchdog.phase("save")
-            saved = save() if cfg.save_steps and step % cfg.save_steps == 0 else None  # collective
+            saved = None
+            if cfg.save_steps and step % cfg.save_steps == 0:
+                t0 = time.perf_counter()
+                saved = save()  # collective
+                clock.saved(time.perf_counter() - t0)
             watchdog.phase("agree_on_stop")
             faults.after_step(step, accelerator.process_index, world)  # the test suite's injected faults
             stop = preemption.agreed(accelerator.device)  # collective: every rank stops after the same step

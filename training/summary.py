@@ -27,6 +27,11 @@ class WallClock:
         now = time.time()
         self.phases = {"startup": now - psutil.Process().create_time()}
         self.since = now
+        self.checkpoint_save: float | None = None  # the last checkpoint's save, inside training
+
+    def saved(self, seconds: float) -> None:
+        """A checkpoint was saved in `seconds` (within the training phase): the record keeps the last one's."""
+        self.checkpoint_save = seconds
 
     def mark(self, phase: str) -> None:
         """End `phase` now: the time since the previous mark (or since the start-up) is its."""
@@ -39,8 +44,11 @@ class WallClock:
         return sum(self.phases.values())
 
     def record(self, step: int) -> dict:
-        """A metrics.jsonl record of the phases, in seconds (`startup_s`, `setup_s`, ...) and their sum, `wall_s`."""
-        return {"step": step, **{f"{k}_s": round(v, 3) for k, v in self.phases.items()}, "wall_s": round(self.total, 3)}
+        """A metrics.jsonl record of the phases, in seconds (`startup_s`, `setup_s`, ...) and their sum, `wall_s`, and
+        the last checkpoint's save (`checkpoint_save_s`, part of `train_s`) where the run saved one."""
+        phases = {f"{k}_s": round(v, 3) for k, v in self.phases.items()}
+        saved = {} if self.checkpoint_save is None else {"checkpoint_save_s": round(self.checkpoint_save, 3)}
+        return {"step": step, **phases, "wall_s": round(self.total, 3), **saved}
 
     def describe(self) -> str:
         """`1 min 49 s: start-up 9 s, set-up 6 s, training 1 min 20 s, export 14 s`."""

@@ -28,17 +28,14 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def checkpoint_measures(out: Path, steps: int) -> tuple[float | None, float | None]:
-    """(size in MB, save seconds) of the checkpoint written at the last step, see the module docstring."""
+def checkpoint_measures(out: Path, steps: int, records: list[dict]) -> tuple[float | None, float | None]:
+    """(size in MB, save seconds) of the checkpoint written at the last step: the save as the training script timed
+    it (`checkpoint_save_s`, the last one its records hold)."""
     ckpt = out / f"checkpoint-{steps}"
     if not ckpt.is_dir():
         return None, None
-    size = dir_bytes(ckpt) / 1e6
-    marker, metrics = ckpt / "checkpoint_complete", out / "metrics.jsonl"
-    if not (marker.is_file() and metrics.is_file()):
-        return size, None
-    dt = marker.stat().st_mtime - metrics.stat().st_mtime
-    return size, (dt if dt >= 0 else None)
+    saves = [r["checkpoint_save_s"] for r in records if r.get("checkpoint_save_s") is not None]
+    return dir_bytes(ckpt) / 1e6, (saves[-1] if saves else None)
 
 
 def load_seconds(stderr: str) -> float | None:

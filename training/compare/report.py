@@ -199,9 +199,9 @@ def write_report(results: list[Result], args, extra: list[str], out: Path, machi
         "the Python, torch and DeepSpeed runtime of each process, so on a small model the differences between "
         "strategies are a small part of it."
         + (" **GPU max alloc.**: `torch.cuda.max_memory_allocated` on rank 0, from `metrics.jsonl`." if on_gpu else ""),
-        "- **checkpoint**: the bytes of `checkpoint-<steps>/`, saved once at the last step; **save**: from the "
-        "last write of `metrics.jsonl` (the final evaluation, just before the save) to the checkpoint's "
-        "completion marker (written after every rank's shard): the whole `save_checkpoint` call, file mtimes.",
+        "- **checkpoint**: the bytes of `checkpoint-<steps>/`, saved once at the last step; **save**: the whole "
+        "save as the training script times it on rank 0, until the completion marker (written after every "
+        "rank's shard): `checkpoint_save_s` in `metrics.jsonl`.",
         "- **load**: a second launch resumes from that checkpoint for one more step; the time between its "
         "log lines `strategy in force` and `resumed from` (rank 0, millisecond stamps) is `load_checkpoint`.",
         "- **max abs loss diff vs ddp**: the largest |loss - DDP's loss| over every logged step.",
