@@ -21,7 +21,7 @@ import torch
 
 from data.arguments import DataArguments, flag
 from model import PRESETS, ShardGPTConfig, ShardGPTForCausalLM
-from training.pipeline import ALL_SCHEDULES, check_pipeline, stages_per_rank
+from training.parallel.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
 from training.profiling import parse_steps
 from training.watchdog import GPU_STEP_TIMEOUT, HUNG
 

@@ -9,12 +9,12 @@ with DDP's all-reduce or FSDP2 across the pipelines (`Pipelined`, training/pipel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-from data import iter_eval_batches
 from model import ShardGPTConfig
 from training.accelerator import fsdp_precision
 from training.build import build_model
@@ -23,11 +23,11 @@ from training.config import RunConfig
 from training.evaluate import evaluate
 from training.export import full_state_dict
 from training.gradnorm import fsdp1_shards
-from training.inspection import StateShares, observe_strategy, uncompiled, unwrap, verify_strategy
+from training.inspection import StateShares, observe_strategy, uncompiled, unwrap, verify_pipeline, verify_strategy
 from training.optim import make_optimizer, make_scheduler
 from training.pipeline import Pipeline, build_pipeline, fsdp2_stages
 from training.sequence import context_parallel, gradient_divisor
-from training.step import StepResult, train_step
+from training.step import StepResult, pipelined_step, train_step
 from training.strategy import Strategy
 
 
@@ -89,27 +89,19 @@ class Pipelined(Engine):
     pipeline: Pipeline | None = None
 
     def in_force(self) -> dict:
-        seen = {
-            "strategy": self.strategy.name,
-            "distributed_type": "PIPELINE",
-            "world_size": self.strategy.world_size,
-            "mixed_precision": self.accelerator.mixed_precision,
-        }
-        seen |= self.pipeline.in_force() | observe_strategy(self.net, self.optimizer)
+        seen = verify_pipeline(self.accelerator, self.pipeline.in_force(), self.strategy)  # refuses another layout
+        seen |= observe_strategy(self.net, self.optimizer)
         seen["autocast"] = self.accelerator.mixed_precision != "no"  # the schedule runs inside accelerate's autocast
         return seen
 
     def step(self, micro_batches: list[dict], step: int) -> StepResult:
         # collectives inside: the stages' sends, the tied gradient, the data-parallel reduction, the norm, the loss
-        return self.pipeline.step(micro_batches, self.optimizer, self.scheduler, self.cfg.max_grad_norm, step,
-                                  self.accelerator.autocast)  # fmt: skip
+        return pipelined_step(self.pipeline, micro_batches, self.optimizer, self.scheduler, self.cfg.max_grad_norm,
+                              step, self.accelerator.autocast, self.accelerator)  # fmt: skip
 
     def evaluate(self, blocks, dp: int, dp_rank: int) -> float | None:
-        if blocks is None or (hasattr(blocks, "__len__") and len(blocks) == 0):
-            return None
-        self.net.eval()
-        batches = iter_eval_batches(blocks, self.cfg.per_device_eval_batch_size, dp, dp_rank)
-        return self.pipeline.evaluate(batches, self.cfg.max_eval_batches, self.accelerator.autocast)  # collective
+        sums = partial(self.pipeline.eval_sums, autocast=self.accelerator.autocast)  # the stages' sends inside
+        return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank, sums)  # collective: reduced sums
 
     def full_state_dict(self) -> dict:
         return self.pipeline.full_state_dict()  # collective: the stages' weights gathered on every rank

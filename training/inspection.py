@@ -23,15 +23,7 @@ from training.strategy import Strategy
 def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: Strategy) -> dict:
     """Refuse to train unless the prepared model is sharded as the launch asked. Returns what was seen:
     the strategy, the world size and the fraction of the parameters this rank holds."""
-    world = strategy.world_size
-    dist_world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if accelerator.num_processes != world or dist_world != world:
-        raise RuntimeError(
-            f"the launcher started {world} ranks but accelerate runs {accelerator.num_processes} process(es) "
-            f"over a process group of {dist_world} ({accelerator.distributed_type}); every rank would train "
-            "alone on the whole dataset. With `use_cpu: true` in an accelerate config accelerate drops "
-            "DeepSpeed and FSDP: set `use_cpu: false` (this script uses gloo on CPU by itself)"
-        )
+    world = check_world(accelerator, strategy)
     model = uncompiled(model)  # under --torch_compile: OptimizedModule(DDP) or OptimizedModule(FSDP module)
     unwrapped = unwrap(accelerator, model)
     total = parameter_count(unwrapped)
@@ -77,6 +69,46 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
     elif world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         refuse(f"the prepared model is a {type(model).__name__}, not DistributedDataParallel")
     return seen
+
+
+def check_world(accelerator: Accelerator, strategy: Strategy) -> int:
+    """Refuse a launch whose ranks do not form one process group of the strategy's world size."""
+    world = strategy.world_size
+    dist_world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if accelerator.num_processes != world or dist_world != world:
+        raise RuntimeError(
+            f"the launcher started {world} ranks but accelerate runs {accelerator.num_processes} process(es) "
+            f"over a process group of {dist_world} ({accelerator.distributed_type}); every rank would train "
+            "alone on the whole dataset. With `use_cpu: true` in an accelerate config accelerate drops "
+            "DeepSpeed and FSDP: set `use_cpu: false` (this script uses gloo on CPU by itself)"
+        )
+    return world
+
+
+def verify_pipeline(accelerator: Accelerator, layout: dict, strategy: Strategy) -> dict:
+    """Refuse to train unless the pipeline as built (`Pipeline.in_force`) is the strategy's: its degree, schedule and
+    stages per rank, and the data parallelism across the pipelines (FSDP2 under an FSDP config, else an all-reduce
+    of whole copies where there are several). Returns what was seen, as `verify_strategy` does."""
+    world = check_world(accelerator, strategy)
+    pipe = layout["pipeline"]
+    dp = strategy.data_parallel_size
+    expected = {
+        "degree": strategy.pp_size,
+        "schedule": strategy.pp_schedule,
+        "stages_per_rank": strategy.pp_stages_per_rank,
+        "data_parallel_size": dp,
+        "data_parallel": "fsdp2" if strategy.family == "fsdp" else "all-reduce" if dp > 1 else "none",
+    }
+    built = {key: pipe[key] for key in expected}
+    if built != expected:
+        wrong = ", ".join(f"{k} {built[k]} (asked: {v})" for k, v in expected.items() if built[k] != v)
+        raise RuntimeError(f"asked for {strategy.name} on {world} ranks, but the pipeline runs {wrong}; seen: {layout}")
+    return {
+        "strategy": strategy.name,
+        "distributed_type": "PIPELINE",
+        "world_size": world,
+        "mixed_precision": accelerator.mixed_precision,
+    } | layout
 
 
 def tp_plan_styles(model: torch.nn.Module) -> dict[str, str]:

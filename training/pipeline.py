@@ -18,7 +18,6 @@ Tied embeddings (every preset but llama-7b): the first stage keeps `model.embed_
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -33,82 +32,7 @@ from training.build import local
 from training.gradnorm import clip_, grad_norm
 from training.parallel.groups import new_groups
 from training.parallel.mesh import Mesh
-from training.step import NonFiniteLossError, StepResult
-
-# The schedules that train like one process on CPU ranks (tests/training/test_pipeline.py), by torch's names, and
-# those among them that hold several stages per rank (looped: stage s on rank s mod pp; V-shaped: rank r holds r
-# and 2 pp - 1 - r).
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
-# torch's other training schedule: DualPipeV never finished a step on 2 gloo ranks (torch 2.13; stopped after 300 s).
-ALL_SCHEDULES = (*SCHEDULES, "DualPipeV")
-LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SHAPED = ("ZBVZeroBubble",)
-MULTI_STAGE = LOOPED + V_SHAPED
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")  # refused with FSDP2 (training/strategy.py)
-
-
-def stages_per_rank(schedule: str, requested: int | None) -> int:
-    """Stages each pipeline rank holds: the requested count, else 2 under a multi-stage schedule and 1 otherwise."""
-    if requested is not None:
-        return requested
-    return 2 if schedule in MULTI_STAGE else 1
-
-
-def stage_ranks(schedule: str, pp: int, per_rank: int) -> list[int]:
-    """The pipeline rank of each stage: looped (s mod pp) or V-shaped (0 .. pp-1, then back)."""
-    stages = range(pp * per_rank)
-    if schedule in V_SHAPED:
-        return [s if s < pp else 2 * pp - 1 - s for s in stages]
-    return [s % pp for s in stages]
-
-
-def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
-    """The decoder layers of `stage`: an equal share, in order."""
-    per_stage = num_layers // num_stages
-    return range(stage * per_stage, (stage + 1) * per_stage)
-
-
-def check_pipeline(schedule: str, pp: int, per_rank: int, micro_batches: int, num_layers: int) -> None:
-    """What torch's schedules require, checked before any process group; each error names the flag and the fix."""
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"--pipeline_parallel_schedule {schedule} does not train on this project's CPU-tested path (torch "
-            f"2.13's DualPipeV never finished a step on 2 gloo ranks): choose one of {', '.join(SCHEDULES)}"
-        )
-    if schedule not in MULTI_STAGE and per_rank != 1:
-        raise ValueError(
-            f"--pipeline_parallel_virtual_stages {per_rank} with --pipeline_parallel_schedule {schedule}, which runs "
-            f"one stage per rank: pass 1, or a multi-stage schedule ({', '.join(MULTI_STAGE)})"
-        )
-    if schedule in V_SHAPED and per_rank != 2:
-        raise ValueError(
-            f"--pipeline_parallel_virtual_stages {per_rank} with --pipeline_parallel_schedule {schedule}: a V-shaped "
-            "schedule holds exactly 2 stages per rank; pass 2"
-        )
-    stages = pp * per_rank
-    if stages > num_layers or num_layers % stages:
-        raise ValueError(
-            f"{num_layers} decoder layers do not split into {stages} equal stages (--pipeline_parallel_degree {pp} x "
-            f"{per_rank} stages per rank): choose degrees whose product divides {num_layers}, or another "
-            "num_hidden_layers (--config_overrides)"
-        )
-    if schedule == "1F1B" and micro_batches < pp:
-        raise ValueError(
-            f"--gradient_accumulation_steps {micro_batches} is fewer micro batches than the {pp} stages of "
-            f"1F1B (torch's Schedule1F1B needs at least one per stage): pass --gradient_accumulation_steps {pp} or more"
-        )
-    rounds = max(1, micro_batches // pp)
-    if schedule in LOOPED and micro_batches % rounds:
-        raise ValueError(
-            f"--gradient_accumulation_steps {micro_batches} with {schedule} on {pp} pipeline ranks: torch's schedule "
-            f"splits the micro batches into {rounds} rounds ({micro_batches} // {pp}) and needs a multiple of that; "
-            f"pass a multiple of {pp}"
-        )
-    if schedule in V_SHAPED and micro_batches < stages:
-        raise ValueError(
-            f"--gradient_accumulation_steps {micro_batches} with {schedule}: the schedule needs at least one micro "
-            f"batch per stage ({stages}); pass --gradient_accumulation_steps {stages} or more"
-        )
+from training.parallel.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
 
 
 class BusyClock:
@@ -220,7 +144,7 @@ def keep_stages(model: nn.Module, stages: list[int], num_stages: int, clock: Bus
 @dataclass
 class Pipeline:
     """This rank's part of the pipeline: its stages and the schedule that runs them, the groups it talks over, and
-    the step and evaluation that the training script calls."""
+    what a step (training/step.py's `pipelined_step`) and the evaluation run on them."""
 
     model: nn.Module  # this rank's stages' modules, under the whole model's names
     stages: list[Stage]
@@ -239,13 +163,14 @@ class Pipeline:
 
     # ---------------------------------------------------------------- one optimizer step
 
-    def step(self, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float, step: int,
-             autocast) -> StepResult:  # fmt: skip
-        """Every micro batch through the schedule (forward and backward, interleaved as it says), the tied
-        gradient summed, the gradient clipped by its global norm, then the optimizer and the schedule stepped.
-        Each micro batch's loss is its summed cross-entropy over the targets of the whole global batch (all ranks
-        and micro batches), times the data-parallel size that DDP's and FSDP2's averaging divides by: the update is
-        one process's on the same global batch."""
+    def forward_backward(self, micro_batches: list[dict], autocast) -> tuple[float, list[float] | None]:
+        """Every micro batch through the schedule (forward and backward, interleaved as it says), then the gradients
+        made what one process's would be: averaged over the data-parallel ranks (FSDP2 reduces its own) and the
+        tied embedding's two summed. Each micro batch's loss is its summed cross-entropy over the targets of the
+        whole global batch (all ranks and micro batches), times the data-parallel size that DDP's and FSDP2's
+        averaging divides by: the update (training/step.py's `pipelined_step`) is one process's on the same global
+        batch. Returns the global batch's loss, on every rank, and each pipeline rank's busy share of the schedule
+        (None under the zero-bubble schedules)."""
         device = self.device
         inputs = torch.cat([m["input_ids"] for m in micro_batches]).to(device)  # (M * micro, T)
         labels = torch.cat([m["shift_labels"] for m in micro_batches]).to(device)
@@ -263,19 +188,8 @@ class Pipeline:
         global_loss = self.broadcast_loss(loss)  # collective: the last stage's loss to every rank (a device sync)
         busy = self.busy_fractions(start, end) if self.clock else None  # collective: the stages' compute shares
         self.average_replicated_gradients()  # collective: over the data-parallel ranks, without FSDP2
-        if not math.isfinite(global_loss):
-            raise NonFiniteLossError(
-                f"loss is {global_loss} at step {step}; stopped before the optimizer step, the weights of the last "
-                "checkpoint are untouched (lower --learning_rate, or train in bf16)"
-            )
         self.sum_tied_gradients()  # collective: first and last stage
-        grad_norm = self.clip_gradients(max_grad_norm)  # collective: the norm over the pipeline (and shards)
-        if not math.isfinite(grad_norm):
-            raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step")
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(global_loss, grad_norm, pipeline_busy=busy)
+        return global_loss, busy
 
     def busy_fractions(self, start, end) -> list[float]:
         """Each pipeline rank's share of the schedule's time spent in its stages' forward and backward (the mean of
@@ -380,44 +294,32 @@ class Pipeline:
     # ---------------------------------------------------------------- evaluation
 
     @torch.no_grad()
-    def evaluate(self, batches, max_batches: int | None, autocast) -> float | None:
-        """Token-mean validation loss: every pipeline runs its data-parallel share forward only; the last stage's
-        ranks add their summed cross-entropy and counted targets, and the sums are added over all ranks."""
-        sums = torch.zeros(2, device=self.device)  # summed cross-entropy, counted targets
-        last = self.owners[-1] == self.pp_rank
-        for i, micro in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            with autocast():
-                sums[0] += self.eval_sums(micro)  # collective: the pipeline's point-to-point sends
-            if last:
-                sums[1] += (micro["shift_labels"] != -100).sum()
-        dist.all_reduce(sums)  # collective: every rank (only the last stage's contribute)
-        return (sums[0] / sums[1]).item() if sums[1] > 0 else None
-
-    @torch.no_grad()
-    def eval_sums(self, micro: dict) -> torch.Tensor:
-        """Summed cross-entropy of one evaluation micro batch, forward only, stage by stage: each rank runs its
-        stages on what the stage before sent (collective: point-to-point over the pipeline). The last stage's rank
-        returns the sum; the others a zero."""
+    def eval_sums(self, micro: dict, autocast) -> torch.Tensor:
+        """One evaluation micro batch forward only, stage by stage: each rank runs its stages on what the stage
+        before sent (collective: point-to-point over the pipeline). The last stage's ranks return (summed
+        cross-entropy, counted targets) of their data-parallel share; the others zeros (training/evaluate.py adds
+        the sums over every rank)."""
         device = self.device
         ids, labels = micro["input_ids"].to(device), micro["shift_labels"].to(device)
         num_stages = len(self.owners)
         h = ids
-        for s in range(num_stages):
-            owner = self.owners[s]
-            if owner != self.pp_rank:
-                h = None
-                continue
-            if s > 0 and self.owners[s - 1] != self.pp_rank:
-                # fp32 on the wire whatever the stages compute in: the receiver needs no dtype to size its buffer
-                h = torch.empty(*ids.shape, self.model.config.hidden_size, device=device)
-                dist.recv(h, src=dist.get_global_rank(self.pp_group, self.owners[s - 1]), group=self.pp_group)
-            h = self.stage(s)(h, labels)
-            if s < num_stages - 1 and self.owners[s + 1] != self.pp_rank:
-                dist.send(h.float().contiguous(), dst=dist.get_global_rank(self.pp_group, self.owners[s + 1]),
-                          group=self.pp_group)  # fmt: skip
-        return h.reshape(()).float() if self.owners[-1] == self.pp_rank else torch.zeros((), device=device)
+        with autocast():
+            for s in range(num_stages):
+                owner = self.owners[s]
+                if owner != self.pp_rank:
+                    h = None
+                    continue
+                if s > 0 and self.owners[s - 1] != self.pp_rank:
+                    # fp32 on the wire whatever the stages compute in: the receiver needs no dtype to size its buffer
+                    h = torch.empty(*ids.shape, self.model.config.hidden_size, device=device)
+                    dist.recv(h, src=dist.get_global_rank(self.pp_group, self.owners[s - 1]), group=self.pp_group)
+                h = self.stage(s)(h, labels)
+                if s < num_stages - 1 and self.owners[s + 1] != self.pp_rank:
+                    dist.send(h.float().contiguous(), dst=dist.get_global_rank(self.pp_group, self.owners[s + 1]),
+                              group=self.pp_group)  # fmt: skip
+        if self.owners[-1] != self.pp_rank:
+            return torch.zeros(2, device=device)
+        return torch.stack([h.reshape(()).float(), (labels != -100).sum().float()])
 
     @property
     def local_stages(self) -> list[int]:

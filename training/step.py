@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -67,26 +68,54 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
                 # Collective: the sum of the ranks' partial losses is the global batch's token-mean loss (each
                 # tensor-parallel group adds its share tp_size times).
                 global_loss = accelerator.reduce(step_loss, reduction="sum").item() / tp_size
-                if not math.isfinite(global_loss) and not scaled:
-                    raise NonFiniteLossError(
-                        f"loss is {global_loss} at step {step}; stopped before the optimizer step, the weights of "
-                        "the last checkpoint are untouched (lower --learning_rate, or train in bf16)"
-                    )
+                check_loss(global_loss, step, scaled)
             accelerator.backward(loss * loss_scale)
             if accelerator.sync_gradients:
-                grad_norm = clip_gradients(accelerator, net, max_grad_norm, sharded_group)  # collective under FSDP
-                if grad_norm is not None and not math.isfinite(grad_norm) and not scaled:
-                    raise NonFiniteLossError(
-                        f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step"
-                    )
-                scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
-                optimizer.step()
-                skipped = update_was_skipped(accelerator, optimizer, scale)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                clip = partial(clip_gradients, accelerator, net, max_grad_norm, sharded_group)  # FSDP: a collective
+                grad_norm, skipped = update(accelerator, optimizer, scheduler, clip, step, scaled)
                 if grad_norm is None and hasattr(net, "get_global_grad_norm"):  # DeepSpeed's, after its step
                     grad_norm = float(net.get_global_grad_norm())
     return StepResult(global_loss, grad_norm, skipped)
+
+
+def pipelined_step(pipeline, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float, step: int,
+                   autocast, accelerator=None) -> StepResult:  # fmt: skip
+    """One optimizer step of this rank's pipeline stages (training/pipeline.py): every micro batch through the
+    schedule, forward and backward, with the gradients reduced as one process's would be, then the tail every step
+    shares (`check_loss`, `update`). No loss scaling: the pipelines run fp32 or bf16."""
+    # collective: the stages' sends, the data-parallel reduction, the tied gradient, the loss to every rank
+    global_loss, busy = pipeline.forward_backward(micro_batches, autocast)
+    check_loss(global_loss, step)
+    clip = partial(pipeline.clip_gradients, max_grad_norm)  # collective: the norm over the pipeline's stages
+    grad_norm, skipped = update(accelerator, optimizer, scheduler, clip, step)
+    return StepResult(global_loss, grad_norm, skipped, pipeline_busy=busy)
+
+
+def check_loss(global_loss: float, step: int, scaled: bool = False) -> None:
+    """Stop before the optimizer step if the global batch's loss is not finite (unless fp16 loss scaling is in
+    force: its scaler skips the update instead)."""
+    if not math.isfinite(global_loss) and not scaled:
+        raise NonFiniteLossError(
+            f"loss is {global_loss} at step {step}; stopped before the optimizer step, the weights of the last "
+            "checkpoint are untouched (lower --learning_rate, or train in bf16)"
+        )
+
+
+def update(accelerator, optimizer, scheduler, clip, step: int, scaled: bool = False) -> tuple[float | None, bool]:
+    """The tail of every step, once the gradients are whole: `clip()` clips them and returns the global norm (None
+    where DeepSpeed clips inside its own step), a non-finite norm stops the run before the update (unless fp16 loss
+    scaling skips it), then the optimizer and the schedule step and the gradients are dropped. Returns the norm and
+    whether fp16 loss scaling skipped the update. `accelerator`: None where no accelerate scaler can be in force."""
+    grad_norm = clip()
+    if grad_norm is not None and not math.isfinite(grad_norm) and not scaled:
+        raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step")
+    scaler = getattr(accelerator, "scaler", None)
+    scale = scaler.get_scale() if scaler is not None else None
+    optimizer.step()
+    skipped = update_was_skipped(accelerator, optimizer, scale)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
 
 
 def loss_scaling(accelerator, net) -> bool:

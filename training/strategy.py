@@ -35,7 +35,7 @@ from training.deepspeed_config import (
 )
 from training.ops import check_op_cache, launch_ops
 from training.parallel.mesh import Mesh, MeshError, block_degree, parallelism_block
-from training.pipeline import ZERO_BUBBLE
+from training.parallel.schedules import ZERO_BUBBLE
 from training.sequence import (
     check_context_parallel,
     check_sequence_parallel,

@@ -26,6 +26,7 @@ from training.gradnorm import clip_, grad_norm
 from training.optim import param_groups
 from training.parallel.mesh import Mesh
 from training.pipeline import build_pipeline, fsdp2_stages
+from training.step import pipelined_step
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
 MAX_GRAD_NORM = 0.5  # below the step-1 norm: clipping is active
@@ -93,7 +94,7 @@ def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_b
     losses, norms = [], []
     for step, tokens in enumerate(global_batches(micro_batches, dp), 1):
         micro = micro_batches_of(tokens, micro_batches, dp, rank % dp)
-        result = pipeline.step(micro, optimizer, scheduler, MAX_GRAD_NORM, step, nullcontext)
+        result = pipelined_step(pipeline, micro, optimizer, scheduler, MAX_GRAD_NORM, step, nullcontext)
         losses.append(result.loss)
         norms.append(result.grad_norm)
     weights = pipeline.full_state_dict()

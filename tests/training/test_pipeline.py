@@ -12,11 +12,13 @@ the weights.
 from __future__ import annotations
 
 import json
+import re
+from unittest.mock import patch
 
 import pytest
 from launching import ROOT, launch, launcher_command
 
-from training.pipeline import SCHEDULES, check_pipeline, stage_layers, stage_ranks
+from training.parallel.schedules import SCHEDULES, check_pipeline, stage_layers, stage_ranks
 from training.strategy import Strategy
 
 
@@ -163,3 +165,31 @@ def test_global_batch_counts_the_pipelines_not_their_stages(monkeypatch):
     strategy = requested_strategy(cfg, hidden_size=64)
     assert (strategy.name, strategy.data_parallel_size, cfg.gradient_accumulation_steps) == ("fsdp-pp2", 2, 2)
     assert cfg.global_batch(strategy.data_parallel_size) == 8
+
+
+@pytest.mark.parametrize(("built", "refusal"), [
+    ({}, None),
+    ({"degree": 4}, "degree 4 (asked: 2)"),
+    ({"schedule": "GPipe"}, "schedule GPipe (asked: 1F1B)"),
+    ({"data_parallel": "all-reduce"}, "data_parallel all-reduce (asked: fsdp2)"),
+])  # fmt: skip
+def test_a_pipeline_built_otherwise_than_asked_is_refused(built, refusal):
+    """Every engine's strategy is verified: the pipeline as built (`Pipeline.in_force`) against the strategy."""
+    from types import SimpleNamespace
+
+    from training.inspection import verify_pipeline
+
+    strategy = Strategy.of("fsdp", 4, pp=2)
+    layout = {"degree": 2, "schedule": "1F1B", "stages_per_rank": 1, "data_parallel_size": 2, "data_parallel": "fsdp2"}
+    layout = {"pipeline": layout | built}
+    accelerator = SimpleNamespace(num_processes=4, mixed_precision="no", distributed_type="DistributedType.NO")
+    with (
+        patch("torch.distributed.is_initialized", return_value=True),
+        patch("torch.distributed.get_world_size", return_value=4),
+    ):
+        if refusal is None:
+            seen = verify_pipeline(accelerator, layout, strategy)
+            assert seen["distributed_type"] == "PIPELINE" and seen["pipeline"] == layout["pipeline"]
+        else:
+            with pytest.raises(RuntimeError, match=re.escape(f"but the pipeline runs {refusal}")):
+                verify_pipeline(accelerator, layout, strategy)

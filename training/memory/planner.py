@@ -31,8 +31,8 @@ from training.config import RunConfig
 from training.deepspeed_config import autotp_size, cpu_capped, gradient_reduction_dtype, load_json, resolve_deepspeed
 from training.optim import param_groups
 from training.parallel.mesh import Mesh
+from training.parallel.schedules import check_pipeline, stage_layers
 from training.paths import ROOT
-from training.pipeline import check_pipeline, stage_layers
 from training.strategy import Strategy
 
 # The strategies the planner models, by name (`Strategy.name`); each ZeRO one with the repo's JSON for it.
