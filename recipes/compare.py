@@ -140,7 +140,7 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
 def tensor_parallel_size(launch: dict) -> int:
     """Ranks each layer is split over in an accelerate config: its DeepSpeed JSON's autotp_size, or its
     parallelism_config's tp size."""
-    from training.deepspeed_config import autotp_size, load_json
+    from training.parallel.deepspeed_config import autotp_size, load_json
 
     ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if ds_file:
@@ -280,11 +280,11 @@ def measure_load(res: Result, spec: Spec, flags: list[str], out: Path, args) -> 
 def predict_memory(res: Result, out: Path, args) -> None:
     """The memory planner's prediction for this run, when `recipes/plan_memory.py` exists."""
     try:
-        from training.memory.planner import predict
+        from training.plan.memory.planner import predict
     except ImportError:
         res.prediction_note = "recipes/plan_memory.py not found"
         return
-    from training.strategy import Strategy
+    from training.parallel.strategy import Strategy
 
     try:
         strategy = Strategy.from_name(res.strategy, res.world_size)  # what the run recorded in strategy.json
@@ -317,8 +317,8 @@ def predict_memory(res: Result, out: Path, args) -> None:
 def pipeline_strategy(strategy, run: dict):
     """`strategy` with the schedule and stages per rank of the run's flags (`run_config.json`), or None where the
     planner does not model that pipeline."""
-    from training.memory.planner import models_pipeline
     from training.parallel.schedules import stages_per_rank
+    from training.plan.memory.planner import models_pipeline
 
     schedule = run["pipeline_parallel_schedule"]
     per_rank = stages_per_rank(schedule, run.get("pipeline_parallel_virtual_stages"))

@@ -6,8 +6,8 @@
 OUT receives a Hugging Face model folder (config.json, model.safetensors, loadable with
 `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`, or as a plain `LlamaForCausalLM` with
 --llama), and `neutral.pt`: the strategy-neutral form (full fp32 weights, AdamW's exp_avg and exp_avg_sq, the step),
-keyed by the HF parameter names (training/portable.py). The tokenizer is not part of a checkpoint: the training
-run's output directory holds it.
+keyed by the HF parameter names (training/checkpoints/portable.py). The tokenizer is not part of a checkpoint: the
+training run's output directory holds it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 
 import model as shardgpt
 from model.export import save_llama
-from training.checkpoint import is_complete
-from training.portable import NEUTRAL, STATE, read_checkpoint
+from training.checkpoints.checkpoint import is_complete
+from training.checkpoints.portable import NEUTRAL, STATE, read_checkpoint
 
 
 def convert(checkpoint: Path, out: Path, llama: bool = False) -> None:

@@ -33,7 +33,7 @@ from training.doctor.machine import (
     gpus,
 )
 from training.doctor.report import Report, render
-from training.ops import CPU_OPS, GPU_OPS
+from training.parallel.ops import CPU_OPS, GPU_OPS
 
 # ---------------------------------------------------------------------------------------------- main
 

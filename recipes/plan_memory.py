@@ -17,7 +17,7 @@
 data-parallel degrees, schedule, micro batch, activation checkpointing; pin any with its flag) that recipes/train.py
 runs (--any_layout: Megatron-LM's too, marked by whether the script runs them) and that fits in memory,
 ranked by predicted tokens/s, each step split into compute, exposed communication, pipeline bubble and offload
-(training/planning/step_time.py; the model and its checks against published runs: docs/step_time.md). Predictions,
+(training/plan/step_time.py; the model and its checks against published runs: docs/step_time.md). Predictions,
 not measurements. `--check_published`: published runs (Megatron-LM 2021's Tables 1 and 2, BLOOM-176B, llm-foundry's
 across nodes; the calibration's single-node runs apart), predicted beside their published throughput.
 
@@ -50,13 +50,13 @@ from dataclasses import replace
 
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
-from training.console import configure_console
-from training.deepspeed_config import load_json
-from training.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
-from training.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
-from training.metrics import PEAK_FLOPS
-from training.planning.hardware import GPU_KINDS, cluster
-from training.planning.published import (
+from training.flops import PEAK_FLOPS
+from training.parallel.deepspeed_config import load_json
+from training.parallel.strategy import Strategy
+from training.plan.hardware import GPU_KINDS, cluster
+from training.plan.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
+from training.plan.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
+from training.plan.published import (
     BLOOM,
     CALIBRATION,
     LLM_FOUNDRY_A100,
@@ -66,8 +66,8 @@ from training.planning.published import (
     compare,
     compare_mfu,
 )
-from training.planning.step_time import ATTN_IMPLEMENTATIONS, DP_STRATEGIES, llama_config, plan
-from training.strategy import Strategy
+from training.plan.step_time import ATTN_IMPLEMENTATIONS, DP_STRATEGIES, llama_config, plan
+from training.report.console import configure_console
 
 OVERRIDES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
              "vocab_size")  # fmt: skip
@@ -263,7 +263,7 @@ def plot_published(rows: dict[str, list[dict]], path: str) -> None:
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.set_xlabel("published: share of peak (TFLOP/s / peak, or MFU)")
-    ax.set_ylabel("predicted: share of peak (training/planning/step_time.py)")
+    ax.set_ylabel("predicted: share of peak (training/plan/step_time.py)")
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -340,7 +340,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = ShardGPTConfig.from_preset(args.preset, **overrides)
         pp = args.pipeline_parallel_degree
-        pipelined = ("ddp", "fsdp", "fsdp-shard-grad-op")  # what a pipeline's stages run under (training/pipeline.py)
+        pipelined = (
+            "ddp",
+            "fsdp",
+            "fsdp-shard-grad-op",
+        )  # what a pipeline's stages run under (training/parallel/pipeline.py)
         names = (pipelined if pp > 1 else STRATEGIES) if args.strategy == "all" else args.strategy.split(",")
         strategies = [Strategy.from_name(name, args.num_gpus) for name in names]
         if pp > 1:

@@ -9,8 +9,8 @@ recipes/train.py draws the same picture at the end of every run.
 from __future__ import annotations
 
 from training.arguments import ArgumentParser
-from training.curves import plot_training_curves
-from training.ranks import run_rank
+from training.parallel.ranks import run_rank
+from training.report.curves import plot_training_curves
 
 
 def main(argv: list[str] | None = None) -> None:

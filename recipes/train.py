@@ -27,37 +27,32 @@ import model as shardgpt
 from data import ShardedLoader, prepare_data
 from model.export import save_model_folder
 from training import faults
-from training.accelerator import make_accelerator
 from training.arguments import parse_run_config
-from training.checkpoint import (
-    CheckpointSpaceError,
-    check_resume,
-    load_checkpoint,
-    resolve_resume_once,
-)
-from training.comms import StepCommunication
+from training.checkpoints.checkpoint import CheckpointSpaceError, check_resume, load_checkpoint, resolve_resume_once
 from training.compat import check_versions
-from training.console import configure_console, no_transformers_bars
-from training.curves import plot_training_curves
-from training.engine import prepare
-from training.memory.fit import check_launch_fits
-from training.metrics import MetricsWriter, StepLog, flops_per_token, format_record, peak_flops
-from training.model_card import write_model_card
-from training.preemption import Preempted, PreemptionWatch, stop_message
-from training.profiling import make_profiler
-from training.ranks import BAD_INPUT, run_rank
-from training.sample import generation_config, print_samples
-from training.step import NonFiniteLossError, ZeroGradientError, check_gradients_flow
-from training.strategy import (
-    check_deepspeed_ops,
-    check_fsdp_wrap,
+from training.flops import flops_per_token, peak_flops
+from training.loop.comms import StepCommunication
+from training.loop.engine import prepare
+from training.loop.metrics import MetricsWriter, StepLog, format_record
+from training.loop.preemption import Preempted, PreemptionWatch, stop_message
+from training.loop.profiling import make_profiler
+from training.loop.step import NonFiniteLossError, ZeroGradientError, check_gradients_flow
+from training.loop.watchdog import make_watchdog
+from training.parallel.accelerator import make_accelerator
+from training.parallel.launch import (
     launch_precision,
     launched_data_parallel_size,
     launched_world_size,
     requested_strategy,
 )
-from training.summary import WallClock, peak_memory_per_rank, run_summary
-from training.watchdog import make_watchdog
+from training.parallel.launch_checks import check_deepspeed_ops, check_fsdp_wrap
+from training.parallel.ranks import BAD_INPUT, run_rank
+from training.plan.memory.fit import check_launch_fits
+from training.report.console import configure_console, no_transformers_bars
+from training.report.curves import plot_training_curves
+from training.report.model_card import write_model_card
+from training.report.sample import generation_config, print_samples
+from training.report.summary import WallClock, peak_memory_per_rank, run_summary
 
 logger = logging.getLogger("shardgpt")
 
@@ -108,7 +103,7 @@ def main(argv: list[str] | None = None) -> object:
 
     # ------------------------------------------------------------------ model, optimizer, prepare
     # The model (fresh from the seed, or --model_name_or_path's weights), AdamW and the schedule, prepared for the
-    # strategy (training/engine.py): the whole model wrapped in DDP, FSDP2 or a DeepSpeedEngine by accelerate, or
+    # strategy (training/loop/engine.py): the whole model wrapped in DDP, FSDP2 or a DeepSpeedEngine by accelerate, or
     # this rank's pipeline stages. Collective: ZeRO-3 and FSDP2 build into each rank's shards, `prepare` shards or
     # broadcasts, a pipeline creates its groups.
     engine = prepare(cfg, strategy, accelerator, config, tokenizer)

@@ -7,8 +7,8 @@ the loop of the Trainer.
     accelerate launch --config_file accelerate_configs/zero2.yaml recipes/trainer.py
 
 Its per-step losses equal recipes/train.py's for the same flags (docs/trainer.md): the same initial weights
-(training/build.py), data order (data.EpochSampler), AdamW groups and schedule (training/optim.py), and the
-same loss, the token mean over the global batch however it is split into micro batches and ranks.
+(training/parallel/build.py), data order (data.EpochSampler), AdamW groups and schedule (training/loop/optim.py), and
+the same loss, the token mean over the global batch however it is split into micro batches and ranks.
 """
 
 from __future__ import annotations
@@ -23,28 +23,24 @@ from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from data import BlockDataset, prepare_data
 from training.arguments import parse_run_config
-from training.build import build_model
 from training.compat import check_versions
-from training.console import configure_console, no_transformers_bars
-from training.curves import plot_training_curves
-from training.hf_trainer import (
+from training.flops import flops_per_token, peak_flops
+from training.loop.hf_trainer import (
     MetricsCallback,
     PreemptionCallback,
     ProfilerCallback,
     ShardGPTTrainer,
     training_arguments,
 )
-from training.metrics import flops_per_token, peak_flops
-from training.preemption import Preempted, stop_message
-from training.profiling import make_profiler
-from training.ranks import run_rank
-from training.sample import generation_config, print_samples
-from training.strategy import (
-    check_deepspeed_ops,
-    launch_precision,
-    launched_data_parallel_size,
-    requested_strategy,
-)
+from training.loop.preemption import Preempted, stop_message
+from training.loop.profiling import make_profiler
+from training.parallel.build import build_model
+from training.parallel.launch import launch_precision, launched_data_parallel_size, requested_strategy
+from training.parallel.launch_checks import check_deepspeed_ops
+from training.parallel.ranks import run_rank
+from training.report.console import configure_console, no_transformers_bars
+from training.report.curves import plot_training_curves
+from training.report.sample import generation_config, print_samples
 
 
 def main(argv: list[str] | None = None) -> object:
@@ -65,7 +61,8 @@ def main(argv: list[str] | None = None) -> object:
     strategy = requested_strategy(cfg, config.hidden_size)  # the same checks of the JSON as recipes/train.py
     if strategy.sp_size > 1:
         # transformers' Trainer computes each rank's loss as the whole sequence's, from the gathered per-rank losses:
-        # under ZeRO-1/2, which divide by world / sp, every gradient is sp times too large (training/sequence.py).
+        # under ZeRO-1/2, which divide by world / sp, every gradient is sp times too large
+        # (training/parallel/sequence.py).
         raise ValueError(
             f"sequence parallelism (sp_size {strategy.sp_size}) needs recipes/train.py: the HF Trainer's Ulysses loss "
             f"gives gradients {strategy.sp_size} times too large under ZeRO-1/2 (its clipping and logged norms "

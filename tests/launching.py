@@ -33,7 +33,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What a launch must not print: third-party messages the project silences or replaces (training/console.py).
+# What a launch must not print: third-party messages the project silences or replaces (training/report/console.py).
 NOISE = (
     "Saving current state", "Model weights saved in", "Random states saved in", "Removed shared tensor",
     "Setting accelerator to CPU", "Downloading data", "Generating train split", "Writing model shards",

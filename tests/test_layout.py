@@ -78,6 +78,50 @@ def test_no_import_circles():
             pytest.fail(" -> ".join(cycle))
 
 
+# training/'s layers, lowest first: a module imports its own subpackage and lower layers, never a layer above it nor
+# another subpackage of its own layer. The configuration (layer 0) is the flags, the version floors and the plain
+# facts of the mesh and the pipeline schedules: it imports no runtime.
+CONFIGURATION = {
+    "training", "training.adamw", "training.arguments", "training.compat", "training.config", "training.faults",
+    "training.flops", "training.limits", "training.paths", "training.pretrained", "training.parallel.mesh",
+    "training.parallel.schedules",
+}  # fmt: skip
+LAYERS = {"training.parallel": 1, "training.plan": 2, "training.checkpoints": 2, "training.loop": 3,
+          "training.report": 4, "training.compare": 5, "training.doctor": 5}  # fmt: skip
+# What the planners may read of the parallel layer: the launch's description, not a runtime of it.
+PLANNERS_READ = {"training.parallel.strategy", "training.parallel.deepspeed_config", "training.parallel.sequence"}
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer, the subpackage that holds it) of a training module."""
+    if module in CONFIGURATION:
+        return 0, "configuration"
+    package = ".".join(module.split(".")[:2])
+    assert package in LAYERS, f"{module} is in no layer of tests/test_layout.py: give its subpackage one"
+    return LAYERS[package], package
+
+
+def test_training_imports_follow_its_layers():
+    """The configuration imports no runtime, the axes' runtimes do not import the loop's step, the planners no
+    training code, and nothing imports back up."""
+    wrong = []
+    for path in sources():
+        name = module_name(path)
+        if name.split(".")[0] != "training":
+            continue
+        layer, package = layer_of(name)
+        for imported in project_imports(path):
+            if imported.split(".")[0] != "training":
+                continue
+            other, other_package = layer_of(imported)
+            if not (other < layer or other_package == package):
+                wrong.append(f"{name} (layer {layer}) imports {imported} (layer {other})")
+            planner_reads = package == "training.plan" and other_package == "training.parallel"
+            if planner_reads and imported not in PLANNERS_READ:
+                wrong.append(f"{name}, a planner, imports {imported}")
+    assert not wrong, wrong
+
+
 SCRIPTS = sorted(p for p in (ROOT / "recipes").rglob("*.py") if p.name != "__init__.py")
 
 
@@ -97,7 +141,7 @@ def test_nothing_in_the_library_is_a_script():
 
 # ---------------------------------------------------------------------------------------------- strategy names
 
-# Methods that read a string in parts. A strategy's facts are fields of `training.strategy.Strategy`; only that
+# Methods that read a string in parts. A strategy's facts are fields of `training.parallel.strategy.Strategy`; only that
 # module spells a name or reads one back (`Strategy.name`, `Strategy.from_name`).
 AFFIXES = {"startswith", "endswith", "removeprefix", "removesuffix"}
 STRING_PARTS = AFFIXES | {"replace", "find", "index", "count"}
@@ -160,9 +204,9 @@ def test_the_name_checks_find_what_they_look_for():
 
 
 def test_only_the_strategy_module_reads_strategy_names():
-    """Facts are typed, not spelled: outside training/strategy.py nothing reads a strategy's name in parts
+    """Facts are typed, not spelled: outside training/parallel/strategy.py nothing reads a strategy's name in parts
     (`startswith("zero")`, `"offload" in strategy.name`) or keeps a table of its spellings (`ALIASES`)."""
-    allowed = ROOT / "training" / "strategy.py"
+    allowed = ROOT / "training" / "parallel" / "strategy.py"
     found = [f"{path.relative_to(ROOT)}:{line}: {code}" for path in sources() if path != allowed
              for line, code in name_parsing(path.read_text())]  # fmt: skip
     assert not found, found

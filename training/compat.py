@@ -13,7 +13,8 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   see `build_lock_blocks`.
 - torch's dispatch mode (`torch.utils._python_dispatch.TorchDispatchMode`, which torch's own `CommDebugMode` is built
   on, but that counts calls only), an operator's schema (`OpOverload._schema`) and a functional collective's group
-  (`_resolve_process_group`): to count every collective a step calls, in bytes (training/comms.py); checked on 2.13.
+  (`_resolve_process_group`): to count every collective a step calls, in bytes (training/loop/comms.py); checked on
+  2.13.
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
 - DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
@@ -28,7 +29,7 @@ from importlib.metadata import version
 
 import torch
 from packaging.version import Version
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (training/comms.py's base class)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (training/loop/comms.py's base class)
 
 # The oldest release of each that the suite runs on (pyproject.toml's lower bounds).
 FLOORS = {"torch": "2.11", "transformers": "5.24", "accelerate": "1.15", "deepspeed": "0.19.8"}

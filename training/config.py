@@ -6,7 +6,7 @@
 `RunConfig.resolve` turns the parsed flags into the run's final config once, before any process group: every flag
 checked, then the accumulation --global_batch_size gives, the checkpoint's own tokenizer and the launch's precision
 filled in. The config is frozen: nothing changes it afterwards. The DeepSpeed JSON's `"auto"` values are resolved
-from it in `training/deepspeed_config.py`.
+from it in `training/parallel/deepspeed_config.py`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any, Literal, get_args
 import torch
 
 from data.arguments import DataArguments, flag
-from model import PRESETS, ShardGPTConfig, ShardGPTForCausalLM
+from model import PRESETS, ShardGPTConfig
+from training.adamw import recipe_learning_rate
+from training.limits import GPU_STEP_TIMEOUT, HUNG, parse_steps
 from training.parallel.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
-from training.profiling import parse_steps
-from training.watchdog import GPU_STEP_TIMEOUT, HUNG
 
 PRESET_NAMES = tuple(PRESETS)
 Preset = Literal[PRESET_NAMES]
@@ -31,23 +31,6 @@ Scheduler = Literal["cosine", "linear", "constant"]
 PipelineSchedule = Literal[ALL_SCHEDULES]
 SCHEDULERS = get_args(Scheduler)
 TRACKERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow")  # --report_to takes several, comma-separated
-
-
-# The default peak learning rate by model size: (up to this many parameters, learning rate). GPT-3's table (Brown et
-# al. 2020, Table 2.1: 125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1.3B 2e-4, 2.7B 1.6e-4, 6.7B 1.2e-4, 13B 1e-4, 175B
-# 6e-5), each row covering the sizes nearest it; below 50M, 1e-3, as nanoGPT trains its small models. Larger models
-# need smaller steps: llama-3b diverged at 1e-3 (loss 9.6 -> 15.4 by step 3, gradient norm 765).
-LEARNING_RATES = (
-    (50e6, 1e-3), (200e6, 6e-4), (550e6, 3e-4), (1.0e9, 2.5e-4), (2.0e9, 2e-4), (4.5e9, 1.6e-4), (9e9, 1.2e-4),
-    (20e9, 1e-4), (math.inf, 6e-5),
-)  # fmt: skip
-
-
-def recipe_learning_rate(config: ShardGPTConfig) -> float:
-    """The default peak learning rate of a model of `config` (`LEARNING_RATES`), by its parameter count."""
-    with torch.device("meta"):  # shapes only
-        parameters = ShardGPTForCausalLM(config).num_parameters()
-    return next(lr for limit, lr in LEARNING_RATES if parameters <= limit)
 
 
 @dataclass(frozen=True)
@@ -201,7 +184,7 @@ class RunConfig(DataArguments):
         """The preset's config with --config_overrides applied (numbers and true/false only), or the config of
         --model_name_or_path."""
         if self.model_name_or_path:
-            from training.build import start_config
+            from training.pretrained import start_config
 
             return start_config(self.model_name_or_path)
         overrides, preset = {}, ShardGPTConfig.from_preset(self.preset)
@@ -225,7 +208,7 @@ class RunConfig(DataArguments):
         """The run's final config, made once before any process group: every flag checked (`validate`), then
         what the flags and the launch settle, in a new RunConfig that nothing changes afterwards: the
         accumulation --global_batch_size gives over `data_parallel_size` ranks (the launch's world over its
-        tensor-parallel degree: `training.strategy.launched_data_parallel_size`), the tokenizer of
+        tensor-parallel degree: `training.parallel.strategy.launched_data_parallel_size`), the tokenizer of
         --model_name_or_path's folder (unless --tokenizer_name), and the precision of the accelerate config's
         mixed_precision (`launch_precision`: "no" where it sets none)."""
         self.validate(data_parallel_size)
@@ -258,7 +241,7 @@ class RunConfig(DataArguments):
     def start_tokenizer(self) -> str | None:
         """--tokenizer_name; without it, the tokenizer saved in --model_name_or_path's folder, if it has one."""
         if self.model_name_or_path and self.tokenizer_name is None:
-            from training.build import has_tokenizer
+            from training.pretrained import has_tokenizer
 
             if has_tokenizer(self.model_name_or_path):
                 return self.model_name_or_path
@@ -365,7 +348,7 @@ class RunConfig(DataArguments):
 
     def check_pipeline(self, micro_batches: int) -> None:
         """The pipeline flags against torch's schedules (`micro_batches`: the accumulation in force) and the model's
-        depth (training/pipeline.py)."""
+        depth (training/parallel/pipeline.py)."""
         if self.pipeline_parallel_degree < 1:
             raise ValueError(f"--pipeline_parallel_degree {self.pipeline_parallel_degree} must be at least 1")
         if self.pipeline_parallel_degree == 1:

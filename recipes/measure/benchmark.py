@@ -4,7 +4,7 @@ Both models live in one process with the same weights, the same fused AdamW and 
 timed in alternation (A, B, A, B, ...) so that drift in the machine's speed hits both alike. A step is
 forward, backward and optimizer step; warm-up steps are excluded (under --torch_compile they include the
 compilation); on GPUs each step is timed with CUDA events. MFU uses PaLM's FLOPs per token, `6 N + 12 L H Q T`
-(training/metrics.py), against the device's peak.
+(training/loop/metrics.py), against the device's peak.
 
 With --separate each model runs in a fresh process of its own (one after the other: no alternation), which
 also measures its peak memory: the process's peak RSS on CPU (weights, Adam, activations, the loss; the
@@ -35,8 +35,8 @@ import transformers
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from model.export import to_llama
-from training.build import compile_blocks
-from training.metrics import flops_per_token, peak_flops
+from training.flops import flops_per_token, peak_flops
+from training.parallel.build import compile_blocks
 
 
 class Timer:

@@ -4,13 +4,13 @@ the training script and plotted against the ZeRO paper's volumes.
     python recipes/measure/comm_scaling.py --output_dir runs/comm_scaling                 # launch, measure, plot
     python recipes/measure/comm_scaling.py --output_dir runs/comm_scaling --no_launch     # plot what is there
 
-Each point is one `accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N
-recipes/train.py --preset debug --max_steps 3 ...` in fp32 on a small generated corpus (written to the output folder;
-more ranks than cores is fine, only bytes are counted), which records its third step's collectives on every rank in
-strategy.json (training/comms.py). Plotted: what the busiest rank sends on a ring (the paper's volume x (N - 1) / N)
-per parameter, against the paper's 2 Psi (DDP, ZeRO-1/2) and 3 Psi (ZeRO-3, FSDP) at 4 bytes each; beside the shipped
-JSONs, the two DeepSpeed settings that change the traffic (`use_multi_rank_bucket_allreduce: false`, ZeRO-3's live
-parameters and reuse distance at 0).
+Each point is one `accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N recipes/train.py
+--preset debug --max_steps 3 ...` in fp32 on a small generated corpus (written to the output folder; more ranks than
+cores is fine, only bytes are counted), which records its third step's collectives on every rank in strategy.json
+(training/loop/comms.py). Plotted: what the busiest rank sends on a ring (the paper's volume x (N - 1) / N) per
+parameter, against the paper's 2 Psi (DDP, ZeRO-1/2) and 3 Psi (ZeRO-3, FSDP) at 4 bytes each; beside the shipped JSONs,
+the two DeepSpeed settings that change the traffic (`use_multi_rank_bucket_allreduce: false`, ZeRO-3's live parameters
+and reuse distance at 0).
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from training.memory import planner as pm
-from training.memory.measured import launch_command, load, paper, planned
 from training.paths import ROOT
+from training.plan.memory import planner as pm
+from training.plan.memory.measured import launch_command, load, paper, planned
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 PRECISION = "fp32"  # DDP and FSDP keep fp32 states whatever the flag; fp32 compares all five on one footing

@@ -5,11 +5,11 @@ under GPipe and 1F1B, measured beside the memory planner's prediction.
     python recipes/measure/pipeline_memory.py --pp 2 4 --micro_batches 4 8 16 --json rows.json
     python recipes/measure/pipeline_memory.py --rows rows.json  # table and plot of an earlier run's --json
 
-One process per stage (gloo, one thread each), training/pipeline.py's stages of the model run by torch's schedules
-(training/bubble.measure_model). Per stage: the step (the fastest of --steps), the share of it the stage computed
-(its forward and backward, the training's busy clock) against M / (M + P - 1), and the most bytes it held for its
-backward at once (autograd's saved tensors and the stage's kept outputs, counted live), against the planner's
-`held_for_backward` (training/memory/planner.stage_held). fp32. More stages than cores slows every stage: the bytes
+One process per stage (gloo, one thread each), training/parallel/pipeline.py's stages of the model run by torch's
+schedules (training/loop/bubble.measure_model). Per stage: the step (the fastest of --steps), the share of it the stage
+computed (its forward and backward, the training's busy clock) against M / (M + P - 1), and the most bytes it held for
+its backward at once (autograd's saved tensors and the stage's kept outputs, counted live), against the planner's
+`held_for_backward` (training/plan/memory/planner.stage_held). fp32. More stages than cores slows every stage: the bytes
 stay exact, the times do not.
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
-from training.bubble import ModelCase, add_run_flags, measure_model, run_recipe, save_against_micro_batches
-from training.memory.planner import predict
+from training.loop.bubble import ModelCase, add_run_flags, measure_model, run_recipe, save_against_micro_batches
+from training.parallel.strategy import Strategy
 from training.paths import ROOT
-from training.strategy import Strategy
+from training.plan.memory.planner import predict
 
 MiB = 2**20
 

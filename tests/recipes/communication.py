@@ -1,5 +1,5 @@
 """What a launch's strategy.json says its ranks sent in the counted step, against the closed form for the settings
-in force (training/comms.py's `expected_payloads`; `autotp_payloads` under AutoTP, `ulysses_payloads` under
+in force (training/loop/comms.py's `expected_payloads`; `autotp_payloads` under AutoTP, `ulysses_payloads` under
 sequence parallelism)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 from dataclasses import replace
 
 from model import ShardGPTConfig
-from training.comms import ModelShape, paper_volume, step_payloads
-from training.strategy import Strategy
+from training.parallel.strategy import Strategy
+from training.plan.communication import ModelShape, paper_volume, step_payloads
 
 # The all-reduces of the step's loss and gradient norm (and DeepSpeed's overflow check): a few scalars, 84 bytes at
 # most as measured (FSDP2: the loss and a norm per parameter tensor, 21 floats); the bound leaves room for a few more.
@@ -30,8 +30,8 @@ def launched(run) -> tuple[Strategy, ModelShape]:
 
 
 def closed_form(run, strategy: Strategy, shape: ModelShape) -> dict[str, int]:
-    """training/comms.py's closed form for the launch: AutoTP's from the split modules strategy.json lists, AutoTP's
-    and Ulysses' from the micro batches run_config.json holds, the data-parallel strategies' from the strategy
+    """training/plan/communication.py's closed form for the launch: AutoTP's from the split modules strategy.json lists,
+    AutoTP's and Ulysses' from the micro batches run_config.json holds, the data-parallel strategies' from the strategy
     alone."""
     flags = json.loads((run.output_dir / "run_config.json").read_text())
     tokens = flags["per_device_train_batch_size"] * flags["block_size"]  # a micro batch's, whole sequences

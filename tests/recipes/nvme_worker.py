@@ -13,12 +13,12 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 import model as shardgpt
-from training.accelerator import make_accelerator
 from training.config import RunConfig
-from training.inspection import verify_strategy
-from training.optim import make_optimizer, make_scheduler
-from training.ranks import run_rank
-from training.strategy import launch_precision, launched_world_size, requested_strategy
+from training.loop.optim import make_optimizer, make_scheduler
+from training.parallel.accelerator import make_accelerator
+from training.parallel.inspection import verify_strategy
+from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
+from training.parallel.ranks import run_rank
 
 VOCAB = 16384  # x hidden 64 = 1,048,576 embedding elements: half per rank, 2 MiB in fp32
 
@@ -59,7 +59,7 @@ def main() -> dict:
         (out / "nvme.json").write_text(json.dumps(record))
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from recipes import train
-from training.portable import gather_neutral
-from training.ranks import run_rank
+from training.checkpoints.portable import gather_neutral
+from training.parallel.ranks import run_rank
 
 load_checkpoint = train.load_checkpoint
 

@@ -1,5 +1,5 @@
 """What each data-parallel strategy sends, measured by the training script on 4 CPU ranks (gloo) and recorded in
-strategy.json: each kind of collective's bytes equal the closed form for the settings in force (training/comms.py),
+strategy.json: each kind of collective's bytes equal the closed form for the settings in force (training/loop/comms.py),
 and, where the ZeRO paper's assumptions hold, the paper's volume. The 2-rank launches of tests/recipes/
 test_strategies.py assert the same for every shipped config; these launches add the 4-rank cells and the two
 DeepSpeed settings that change the traffic, each beside the shipped JSON's value:

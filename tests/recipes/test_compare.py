@@ -67,7 +67,7 @@ def test_compare_reports_every_strategy_and_the_failures(corpus, tmp_path):
         # On a ring of 2 ranks each sends half the paper's volume.
         assert number(row["sent/rank/step (MB)"]) == pytest.approx(number(row["comm. volume/step (MB)"]) / 2, abs=1e-3)
     # DeepSpeed all-reduces ZeRO-2's gradient buckets and then all-gathers the partitions: 3 Psi a step to DDP's 2
-    # (training/comms.py's closed forms, asserted to the byte in tests/recipes/test_strategies.py).
+    # (training/loop/comms.py's closed forms, asserted to the byte in tests/recipes/test_strategies.py).
     volume = {name: number(rows[name]["comm. volume/step (MB)"]) for name in GOOD}
     assert volume["zero2"] / volume["ddp"] == pytest.approx(1.5, rel=2e-3), volume
     assert (

@@ -15,10 +15,10 @@ import torch
 from launching import ROOT, launch, launcher_command
 from safetensors.torch import load_file
 
-from training.checkpoint import MARKER, STATE, check_resume
+from training.checkpoints.checkpoint import MARKER, STATE, check_resume
+from training.checkpoints.portable import NEUTRAL, read_checkpoint
 from training.config import RunConfig
-from training.portable import NEUTRAL, read_checkpoint
-from training.strategy import Strategy
+from training.parallel.strategy import Strategy
 
 TRAIN = [
     "--preset=debug", "--max_steps=6", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",
@@ -26,7 +26,7 @@ TRAIN = [
 ]  # fmt: skip
 TOLERANCE = 1e-5  # fp32: the strategies sum gradients in different orders
 
-# Two pipeline stages on 2 ranks: the global batch of 8 as 2 micro batches of 4 (training/pipeline.py).
+# Two pipeline stages on 2 ranks: the global batch of 8 as 2 micro batches of 4 (training/parallel/pipeline.py).
 PIPELINE = ["--pipeline_parallel_degree=2", "--gradient_accumulation_steps=2"]
 # Ulysses over the 2 ranks (one data-parallel rank): the global batch of 8 in one micro batch.
 SEQUENCE = ["--per_device_train_batch_size=8"]

@@ -18,10 +18,10 @@ import pytest
 from launching import ROOT, launch, launcher_command
 from trackers import assert_same_as_metrics, wandb_history
 
-from training.checkpoint import damage, latest_checkpoint
+from training.checkpoints.checkpoint import damage, latest_checkpoint
 from training.config import RunConfig
-from training.profiling import parse_steps
-from training.watchdog import HUNG, hang_report
+from training.limits import HUNG, parse_steps
+from training.loop.watchdog import hang_report
 
 STEPS = 6
 TRAIN = [

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from recipes import doctor
-from training import ops
 from training.compat import build_lock_blocks
 from training.doctor import launch as launches
 from training.doctor import machine
 from training.doctor.report import Report
+from training.parallel import ops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,7 +122,7 @@ def test_write_speed_on_tmp_path(tmp_path):
     "name", ["zero1", "fsdp", "fsdp_shard_grad_op", "zero3_offload_cpu", "fsdp_hybrid_multinode", "fsdp1", "autotp"]
 )
 def test_strategy_names_match_the_training_script(name):
-    """The name doctor prints is the one training/strategy.py reports in strategy.json."""
+    """The name doctor prints is the one training/parallel/strategy.py reports in strategy.json."""
     launch = launches.read_launch_config(ROOT / "accelerate_configs" / f"{name}.yaml")
     ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
     ds = json.loads((ROOT / ds_file).read_text()) if ds_file else None
@@ -180,7 +180,7 @@ def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, 
 
 
 def test_memory_plan_refuses_what_the_training_script_refuses(tmp_path, capfd):
-    """The doctor's memory plan is the training script's check (training/memory/fit.py): same numbers, same fix."""
+    """The doctor's memory plan is the training script's check (training/plan/memory/fit.py): same numbers, same fix."""
     code, out = run_doctor(
         capfd, "--config_file", "accelerate_configs/ddp.yaml", "--json", "--", "--preset", "llama-7b",
         "--config_overrides", "num_hidden_layers=200", "--output_dir", str(tmp_path / "out"),
@@ -223,7 +223,7 @@ def test_the_doctor_counts_the_modules_autotp_splits_as_the_launch_measures_them
     from collections import Counter
 
     from model import ShardGPTConfig, ShardGPTForCausalLM
-    from training.inspection import tp_plan_styles
+    from training.parallel.inspection import tp_plan_styles
 
     with torch.device("meta"):
         net = ShardGPTForCausalLM(ShardGPTConfig.from_preset("debug"))

@@ -21,7 +21,7 @@ from launching import BIN, ROOT, Run, free_port, launch, launcher_command
 from parity import cell_args, cell_run
 from safetensors.torch import load_file
 
-from training.checkpoint import (
+from training.checkpoints.checkpoint import (
     BYTES_PER_PARAMETER,
     MARGIN,
     MARKER,
@@ -32,8 +32,8 @@ from training.checkpoint import (
     manifest,
     resolve_resume,
 )
-from training.preemption import SIGNALS, PreemptionWatch
-from training.ranks import PREEMPTED, Preempted, run_rank
+from training.loop.preemption import SIGNALS, PreemptionWatch
+from training.parallel.ranks import PREEMPTED, Preempted, run_rank
 
 STEPS = 12
 TRAIN = [

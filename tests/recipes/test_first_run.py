@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data import prepare_data
 from recipes import plot_curves
 from training.arguments import parse_run_config
-from training.curves import CURVES
-from training.sample import draw_samples, validation_prompts
+from training.report.curves import CURVES
+from training.report.sample import draw_samples, validation_prompts
 
 STEPS, SAVE_STEPS, SAMPLE_TOKENS, SAMPLES, SEED = 40, 20, 32, 3, 42
 FLAGS = [

@@ -17,8 +17,8 @@ import pytest
 from launching import ROOT, launch, launcher_command
 
 from model import ShardGPTConfig
-from training.memory import planner as pm
-from training.memory.measured import deviations, load, planned, planner_inputs
+from training.plan.memory import planner as pm
+from training.plan.memory.measured import deviations, load, planned, planner_inputs
 
 TINY = ["--preset=tiny", "--per_device_train_batch_size=1", "--block_size=64"]
 LAUNCHES = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero3", "fp32"), ("fsdp", "fp32"),

@@ -12,9 +12,9 @@ import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from recipes import plan_memory
-from training.memory import planner as pm
+from training.parallel.strategy import Strategy
 from training.paths import ROOT
-from training.strategy import Strategy
+from training.plan.memory import planner as pm
 
 GB = 1e9
 named = Strategy.from_name
@@ -363,7 +363,7 @@ def test_ulysses_activations_are_what_each_rank_holds():
     """Under Ulysses (sp 2, DeepSpeed's attention registered as training registers it) each rank holds what the
     planner plans for seq_len / sp positions: measured within 1e-5 here (recipes/measure/sequence_memory.py, the
     docs' table: within 0.2 % at micro batch 1), and about half of one process's."""
-    from training.memory.ulysses import measure
+    from training.plan.memory.ulysses import measure
 
     one, split = measure(1, "debug", 2, 128), measure(2, "debug", 2, 128)
     for row in (one, split):

@@ -12,7 +12,7 @@ from launching import launch, launcher_command, quiet_console_problems
 from parity import cell_args, cell_run
 from safetensors.torch import load_file
 
-from training.checkpoint import MARKER, latest_checkpoint, resolve_resume
+from training.checkpoints.checkpoint import MARKER, latest_checkpoint, resolve_resume
 
 TRAIN = [
     "--preset=debug", "--max_steps=20", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",

@@ -13,7 +13,7 @@ from launching import launch, launcher_command
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 from data import DataArguments, ShardedLoader, prepare_data
-from training.build import start_config
+from training.pretrained import start_config
 
 SEED = 42
 MICRO, WORLD = 4, 2

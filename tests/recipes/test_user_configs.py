@@ -283,7 +283,7 @@ def test_default_warmup_never_refuses_a_short_run():
 )  # fmt: skip
 def test_deepspeed_scheduler_values_deepspeed_rejects_are_refused(scheduler, field, fix):
     from training.config import RunConfig
-    from training.deepspeed_config import resolve_deepspeed
+    from training.parallel.deepspeed_config import resolve_deepspeed
 
     cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", max_steps=10)
     with pytest.raises(ValueError) as refused:
@@ -295,7 +295,7 @@ def test_inline_deepspeed_yaml_resolves_like_a_json(monkeypatch):
     """What `accelerate launch` exports for an inline `deepspeed_config` becomes accelerate's own JSON for those
     fields, resolved by the same checks as a file: batch sizes and clipping from the flags, offload as written."""
     from training.config import RunConfig
-    from training.strategy import launch_precision, requested_strategy
+    from training.parallel.launch import launch_precision, requested_strategy
 
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "WORLD_SIZE": "2",
            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
@@ -349,7 +349,8 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
 
     import model as shardgpt
     from training.config import RunConfig
-    from training.strategy import check_fsdp_wrap, requested_strategy
+    from training.parallel.launch import requested_strategy
+    from training.parallel.launch_checks import check_fsdp_wrap
 
     env, field, fix = FSDP_REFUSED[name]
     env = dict(env)
@@ -368,7 +369,7 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
 def test_inline_deepspeed_accumulation_that_disagrees_with_the_flag_is_refused(monkeypatch):
     """`gradient_accumulation_steps: 4` inline in the YAML, the flag at its default 1: refused like a JSON's."""
     from training.config import RunConfig
-    from training.strategy import requested_strategy
+    from training.parallel.launch import requested_strategy
 
     for key, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "WORLD_SIZE": "2",
                        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}.items():  # fmt: skip

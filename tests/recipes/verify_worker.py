@@ -11,15 +11,16 @@ from unittest import mock
 from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
-from training import inspection
-from training.accelerator import make_accelerator
-from training.build import build_model
 from training.config import RunConfig
-from training.inspection import verify_strategy
-from training.optim import make_optimizer
-from training.ranks import run_rank
-from training.strategy import Strategy, launch_precision, launched_world_size, requested_strategy
-from training.synthetic import StandInTokenizer
+from training.loop.optim import make_optimizer
+from training.loop.synthetic import StandInTokenizer
+from training.parallel import inspection
+from training.parallel.accelerator import make_accelerator
+from training.parallel.build import build_model
+from training.parallel.inspection import verify_strategy
+from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
+from training.parallel.ranks import run_rank
+from training.parallel.strategy import Strategy
 
 
 def main() -> dict:
@@ -61,7 +62,7 @@ def main() -> dict:
         (Path(cfg.output_dir) / "refusals.json").write_text(json.dumps(seen, indent=2))
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
 
 
 def check(accelerator, net, asked: Strategy) -> str:

@@ -1,4 +1,4 @@
-"""Drives `training/step.py::train_step`, the training script's own step, on crafted global batches whose
+"""Drives `training/loop/step.py::train_step`, the training script's own step, on crafted global batches whose
 sequences count very different numbers of targets (-100 elsewhere, as padding would), under whatever strategy
 the launcher's config asks for. Writes the per-step losses and the final (gathered) weights."""
 
@@ -12,13 +12,13 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 import model as shardgpt
-from training.accelerator import make_accelerator
 from training.config import RunConfig
-from training.inspection import verify_strategy
-from training.optim import make_optimizer, make_scheduler
-from training.ranks import run_rank
-from training.step import train_step
-from training.strategy import launch_precision, launched_world_size, requested_strategy
+from training.loop.optim import make_optimizer, make_scheduler
+from training.loop.step import train_step
+from training.parallel.accelerator import make_accelerator
+from training.parallel.inspection import verify_strategy
+from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
+from training.parallel.ranks import run_rank
 
 STEPS, SEQ = 6, 32
 
@@ -72,7 +72,7 @@ def main() -> dict:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "final.pt")
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Launched by tests/training/test_pipeline.py with torchrun: a few AdamW steps of a 4-layer `debug` model under each
-pipeline schedule asked for (training/pipeline.py), and, on rank 0, the same steps in one process on the whole
+pipeline schedule asked for (training/parallel/pipeline.py), and, on rank 0, the same steps in one process on the whole
 model; rank 0 writes both runs' losses and gradient norms to OUT/<spec>.json.
 
     torchrun --nproc_per_node 4 tests/training/pipeline_worker.py PP SCHEDULE[:STAGES_PER_RANK[:DATA_PARALLEL]] ... \
@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from training.gradnorm import clip_, grad_norm
-from training.optim import param_groups
+from training.adamw import param_groups
+from training.loop.step import pipelined_step
+from training.parallel.gradnorm import clip_, grad_norm
 from training.parallel.mesh import Mesh
-from training.pipeline import build_pipeline, fsdp2_stages
-from training.step import pipelined_step
+from training.parallel.pipeline import build_pipeline, fsdp2_stages
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
 MAX_GRAD_NORM = 0.5  # below the step-1 norm: clipping is active
@@ -73,7 +73,9 @@ def one_process(micro_batches: int, data_parallel: int) -> dict:
             loss = net(**micro).loss
             loss.backward()
             total += loss.item()
-        norm = grad_norm(list(net.parameters()), torch.device("cpu"))  # one process's: float64 (training/gradnorm.py)
+        norm = grad_norm(
+            list(net.parameters()), torch.device("cpu")
+        )  # one process's: float64 (training/parallel/gradnorm.py)
         clip_(list(net.parameters()), MAX_GRAD_NORM, norm)
         norms.append(norm.item())
         optimizer.step()

@@ -1,4 +1,4 @@
-"""training/comms.py: the counter sees every kind of collective torch.distributed offers, DDP's from C++ and
+"""training/loop/comms.py: the counter sees every kind of collective torch.distributed offers, DDP's from C++ and
 DTensor's functional ones, and counts them in the stated convention; the model shape the closed forms read is the
 model's. The training script's records of whole strategies are asserted in tests/recipes/test_strategies.py and
 tests/recipes/test_communication.py."""
@@ -13,8 +13,8 @@ import torch
 from launching import ROOT, launch, launcher_command
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from training.comms import ModelShape, expected_payloads
-from training.strategy import Strategy
+from training.parallel.strategy import Strategy
+from training.plan.communication import ModelShape, expected_payloads
 
 K = 1000  # tests/training/comms_worker.py's share, in fp32 elements
 S = 4 * K

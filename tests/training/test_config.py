@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers import HfArgumentParser
 
+from training.adamw import param_groups
 from training.config import RunConfig
-from training.deepspeed_config import check_deepspeed_keys, resolve_deepspeed
-from training.optim import lr_lambda, param_groups
-from training.strategy import Strategy, launched_data_parallel_size
+from training.loop.optim import lr_lambda
+from training.parallel.deepspeed_config import check_deepspeed_keys, resolve_deepspeed
+from training.parallel.launch import launched_data_parallel_size
+from training.parallel.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
 DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -157,7 +159,7 @@ def test_weight_decay_only_on_matrices():
 def test_autotp_batch_counts_data_parallel_ranks(monkeypatch):
     """ds_configs/autotp.json on 4 ranks: tensor-parallel pairs (0, 1) and (2, 3) each read one share of the
     global batch of micro 4 x accumulation 2 x 2 data-parallel ranks; DeepSpeed's own check counts all 4 ranks."""
-    from training.strategy import requested_strategy
+    from training.parallel.launch import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     autotp = str(ROOT / "ds_configs" / "autotp.json")
@@ -176,7 +178,7 @@ def test_autotp_global_batch_counts_data_parallel_ranks(monkeypatch, world, flag
     """--global_batch_size under AutoTP: the accumulation is the global batch over micro x data-parallel ranks
     (world / autotp_size), so the loader, DeepSpeed and the resume check train the global batch asked for (a global
     batch of 16 with micro 8 on 2 ranks once trained 8 sequences a step: the accumulation counted the world)."""
-    from training.strategy import requested_strategy
+    from training.parallel.launch import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     autotp = str(ROOT / "ds_configs" / "autotp.json")
@@ -221,7 +223,7 @@ ZERO3_YAML = {
 def test_sequence_parallel_bad_launches_are_refused(monkeypatch, variables, flags, refusal):
     """What Ulysses cannot train as asked is refused before the process group in one line naming the setting and
     the fix. The variables are those `accelerate launch` exports from a YAML's parallelism_config block."""
-    from training.strategy import requested_strategy
+    from training.parallel.launch import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     for key, value in variables.items():
@@ -251,8 +253,8 @@ def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variabl
     the strategy counts world / cp data-parallel ranks, FSDP2 shards over dp_shard x cp, and the step divides by
     the same count FSDP2 averages over. What it cannot run is refused in one line. CUDA is faked: no process group
     or kernel is touched."""
-    from training.sequence import gradient_divisor
-    from training.strategy import requested_strategy
+    from training.parallel.launch import requested_strategy
+    from training.parallel.sequence import gradient_divisor
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for key, value in {**CP_FSDP2, **variables}.items():
@@ -275,7 +277,7 @@ def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variabl
 def test_sequence_parallel_refuses_key_value_heads_it_cannot_split():
     """DeepSpeed's rule: the key-value heads are split over sp ranks or replicated to them."""
     from model import ShardGPTConfig
-    from training.sequence import check_sequence_parallel
+    from training.parallel.sequence import check_sequence_parallel
 
     config = ShardGPTConfig.from_preset("debug", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
     with pytest.raises(ValueError, match="model's 3 key-value heads are neither a multiple nor a divisor of sp_size 2"):
@@ -285,7 +287,7 @@ def test_sequence_parallel_refuses_key_value_heads_it_cannot_split():
 def test_sequence_parallel_degrees_from_yaml_and_json(monkeypatch, tmp_path):
     """The degree comes from the YAML's parallelism_config or the JSON's sequence_parallel_size; a mismatch between
     the two is refused; the global batch counts data-parallel ranks, world / sp, as DeepSpeed's batch check does."""
-    from training.strategy import requested_strategy
+    from training.parallel.launch import requested_strategy
 
     ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     (tmp_path / "sp4.json").write_text(json.dumps({**ds, "sequence_parallel_size": 4}))
@@ -310,7 +312,7 @@ def test_the_default_learning_rate_follows_the_models_size(tmp_path):
     """Larger presets default to smaller steps (GPT-3's table by size): llama-3b, which diverged at the former
     default 1e-3, gets GPT-3 2.7B's 1.6e-4; a flag wins; a checkpoint's default comes from its own size."""
     from model import PRESETS, ShardGPTConfig, ShardGPTForCausalLM
-    from training.config import LEARNING_RATES, recipe_learning_rate
+    from training.adamw import LEARNING_RATES, recipe_learning_rate
 
     def size(preset: str) -> int:
         with torch.device("meta"):
@@ -329,7 +331,7 @@ def test_the_default_learning_rate_follows_the_models_size(tmp_path):
 def test_cpu_ranks_cap_the_gpu_sized_buckets(caplog):
     """The shipped JSONs size DeepSpeed's buckets for GPUs; on CPU ranks each bucket is capped (CPU_BUCKETS), in
     one place, and the run says so; a GPU launch keeps the JSON's sizes."""
-    from training.deepspeed_config import CPU_BUCKETS, load_json
+    from training.parallel.deepspeed_config import CPU_BUCKETS, load_json
 
     for name in ("zero2", "zero3"):
         raw = load_json(ROOT / "ds_configs" / f"{name}.json")

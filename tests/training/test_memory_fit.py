@@ -1,4 +1,4 @@
-"""training/memory/fit.py: a launch the planner predicts not to fit is refused with the numbers and the cheapest
+"""training/plan/memory/fit.py: a launch the planner predicts not to fit is refused with the numbers and the cheapest
 fix. Capacities are given explicitly, so the cases do not depend on what this machine has free."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 
 from model import ShardGPTConfig
 from training.config import RunConfig
-from training.memory.fit import (
+from training.parallel.strategy import Strategy
+from training.plan.memory.fit import (
     PROCESS_BYTES,
     Capacity,
     Launch,
@@ -23,8 +24,7 @@ from training.memory.fit import (
     planner_strategy,
     shortfalls,
 )
-from training.memory.planner import layout, predict
-from training.strategy import Strategy
+from training.plan.memory.planner import layout, predict
 
 GiB = 2**30
 LLAMA_1B = ShardGPTConfig.from_preset("llama-1b")

@@ -5,7 +5,7 @@ it is where a degree that does not divide the launched ranks is refused."""
 import pytest
 
 from training.parallel.mesh import AXES, Mesh, MeshError
-from training.strategy import Strategy
+from training.parallel.strategy import Strategy
 
 
 def test_ranks_are_row_major_with_pp_outermost_and_tp_innermost():

@@ -1,12 +1,12 @@
-"""Pipeline parallelism (training/pipeline.py): every schedule trains like one process, alone and with DDP or FSDP2
-across the pipelines, and every bad layout is refused in one line before any process group.
+"""Pipeline parallelism (training/parallel/pipeline.py): every schedule trains like one process, alone and with DDP or
+FSDP2 across the pipelines, and every bad layout is refused in one line before any process group.
 
 The launches run tests/training/pipeline_worker.py: a 4-layer `debug` model (tied embeddings), 3 AdamW steps with
 clipping active, micro batches 2 x pp x stages per rank, against the same steps in one process. Measured (torch 2.13,
 2 and 4 gloo ranks): losses within 1.2e-7 relative, gradient norms within 4e-7, weights within 2.8e-5 after the 3
 steps (Adam's normalisation carries a few ulps of reordered sums); the bars below are the suite's: losses 1e-6 at
-step 1 and 1e-5 after, gradient norms 1e-6 at every step (both summed in float64: training/gradnorm.py), and 1e-4 on
-the weights.
+step 1 and 1e-5 after, gradient norms 1e-6 at every step (both summed in float64: training/parallel/gradnorm.py), and
+1e-4 on the weights.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from launching import ROOT, launch, launcher_command
 
 from training.parallel.schedules import SCHEDULES, check_pipeline, stage_layers, stage_ranks
-from training.strategy import Strategy
+from training.parallel.strategy import Strategy
 
 
 def run_worker(tmp_path, nproc: int, pp: int, specs: list[str]) -> dict[str, dict]:
@@ -137,7 +137,7 @@ def run_config(**flags):
 ])  # fmt: skip
 def test_a_pipeline_it_cannot_run_is_refused_before_the_process_group(monkeypatch, world, flags, variables, refusal):
     """The launch's checks as recipes/train.py runs them, before any process group: one line naming the fix."""
-    from training.strategy import launched_data_parallel_size, requested_strategy
+    from training.parallel.launch import launched_data_parallel_size, requested_strategy
 
     launch_env(monkeypatch, world, **variables)
     with pytest.raises(ValueError) as err:
@@ -157,7 +157,7 @@ def test_the_trainer_refuses_pipeline_flags():
 
 def test_global_batch_counts_the_pipelines_not_their_stages(monkeypatch):
     """4 ranks as 2 pipelines of 2 stages: --global_batch_size 8 with micro 2 is 2 micro batches per pipeline."""
-    from training.strategy import launched_data_parallel_size, requested_strategy
+    from training.parallel.launch import launched_data_parallel_size, requested_strategy
 
     launch_env(monkeypatch, 4, ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
     cfg = run_config(global_batch_size=8, gradient_accumulation_steps=1)
@@ -177,7 +177,7 @@ def test_a_pipeline_built_otherwise_than_asked_is_refused(built, refusal):
     """Every engine's strategy is verified: the pipeline as built (`Pipeline.in_force`) against the strategy."""
     from types import SimpleNamespace
 
-    from training.inspection import verify_pipeline
+    from training.parallel.inspection import verify_pipeline
 
     strategy = Strategy.of("fsdp", 4, pp=2)
     layout = {"degree": 2, "schedule": "1F1B", "stages_per_rank": 1, "data_parallel_size": 2, "data_parallel": "fsdp2"}

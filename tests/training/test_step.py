@@ -1,4 +1,4 @@
-"""One optimizer step's bookkeeping (training/step.py): what fp16 loss scaling skipped, and the stop on gradients
+"""One optimizer step's bookkeeping (training/loop/step.py): what fp16 loss scaling skipped, and the stop on gradients
 that are all zero."""
 
 import re
@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState
 
-from training.step import StepResult, ZeroGradientError, check_gradients_flow, update_was_skipped
+from training.loop.step import StepResult, ZeroGradientError, check_gradients_flow, update_was_skipped
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])

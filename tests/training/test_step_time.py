@@ -7,11 +7,11 @@ import math
 import pytest
 
 from model import ShardGPTConfig
-from training.comms import ModelShape
-from training.metrics import flops_per_token
-from training.planning import step_time as st
-from training.planning.hardware import GPU_KINDS, cluster
-from training.planning.published import (
+from training.flops import flops_per_token
+from training.plan import step_time as st
+from training.plan.communication import ModelShape
+from training.plan.hardware import GPU_KINDS, cluster
+from training.plan.published import (
     BLOOM,
     CALIBRATION,
     LLM_FOUNDRY_A100,
@@ -24,7 +24,7 @@ from training.planning.published import (
     gpt_config,
     run_layout,
 )
-from training.planning.step_time import Layout, predict_step
+from training.plan.step_time import Layout, predict_step
 
 CONFIG = ShardGPTConfig.from_preset("llama-1b")
 SEQ = 2048
@@ -175,7 +175,7 @@ def test_zero3_gathers_in_both_passes_and_reduces_every_micro_batch_fsdp_once_a_
     for kind in ("all_gather", "reduce_scatter"):
         assert four[kind] == pytest.approx(4 * one[kind])
     # FSDP2 gathers every micro batch too, but reduce-scatters once a step (accelerate turns its gradient sync off
-    # until the last micro batch), as measured (training/comms.expected_payloads).
+    # until the last micro batch), as measured (training/plan/communication.expected_payloads).
     one, four = (dp_seconds(Layout("fsdp", 16, micro_batches=m), gpus) for m in (1, 4))
     assert four["all_gather"] == pytest.approx(4 * one["all_gather"])
     assert four["reduce_scatter"] == pytest.approx(one["reduce_scatter"])
@@ -247,7 +247,7 @@ def test_the_plan_ranks_layouts_that_fit_fastest_first():
 
 
 def refused_by_train_py(lay: Layout) -> str | None:
-    """What training/strategy.py's checks say of a layout's degrees, spelled out from the script's rules."""
+    """What training/parallel/strategy.py's checks say of a layout's degrees, spelled out from the script's rules."""
     deepspeed = lay.strategy.startswith("zero")
     if lay.pp > 1 and (deepspeed or lay.tp > 1 or lay.sp > 1):
         return "a pipeline runs under one process's optimizer, DDP or FSDP2 only"

@@ -13,12 +13,12 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from training.accelerator import make_accelerator
-from training.build import build_model
 from training.config import RunConfig
-from training.ranks import run_rank
-from training.strategy import launch_precision, launched_world_size, requested_strategy
-from training.synthetic import StandInTokenizer
+from training.loop.synthetic import StandInTokenizer
+from training.parallel.accelerator import make_accelerator
+from training.parallel.build import build_model
+from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
+from training.parallel.ranks import run_rank
 
 
 def main() -> dict:
@@ -46,7 +46,7 @@ def main() -> dict:
         keys = ("held_fraction", "same_weights", "same_rng_after")
         (out / "zero_init.json").write_text(json.dumps([dict(zip(keys, row, strict=True)) for row in every]))
     accelerator.wait_for_everyone()  # collective
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
 
 
 if __name__ == "__main__":

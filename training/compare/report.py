@@ -191,7 +191,8 @@ def write_report(results: list[Result], args, extra: list[str], out: Path, machi
         "times the training step only, logging every step), but for the step whose collectives were counted; MFU "
         "is n/a on CPU (no peak FLOP/s).",
         "- **comm. volume/step**, **sent/rank/step**: every collective of the third step (the last, in a shorter "
-        "run), counted by training/comms.py on every rank (`strategy.json`, `communication`), the busiest rank: the "
+        "run), counted by training/loop/comms.py on every rank (`strategy.json`, `communication`), the busiest rank: "
+        "the "
         "ZeRO paper's volume (an all-reduce of S bytes counts 2S, any other collective S, point-to-point what is "
         "sent) and what the rank sends on a ring ((n - 1) / n of it).",
         "- **peak RSS per rank**: each worker's resident host memory, sampled every "

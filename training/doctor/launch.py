@@ -17,8 +17,8 @@ from training.doctor.report import FAIL, NA, OK, WARN, Report, size
 from training.parallel.mesh import block_degree, exported
 from training.paths import ROOT
 
-if TYPE_CHECKING:  # training.strategy imports torch and accelerate: the doctor imports it where it is used
-    from training.strategy import Strategy
+if TYPE_CHECKING:  # training.parallel.strategy imports torch and accelerate: the doctor imports it where it is used
+    from training.parallel.strategy import Strategy
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "FSDP", "DEEPSPEED", "XLA")
 
@@ -109,10 +109,11 @@ FSDP_VARIABLES = {
 
 
 def launched_strategy(launch: dict | None, ds: dict | None, world: int, cfg=None) -> Strategy:
-    """The strategy the training script builds for this launch (`training/strategy.py`), from the YAML and the
+    """The strategy the training script builds for this launch (`training/parallel/strategy.py`), from the YAML and the
     resolved DeepSpeed JSON `ds` instead of the environment `accelerate launch` makes of them, with the pipeline
     degree of the training flags `cfg`."""
-    from training.strategy import deepspeed_strategy, fsdp_strategy, pipeline_fields, replicated_strategy
+    from training.parallel.launch import pipeline_fields, replicated_strategy
+    from training.parallel.strategy import deepspeed_strategy, fsdp_strategy
 
     if ds is not None:
         return deepspeed_strategy(ds, world)
@@ -129,9 +130,9 @@ def launched_strategy(launch: dict | None, ds: dict | None, world: int, cfg=None
 def check_training(report: Report, args, launch: dict | None, found: list[dict], bf16_ok: bool) -> None:
     """RunConfig.resolve and resolve_deepspeed exactly as the training script runs them at start-up."""
     from training.config import RunConfig
-    from training.deepspeed_config import load_json, resolve_deepspeed
-    from training.sequence import with_sequence_parallel
-    from training.strategy import data_parallel_ranks
+    from training.parallel.deepspeed_config import load_json, resolve_deepspeed
+    from training.parallel.launch import data_parallel_ranks
+    from training.parallel.sequence import with_sequence_parallel
 
     flags = list(args.train_flags)
     if args.deepspeed:
@@ -232,7 +233,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
 def global_batch_line(ds: dict, world: int) -> str:
     """The global batch of a resolved DeepSpeed config: micro x accumulation x data-parallel ranks (a tensor-parallel
     group trains on one batch; DeepSpeed's own `train_batch_size` counts every rank)."""
-    from training.deepspeed_config import autotp_size, sequence_parallel_size
+    from training.parallel.deepspeed_config import autotp_size, sequence_parallel_size
 
     tp, sp = autotp_size(ds), sequence_parallel_size(ds)
     batch = ds["train_batch_size"] // tp  # under sequence parallelism DeepSpeed's count is world / sp already
@@ -245,7 +246,7 @@ def global_batch_line(ds: dict, world: int) -> str:
 
 def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
     """The resolved DeepSpeed values that decide memory and speed."""
-    from training.deepspeed_config import offload_devices, zero_stage
+    from training.parallel.deepspeed_config import offload_devices, zero_stage
 
     devices = offload_devices(ds)
     return {
@@ -264,9 +265,9 @@ def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
 
 
 def plan(report: Report, config, strategy: Strategy, per_node: int, cfg, ds) -> None:
-    """The check the training script makes before it starts (`training/memory/fit.py`): the memory planner's
+    """The check the training script makes before it starts (`training/plan/memory/fit.py`): the memory planner's
     prediction for this launch against this host's free GPU memory, RAM and NVMe disk, with the cheapest fix."""
-    from training.memory.fit import (
+    from training.plan.memory.fit import (
         MemoryFitError,
         capacity,
         check_memory_fit,
@@ -300,17 +301,18 @@ def plan(report: Report, config, strategy: Strategy, per_node: int, cfg, ds) -> 
 
 
 def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) -> None:
-    """What each rank will send per step (training/comms.py's closed form for the settings in force, measured to the
-    byte on CPU ranks: the data-parallel strategies', AutoTP's and Ulysses'), against the ZeRO paper's volume, and
+    """What each rank will send per step (training/plan/communication.py's closed form for the settings in force,
+    measured to the byte on CPU ranks: the data-parallel strategies', AutoTP's and Ulysses'), against the ZeRO paper's
+    volume, and
     what the DeepSpeed settings that change it would save."""
     from collections import Counter
 
     import torch
 
     from model import ShardGPTForCausalLM
-    from training.comms import ModelShape, paper_volume, step_payloads
-    from training.inspection import tp_plan_styles
-    from training.memory.fit import planned_config
+    from training.parallel.inspection import tp_plan_styles
+    from training.plan.communication import ModelShape, paper_volume, step_payloads
+    from training.plan.memory.fit import planned_config
 
     zero = (ds or {}).get("zero_optimization") or {}
     threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if strategy.zero_stage == 3 else 0

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from training.doctor.report import FAIL, NA, OK, WARN, Report, size
-from training.ops import (
+from training.parallel.ops import (
     build_dir,
     check_op_cache,
     left_by_killed_build,

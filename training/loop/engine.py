@@ -1,0 +1,177 @@
+"""What the training loop drives: the model, its optimizer and schedule, prepared for the launch's strategy, with
+one `step`, `evaluate` and `full_state_dict` whichever axes are on.
+
+`prepare` builds it from the typed strategy: the whole model on every rank, wrapped by accelerate (DDP, FSDP or a
+DeepSpeed engine: `Replicated`), or this rank's pipeline stages, run by torch.distributed.pipelining's schedules
+with DDP's all-reduce or FSDP2 across the pipelines (`Pipelined`, training/parallel/pipeline.py). The loop does not ask
+which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from model import ShardGPTConfig
+from training.checkpoints.checkpoint import save_checkpoint
+from training.checkpoints.export import full_state_dict
+from training.config import RunConfig
+from training.loop.evaluate import evaluate
+from training.loop.optim import make_optimizer, make_scheduler
+from training.loop.step import StepResult, pipelined_step, train_step
+from training.parallel.accelerator import fsdp_precision
+from training.parallel.build import build_model
+from training.parallel.gradnorm import fsdp1_shards
+from training.parallel.inspection import (
+    StateShares,
+    observe_strategy,
+    uncompiled,
+    unwrap,
+    verify_pipeline,
+    verify_strategy,
+)
+from training.parallel.pipeline import Pipeline, build_pipeline, fsdp2_stages
+from training.parallel.sequence import context_parallel, gradient_divisor
+from training.parallel.strategy import Strategy
+
+
+@dataclass
+class Engine:
+    """The prepared model, optimizer and schedule, and what the loop calls on them."""
+
+    accelerator: Accelerator
+    strategy: Strategy
+    cfg: RunConfig
+    net: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    shares: StateShares = field(init=False)
+
+    def __post_init__(self):
+        self.shares = StateShares(self.optimizer)  # gradient and optimizer-state shares, read after the first step
+
+    def unwrapped(self) -> torch.nn.Module:
+        """The model as transformers sees it (its config, `save_pretrained`)."""
+        return unwrap(self.accelerator, uncompiled(self.net))
+
+    def save(self, output_dir: str, step: int, state: dict, limit: int | None) -> Path:
+        """A resumable checkpoint (collective: every rank saves its share)."""
+        return save_checkpoint(self.accelerator, output_dir, step, state, limit)
+
+
+@dataclass
+class Replicated(Engine):
+    """The whole model on every rank, as accelerate's `prepare` wrapped it: DDP, FSDP or a DeepSpeed engine."""
+
+    def in_force(self) -> dict:
+        seen = verify_strategy(self.accelerator, self.net, self.strategy)  # refuses a run not sharded as asked
+        return seen | observe_strategy(self.net, self.optimizer)  # engine, optimizer, offload, resharding
+
+    def step(self, micro_batches: list[dict], step: int) -> StepResult:
+        # Token-weighted accumulation across micro batches and data-parallel ranks (see training/loop/step.py); under
+        # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (training/parallel/sequence.py).
+        s = self.strategy
+        zero = (s.deepspeed or {}).get("zero_optimization") or {}
+        divisor = gradient_divisor(s.mesh, s.zero_stage, zero)
+        loss_scale = divisor * self.cfg.gradient_accumulation_steps
+        context = context_parallel(self.accelerator) if s.cp_size > 1 else None  # CUDA only: ring attention
+        shards = fsdp1_shards(self.net, s.fsdp_version, s.fsdp_sharding)  # FSDP1's gradients' ranks, for the norm
+        return train_step(self.accelerator, self.net, self.optimizer, self.scheduler, micro_batches, loss_scale,
+                          self.cfg.max_grad_norm, step, s.tp_size, context, shards)  # fmt: skip
+
+    def evaluate(self, blocks, dp: int, dp_rank: int) -> float | None:
+        return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank)  # collective: reduced sums
+
+    def full_state_dict(self) -> dict:
+        return full_state_dict(self.accelerator, uncompiled(self.net))  # collective: the shards gathered
+
+
+@dataclass
+class Pipelined(Engine):
+    """This rank's pipeline stages (training/parallel/pipeline.py), with DDP's all-reduce or FSDP2 across the
+    pipelines."""
+
+    pipeline: Pipeline | None = None
+
+    def in_force(self) -> dict:
+        seen = verify_pipeline(self.accelerator, self.pipeline.in_force(), self.strategy)  # refuses another layout
+        seen |= observe_strategy(self.net, self.optimizer)
+        seen["autocast"] = self.accelerator.mixed_precision != "no"  # the schedule runs inside accelerate's autocast
+        return seen
+
+    def step(self, micro_batches: list[dict], step: int) -> StepResult:
+        # collectives inside: the stages' sends, the tied gradient, the data-parallel reduction, the norm, the loss
+        return pipelined_step(self.pipeline, micro_batches, self.optimizer, self.scheduler, self.cfg.max_grad_norm,
+                              step, self.accelerator.autocast, self.accelerator)  # fmt: skip
+
+    def evaluate(self, blocks, dp: int, dp_rank: int) -> float | None:
+        sums = partial(self.pipeline.eval_sums, autocast=self.accelerator.autocast)  # the stages' sends inside
+        return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank, sums)  # collective: reduced sums
+
+    def full_state_dict(self) -> dict:
+        return self.pipeline.full_state_dict()  # collective: the stages' weights gathered on every rank
+
+    def unwrapped(self) -> torch.nn.Module:
+        return uncompiled(self.net)  # the model with this rank's stages; its config is the whole model's
+
+    def save(self, output_dir: str, step: int, state: dict, limit: int | None) -> Path:
+        """A resumable checkpoint (collective: every rank writes its stages' part)."""
+        return save_checkpoint(self.accelerator, output_dir, step, state, limit, write_state=self.write_state)
+
+    def write_state(self, path: Path) -> None:
+        """The stages' weights and AdamW's states as torch.distributed.checkpoint folders laid out as FSDP2's
+        (`pytorch_model_fsdp_0`, `optimizer_0`): each rank writes its stages' tensors under their HF names, the
+        data-parallel copies once, so any strategy reads them back through the neutral form
+        (training/checkpoints/portable.py). Beside them accelerate's files: every rank's RNG states, and rank 0's
+        scheduler."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.accelerator.save_state(str(path))  # collective: the RNG states (no model is registered with accelerate)
+        weights, optimizer = get_state_dict(self.net, self.optimizer)  # FSDP2: this rank's shards
+        dcp.save({"model": weights}, checkpoint_id=path / "pytorch_model_fsdp_0")  # collective: every rank's part
+        dcp.save({"optimizer": optimizer}, checkpoint_id=path / "optimizer_0")  # collective
+        if self.accelerator.is_main_process:  # rank 0 only: the schedule is the same on every rank
+            torch.save(self.scheduler.state_dict(), path / "scheduler.bin")
+
+
+def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config: ShardGPTConfig,
+            tokenizer) -> Engine:  # fmt: skip
+    """The model (fresh from the seed, or --model_name_or_path's weights), AdamW and the schedule, prepared for
+    `strategy`. Collective: under FSDP2 and ZeRO-3 the model is built into each rank's shards; `prepare` shards or
+    broadcasts; a pipeline creates its process groups and shards its stages."""
+    pipelined = strategy.pp_size > 1
+    # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
+    # tokenizer (training/parallel/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
+    # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it). Under
+    # FSDP2 it is built on the meta device and sharded, then initialised module by module into each rank's shards. A
+    # pipeline rank builds the whole model, as one process would, and keeps its stages. Every path draws the same
+    # weights for a seed. --torch_compile compiles each decoder layer, after checkpointing, before any sharding.
+    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path,
+                      None if pipelined else accelerator, cfg.torch_compile)  # fmt: skip
+    pipeline = None
+    if pipelined:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config
+        shard = stage_sharder(cfg, strategy, accelerator.device) if strategy.family == "fsdp" else None
+        pipeline = build_pipeline(net, strategy.mesh, accelerator.process_index, strategy.pp_schedule,
+                                  strategy.pp_stages_per_rank, cfg.gradient_accumulation_steps, accelerator.device,
+                                  shard)  # fmt: skip  # collective: the groups
+    fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step
+    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
+    scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
+    if pipelined:
+        return Pipelined(accelerator, strategy, cfg, net, optimizer, scheduler, pipeline=pipeline)
+    # Wraps the model in DDP, FSDP2 or a DeepSpeedEngine as the launch asked (collective: shards/broadcasts).
+    net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
+    return Replicated(accelerator, strategy, cfg, net, optimizer, scheduler)
+
+
+def stage_sharder(cfg: RunConfig, strategy: Strategy, device: torch.device):
+    """FSDP2 for pipeline stages, with the project's mixed precision and the FSDP config's resharding."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = fsdp_precision(cfg) if cfg.mixed_precision != "no" else MixedPrecisionPolicy()
+    return fsdp2_stages(policy, strategy.fsdp_sharding == "FULL_SHARD", device.type)

@@ -1,0 +1,175 @@
+"""Checks that refuse a launch that could not run as asked, each naming the setting and the fix: FSDP1 on CPU
+ranks and its checkpoints, accelerate's tensor parallelism, FSDP's wrap classes and size policy, DeepSpeed's ops.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+import torch
+
+from training.config import RunConfig
+from training.parallel.mesh import block_degree, parallelism_block
+from training.parallel.ops import check_op_cache, launch_ops
+from training.parallel.strategy import Strategy, fsdp1_sharding
+
+
+def check_fsdp1(fsdp_env: Mapping[str, str]) -> None:
+    """FSDP1 (torch's FullyShardedDataParallel, flat parameters): on CPU ranks two of its options cannot run, and one
+    breaks weight decay everywhere; refused here rather than inside `prepare`."""
+    sharding = fsdp1_sharding(fsdp_env)
+    if not torch.cuda.is_available():
+        if fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+            # torch 2.13 torch/distributed/fsdp/_flat_param.py:1260, FlatParamHandle.init_flat_param_attributes:
+            # `flat_param._local_shard = flat_param._local_shard.pin_memory()`, unconditionally under CPU offload;
+            # pinning needs an accelerator ("Cannot access accelerator device when none is available").
+            raise ValueError(
+                "fsdp_offload_params: true with fsdp_version: 1 cannot run on CPU ranks (torch's FSDP1 pins the "
+                "offloaded shards in page-locked memory, which needs a GPU): set fsdp_offload_params: false, or use "
+                "fsdp_version: 2 (its CPUOffloadPolicy runs on CPU)"
+            )
+        if sharding.startswith("HYBRID"):
+            raise ValueError(
+                f"fsdp_sharding_strategy: {sharding} with fsdp_version: 1 cannot run on CPU ranks (torch's FSDP1 "
+                "builds its intra-node groups from the GPU count): use fsdp_version: 2 with a parallelism_config "
+                "(dp_replicate_size x dp_shard_size), which runs hybrid sharding on CPU"
+            )
+    if fsdp_env.get("FSDP_USE_ORIG_PARAMS", "true").lower() != "true":
+        raise ValueError(
+            "fsdp_use_orig_params: false with fsdp_version: 1 flattens each wrapped module's parameters into one, so "
+            "AdamW's weight decay could not skip norms and biases, and accelerate would leave the optimizer holding "
+            "the replaced parameters (nothing trains): set fsdp_use_orig_params: true"
+        )
+
+
+def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
+    """FSDP1 trains on CPU ranks, but two of its checkpoint paths fail there (torch 2.13, accelerate 1.15, measured
+    on the `debug` preset): saving a FULL_STATE_DICT checkpoint ended the run at its first save, and a run resumed
+    from a SHARDED_STATE_DICT checkpoint at step 2 logged the straight run's loss at step 3 but not at step 4
+    (5.3806 against 5.3906: Adam's restored state differs). FSDP2's checkpoints resume exactly
+    (tests/recipes/test_resume.py)."""
+    if torch.cuda.is_available():
+        return
+    if cfg.resume_from_checkpoint:
+        raise ValueError(
+            f"--resume_from_checkpoint {cfg.resume_from_checkpoint} with fsdp_version: 1 on CPU ranks: FSDP1 does not "
+            "restore Adam's state exactly here; start afresh without it, or train with fsdp_version: 2, whose "
+            "checkpoints resume exactly"
+        )
+    if cfg.save_steps and fsdp_env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT").upper() == "FULL_STATE_DICT":
+        raise ValueError(
+            f"--save_steps {cfg.save_steps} with fsdp_version: 1 and fsdp_state_dict_type: FULL_STATE_DICT on CPU "
+            "ranks: the first save ends the run here; set fsdp_state_dict_type: SHARDED_STATE_DICT, or pass "
+            "--save_steps 0 (the trained model is still exported at the end)"
+        )
+
+
+def check_parallelism_config_tp() -> None:
+    """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`, with or without FSDP2) is
+    refused before the process group. accelerate 1.15 applies it in `Accelerator._prepare_tp`, which skips a
+    model without DTensor parameters (accelerate/accelerator.py:1598-1603, a warning only: FSDP2 alone would then
+    shard it, and each tensor-parallel pair would hold the same shards), so the model must arrive already split
+    (DTensors on the mesh's `tp` dimension); then its FSDP2 branch (accelerate/accelerator.py:1618) runs
+    `from transformers.integrations.tensor_parallel import ReplicateParallel` for the parameters the plan leaves
+    whole (the norms), and transformers 5.23 has no such class (`accelerate_tp_importable`): the ImportError would
+    end every rank inside `prepare`, on GPUs as on CPUs. Without FSDP (`tp_size` = the world) it is refused too:
+    this script has no data-parallel gradient reduction for it. DeepSpeed AutoTP splits the same plan and trains;
+    torch's own FSDP2 x TP of this model's plan trains like one process (tests/model/test_tensor_parallel.py)."""
+    tp = block_degree("tp_size")
+    if tp > 1:
+        blocker = (
+            "accelerate/accelerator.py:1618 imports transformers' removed ReplicateParallel"
+            if not accelerate_tp_importable()
+            else "this script builds no DTensor model for accelerate's tensor-parallel preparation"
+        )
+        raise ValueError(
+            f"the accelerate config's parallelism_config sets tp_size: {tp}, which accelerate 1.15 cannot prepare with "
+            f"transformers 5.23 ({blocker}): for tensor parallelism launch accelerate_configs/autotp.yaml or "
+            "--deepspeed ds_configs/autotp.json (DeepSpeed AutoTP), or remove parallelism_config_tp_size"
+        )
+
+
+def accelerate_tp_importable() -> bool:
+    """Whether the class accelerate's FSDP2 x TP preparation imports exists in the installed transformers."""
+    from transformers.integrations import tensor_parallel
+
+    return hasattr(tensor_parallel, "ReplicateParallel")
+
+
+def parallelism_config() -> bool:
+    """Whether the accelerate config has a `parallelism_config` block (`accelerate launch` exports it)."""
+    return parallelism_block() is not None
+
+
+def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:
+    """An FSDP config's wrap policy must be one the model can be wrapped with, checked on the model's module tree
+    before any process group: accelerate would otherwise fail deep inside `prepare`."""
+    policy = strategy.fsdp_env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper()
+    min_num_params = int(strategy.fsdp_env.get("FSDP_MIN_NUM_PARAMS", "0"))
+    if policy == "SIZE_BASED_WRAP" and strategy.fsdp_version == 2:
+        check_fsdp2_size_wrap(min_num_params, model)
+    if policy == "SIZE_BASED_WRAP" and strategy.fsdp_version == 1:
+        check_fsdp1_size_wrap(min_num_params, model)
+    if policy != "TRANSFORMER_BASED_WRAP":
+        return  # accelerate reads fsdp_transformer_layer_cls_to_wrap only under TRANSFORMER_BASED_WRAP
+    names = strategy.fsdp_env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    if not names:
+        return  # accelerate takes the model's _no_split_modules (ShardGPTDecoderLayer)
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in names.split(",") if n.strip() and n.strip() not in present]
+    if missing:
+        raise ValueError(
+            f"the FSDP config's fsdp_transformer_layer_cls_to_wrap names {missing}, which this model does not have; "
+            f"set it to {sorted(model._no_split_modules)} or remove it (the model's _no_split_modules are used)"
+        )
+
+
+def check_fsdp2_size_wrap(min_num_params: int, model: torch.nn.Module) -> None:
+    """accelerate's FSDP2 version of SIZE_BASED_WRAP (`fsdp2_prepare_auto_wrap_policy`, accelerate 1.15) wraps
+    every module above fsdp_min_num_params, containers included, unlike torch's FSDP1 policy, which skips them;
+    `fully_shard` then refuses the decoder's ModuleList ("does not support containers that do not implement
+    forward"). A threshold of 0 means no wrapping (accelerate drops the policy), which runs."""
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    too_big = [
+        (name, n)
+        for name, m in model.named_modules()
+        if isinstance(m, containers) and (n := sum(p.numel() for p in m.parameters())) > min_num_params
+    ]
+    if min_num_params > 0 and too_big:
+        name, n = too_big[0]
+        raise ValueError(
+            f"fsdp_auto_wrap_policy: SIZE_BASED_WRAP with fsdp_version: 2 and fsdp_min_num_params: {min_num_params} "
+            f"would wrap the container {name!r} ({n} parameters), which FSDP2's fully_shard refuses: use "
+            f"fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, or fsdp_min_num_params of {n} or more"
+        )
+
+
+def check_fsdp1_size_wrap(min_num_params: int, model: torch.nn.Module) -> None:
+    """torch's size-based policy wraps the embedding and the output layer each on its own once the threshold is
+    at most their size; with tied embeddings FSDP1 then flattens the one shared matrix into two flat parameters,
+    and the tie is gone (seen: a parameter count larger by one embedding)."""
+    embedding = model.get_input_embeddings().weight.numel()
+    if getattr(model.config, "tie_word_embeddings", False) and 0 < min_num_params <= embedding:
+        raise ValueError(
+            f"fsdp_auto_wrap_policy: SIZE_BASED_WRAP with fsdp_version: 1 and fsdp_min_num_params: {min_num_params} "
+            f"would wrap the tied input and output embeddings ({embedding} parameters) apart, untying them: set "
+            f"fsdp_min_num_params above {embedding}, or use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"
+        )
+
+
+def check_deepspeed_ops(strategy: Strategy) -> None:
+    """Before any process group: refuse a launch whose ranks would wait forever on a lock left by a killed
+    build of a DeepSpeed op, and say which ops this launch compiles (minutes, otherwise silent)."""
+    if strategy.deepspeed is None:
+        return
+    to_build = check_op_cache(launch_ops(strategy.deepspeed, torch.cuda.is_available()))
+    if to_build and int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line per node
+        ops = f"{', '.join(to_build)} op{'s' if len(to_build) > 1 else ''}"
+        print(
+            f"DeepSpeed compiles its {ops} now, on first use here: minutes with no output, cached for later "
+            "launches (`python recipes/doctor.py --build-ops` compiles ahead)",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -1,0 +1,175 @@
+"""What a training step should send, in closed form: the payload bytes of each kind of collective per rank and step
+for a strategy with its settings, and the ZeRO paper's volume (Rajbhandari et al. 2020, section 7), in the
+convention of training/loop/comms.py, which counts what a step really sends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parameter counts, in elements, that decide what a data-parallel step moves."""
+
+    parameters: int
+    """Psi: every parameter element once (a tied embedding and head counted once)."""
+    outside_layers: int
+    """Elements outside the decoder layers (the embedding, the final norm, an untied head): FSDP2's root group."""
+    tied_embedding: int = 0
+    """The embedding's elements when the head shares it (used twice in each forward), else 0."""
+    persistent: int = 0
+    """Elements of parameters at most ZeRO-3's `stage3_param_persistence_threshold`, kept whole on every rank."""
+    norms: int = 0
+    """Elements of the RMSNorm weights, which tensor parallelism leaves whole on every rank."""
+
+    @classmethod
+    def of(cls, config, persistence_threshold: int = 0) -> ModelShape:
+        """The shape of a ShardGPTConfig's model (a Llama: no biases, two RMSNorms per layer and a final one)."""
+        h, layers = config.hidden_size, config.num_hidden_layers
+        embedding = config.vocab_size * h
+        head = 0 if config.tie_word_embeddings else embedding
+        head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+        attention = 2 * h * h + 2 * h * config.num_key_value_heads * head_dim  # q and o; k and v
+        layer = attention + 3 * h * config.intermediate_size + 2 * h
+        sizes = [embedding, head, h] + [h, h] * layers  # the norms: each layer's two and the final one
+        persistent = sum(n for n in sizes if 0 < n <= persistence_threshold)
+        return cls(layers * layer + embedding + head + h, embedding + head + h,
+                   embedding if config.tie_word_embeddings else 0, persistent, (2 * layers + 1) * h)  # fmt: skip
+
+
+def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4,
+                      micro_batches: int = 1) -> dict[str, int] | None:  # fmt: skip
+    """The payload bytes of each kind of collective that carries parameters or gradients, per rank and step of
+    `micro_batches` micro batches, for a data-parallel strategy with the settings in force (`bytes_per_element`: the
+    communication dtype's), measured to the byte on 2 and 4 CPU ranks. The loss's and the gradient norm's
+    all-reduces (a few bytes) are not in it. None where no closed form is known here: tensor or pipeline parallelism,
+    FSDP1 or ZeRO-3 with live-parameter limits below the model over several micro batches, and ZeRO-3 with limits
+    between 0 and the model.
+
+    - DDP: one all-reduce of the gradients, Psi, once a step (accelerate's `no_sync` skips the others).
+    - FSDP2 (and FSDP1), FULL_SHARD: each decoder layer all-gathered in the forward and again in the backward, the
+      root group (the parameters outside the layers) once, since it stays gathered after the forward (accelerate
+      sets that for FSDP2; FSDP1's root unit does it by default): 2 Psi minus the root's, every micro batch; the
+      gradients reduce-scattered, Psi, once a step (accelerate turns FSDP2's gradient sync off until the last).
+      SHARD_GRAD_OP: all-gathers of Psi every micro batch, reduce-scatters of Psi. Hybrid (replicas > 1): the same
+      within a replica's shard group, and each rank's reduce-scattered shard all-reduced across the replicas, Psi /
+      shard_size (each weight's rows dividing by the shard count; FSDP2 pads the rest).
+    - ZeRO-1/2: DeepSpeed's `use_multi_rank_bucket_allreduce` (default true) reduces each gradient bucket with an
+      all-reduce, where the paper has a reduce-scatter; false: a reduce to each partition's owner. ZeRO-1 reduces
+      once a step, ZeRO-2 every micro batch. Then an all-gather of the updated partitions, Psi.
+    - ZeRO-3: the gradients reduce-scattered, Psi, every micro batch. With `stage3_max_live_parameters` and
+      `stage3_max_reuse_distance` at least Psi, every gathered parameter stays until the micro batch ends: all-gathers
+      of Psi less the persistent parameters each micro batch, and the persistent ones (whole on every rank) once a
+      step. At 0 (one micro batch), each module's parameters are released after use and gathered again:
+      in the forward and the backward, the tied embedding once more in each (it is the head too), and the
+      persistent parameters never again.
+    """
+    psi, ds = shape.parameters, (strategy.deepspeed or {}).get("zero_optimization", {})
+    m = micro_batches
+    if strategy.tp_size > 1 or strategy.pp_size > 1 or strategy.sp_size > 1:
+        return None
+    if strategy.family == "ddp":
+        elements = {"all_reduce": psi}
+    elif strategy.family == "fsdp" and strategy.fsdp_sharding != "NO_SHARD":  # FSDP1 too: its root unit is kept
+        if m > 1 and strategy.fsdp_version == 1:
+            return None
+        kept = strategy.fsdp_sharding == "SHARD_GRAD_OP"
+        elements = {"all_gather": m * (psi if kept else 2 * psi - shape.outside_layers), "reduce_scatter": psi}
+        if strategy.replicas > 1:
+            elements["all_reduce"] = psi // strategy.shard_size
+    elif strategy.family == "deepspeed" and strategy.zero_stage in (1, 2):
+        reduction = "all_reduce" if ds.get("use_multi_rank_bucket_allreduce", True) else "reduce"
+        elements = {reduction: (m if strategy.zero_stage == 2 else 1) * psi, "all_gather": psi}
+    elif strategy.family == "deepspeed" and strategy.zero_stage == 3:
+        live, reuse = (int(ds.get(k, 1e9)) for k in ("stage3_max_live_parameters", "stage3_max_reuse_distance"))
+        if min(live, reuse) >= psi:
+            gathered = m * (psi - shape.persistent) + shape.persistent
+        elif live == reuse == 0 and m == 1:
+            gathered = 2 * (psi - shape.persistent) + shape.persistent + 2 * shape.tied_embedding
+        else:
+            return None
+        elements = {"all_gather": gathered, "reduce_scatter": m * psi}
+    else:
+        return None
+    return {kind: n * bytes_per_element for kind, n in elements.items()}
+
+
+def autotp_payloads(strategy, shape: ModelShape, split_modules: dict[str, int], micro_tokens: int, micro_batches: int,
+                    hidden_size: int, bytes_per_element: int = 4) -> dict[str, int]:  # fmt: skip
+    """The payload bytes per rank and step under DeepSpeed AutoTP with ZeRO-1 (ds_configs/autotp.json), measured to the
+    byte on 2 and 4 CPU ranks with one micro batch per step. `split_modules`: the count of each style the model's plan
+    split (strategy.json's `tensor_parallel.split_modules`); `micro_tokens`: a micro batch's sequences x block; fp32
+    activations.
+
+    - Each micro batch, in the forward, the partial outputs of every row-split module (o_proj, down_proj) and of the
+      vocabulary-split embedding are all-reduced; in the backward, the partial input gradients of every column-split
+      module (q, k, v, gate, up, the head). Each is micro_tokens x hidden.
+    - The loss over the vocabulary-split logits (DeepSpeed's vocab-parallel cross entropy): 3 all-reduces of one
+      value per token (the maximum, the target's logit, the sum of exponentials).
+    - ZeRO-1 over the data-parallel ranks, on this rank's slice (1/tp of the split weights, the norms whole): an
+      all-reduce of its gradients (`use_multi_rank_bucket_allreduce`, even over a single data-parallel rank) and, with
+      more than one, an all-gather of the updated partitions.
+    """
+    activations = split_modules.get("rowwise", 0) + split_modules.get("embedding_rowwise", 0)
+    activations += split_modules.get("colwise", 0) + split_modules.get("colwise_gather_output", 0)
+    per_micro = activations * micro_tokens * hidden_size + 3 * micro_tokens
+    local = (shape.parameters - shape.norms) // strategy.tp_size + shape.norms
+    payloads = {"all_reduce": (micro_batches * per_micro + local) * bytes_per_element}
+    if strategy.data_parallel_size > 1:
+        payloads["all_gather"] = local * bytes_per_element
+    return payloads
+
+
+def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
+                     bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
+    """The payload bytes per rank and step under DeepSpeed's Ulysses sequence parallelism
+    (training/parallel/sequence.py), measured to the byte on 2 and 4 CPU ranks; None where the ZeRO stage has no closed
+    form. `config`: the model's ShardGPTConfig; `micro_tokens`: a micro batch's sequences x block (whole sequences; each
+    rank holds 1/sp of them).
+
+    - Each micro batch and decoder layer, forward and backward: an all-to-all of this rank's q, k, v before the
+      attention and one of its output after it (q and the output hidden wide, k and v key-value heads x head_dim),
+      each over micro_tokens / sp positions; and, in the forward, an all-gather of the position ids (int64).
+    - The ZeRO stage's own traffic over every rank, as without sequence parallelism (`expected_payloads`).
+    """
+    base = expected_payloads(strategy.with_degrees(sp=1), shape, bytes_per_element, micro_batches)
+    if base is None:
+        return None
+    h, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    local = micro_tokens // strategy.sp_size  # positions this rank holds
+    exchanged = 2 * layers * local * (2 * h + 2 * config.num_key_value_heads * head_dim)  # forward and backward
+    payloads = dict(base)
+    payloads["all_to_all"] = micro_batches * exchanged * bytes_per_element
+    payloads["all_gather"] = payloads.get("all_gather", 0) + micro_batches * layers * micro_tokens * 8
+    return payloads
+
+
+def step_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
+                  split_modules: dict[str, int] | None = None,
+                  bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
+    """The closed form for any launch the training script runs: AutoTP's (`split_modules`: the count of each style the
+    model's plan splits), Ulysses', or the data-parallel strategy's; None where there is none."""
+    if strategy.tp_size > 1:
+        hidden = config.hidden_size
+        return autotp_payloads(strategy, shape, split_modules, micro_tokens, micro_batches, hidden, bytes_per_element)
+    if strategy.sp_size > 1:
+        return ulysses_payloads(strategy, shape, config, micro_tokens, micro_batches, bytes_per_element)
+    return expected_payloads(strategy, shape, bytes_per_element, micro_batches)
+
+
+def paper_volume(strategy, psi: int, bytes_per_element: int = 4) -> int | None:
+    """The ZeRO paper's volume per rank and step (section 7) for `strategy`'s data-parallel sharding, in bytes:
+    2 Psi for DDP, ZeRO-1 and ZeRO-2 (FSDP's SHARD_GRAD_OP), 3 Psi for ZeRO-3 (FSDP's FULL_SHARD), offloaded or not.
+    None where the paper has no figure (tensor or pipeline parallelism, hybrid sharding)."""
+    if strategy.tp_size > 1 or strategy.pp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:
+        return None
+    if strategy.family == "ddp" or (strategy.family == "deepspeed" and strategy.zero_stage in (1, 2)):
+        units = 2
+    elif strategy.family == "deepspeed" and strategy.zero_stage == 3:
+        units = 3
+    elif strategy.family == "fsdp" and strategy.fsdp_sharding != "NO_SHARD":
+        units = 3 if strategy.fsdp_sharding == "FULL_SHARD" else 2
+    else:
+        return None
+    return units * psi * bytes_per_element

@@ -1,0 +1,224 @@
+"""Published runs the step-time planner is calibrated on (one node) and checked against (everything else), as their
+authors report them.
+
+Calibration (`CALIBRATION`, `calibrate`): MosaicML llm-foundry's single-node sweep (scripts/train/benchmarking/
+README.md): MPT 125M to 7B, 8 GPUs, sequence 2048, FSDP full shard, no activation checkpointing, on A100 80GB and
+H100 80GB. It fixes three numbers: each GPU kind's matrix-unit efficiency and the memory-bound accesses per hidden unit
+(training/plan/hardware.py, step_time.ELEMENTWISE_ACCESSES).
+
+Checked against, outside the calibration:
+- Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21):
+  GPT models (vocabulary 51,200, sequence 2048, activation recomputation, mixed precision) on DGX A100 80GB nodes of
+  Selene (8 GPUs per node, NVLink 3, 8 HDR InfiniBand NICs per node), DDP over the data-parallel ranks, attention
+  written out (2021's fused softmax, no FlashAttention) with Megatron-LM's default attention dropout 0.1. Throughput
+  is TFLOP/s per GPU counted by the paper's equation 3, 96 B s l h^2 (1 + s / 6h + V / 16 l h) per step, which
+  includes the recomputed forward. Table 1 (weak scaling, tensor x pipeline x data parallelism) and Table 2 (175B,
+  global batch 1536 fixed: ZeRO-3 without model parallelism against tensor x pipeline) as transcribed here.
+- BigScience's BLOOM-176B (bigscience-workshop/bigscience, train/tr11-176B-ml/: the slurm script and README):
+  Megatron-DeepSpeed on 48 nodes of Jean Zay (384 A100 80GB, 4 OmniPath links of 100 Gb/s a node: 6.25 GB/s a GPU),
+  tp 4 x pp 12 x dp 8, micro batch 2, global batch 2048, full recomputation, bf16 with DeepSpeed's ZeRO-1-like
+  optimizer, Megatron's default dropouts, vocabulary padded to 250,880; the log's "TFLOPs: 149.77" at 104.70 s per
+  iteration, counted by equation 3.
+- llm-foundry's runs across nodes: H100 80GB (`LLM_FOUNDRY_H100`) and A100 80GB / 40GB with "1600 Gbps node-node
+  interconnect (RoCE)" (`LLM_FOUNDRY_A100`), each row's micro batch, accumulation and checkpointing, MFU in PaLM's
+  convention (6N + 12 L h T per token, as the planner's).
+
+The GPT and MPT shapes map onto this project's Llama-shaped model with the same matrices: a SwiGLU MLP of 8h/3 (three
+matrices of h x 8h/3 hold GPT's two of h x 4h), key-value heads = heads, a tied head. Megatron-LM 2021's schedule is
+taken as 1F1B with micro batches of one sequence (the paper tunes the micro batch per row and interleaves stages for
+some runs: the planner models neither).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model import ShardGPTConfig
+from training.plan.hardware import cluster
+from training.plan.step_time import ACTIVATION_BYTES, VOCAB_ACCESSES, Layout, model_flops_per_token, predict_step
+
+SEQ_LEN, VOCAB = 2048, 51200
+ATTENTION_DROPOUT = 0.1  # Megatron-LM's default --attention-dropout, on scores written out (no FlashAttention then)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    source: str
+    parameters: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops_per_gpu: float
+    strategy: str = "ddp"
+    vocab: int = VOCAB
+    micro_batch: int = 1  # under a pipeline; without one, the whole per-rank batch
+    inter_node_gbps: float | None = None  # the cluster's NIC per GPU, where it is not DGX A100's
+
+
+MEGATRON_TABLE_1 = [
+    PublishedRun("Megatron-LM 2021, Table 1", *row)
+    for row in (
+        ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+        ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+        ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
+        ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+        ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
+        ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+        ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
+        ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+        ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
+        ("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    )
+]
+BLOOM = [
+    PublishedRun("BLOOM-176B (BigScience)", "176B", 112, 14336, 70, 4, 12, 384, 2048, 149.77, "zero1", 250880, 2, 6.25)
+]
+MEGATRON_TABLE_2 = [
+    PublishedRun("Megatron-LM 2021, Table 2", "175B", 96, 12288, 96, tp, pp, gpus, 1536, tflops, strategy)
+    for strategy, tp, pp, gpus, tflops in (
+        ("zero3", 1, 1, 384, 144), ("zero3", 1, 1, 768, 88), ("zero3", 1, 1, 1536, 44),
+        ("ddp", 8, 12, 384, 153), ("ddp", 8, 12, 768, 149), ("ddp", 8, 12, 1536, 141),
+    )
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FSDPRun:
+    parameters: str
+    heads: int
+    hidden: int
+    layers: int
+    gpus: int
+    micro_batch: int
+    accumulation: int
+    checkpointing: bool
+    mfu: float
+    gpu: str = "h100"  # a GPU kind of training/plan/hardware.py
+    source: str = "llm-foundry H100 benchmarks"
+
+
+MPT_VOCAB = 50368
+LLM_FOUNDRY_H100 = [
+    FSDPRun(*row)
+    for row in (
+        ("1B", 16, 2048, 24, 64, 20, 1, False, 0.4085),
+        ("3B", 20, 2560, 32, 64, 6, 3, False, 0.4080),
+        ("13B", 40, 5120, 40, 64, 2, 1, False, 0.3986),
+        ("30B", 56, 7168, 48, 8, 3, 21, True, 0.3811),
+        ("30B", 56, 7168, 48, 32, 14, 3, True, 0.4392),
+        ("70B", 64, 8192, 80, 32, 2, 16, True, 0.3615),
+        ("70B", 64, 8192, 80, 64, 8, 4, True, 0.4257),
+    )
+]
+
+# The A100 runs across nodes ("A100 80GB / 40GB with 1600 Gbps node-node interconnect (RoCE)": 8 x 200 Gb/s a node,
+# the planner's 25 GB/s a GPU), FSDP full shard with bf16 reductions ("PURE"), activation checkpointing.
+LLM_FOUNDRY_A100 = [
+    FSDPRun(*row[1:], gpu=row[0], source="llm-foundry A100 benchmarks")
+    for row in (
+        ("a100-80gb", "70B", 64, 8192, 80, 64, 8, 4, True, 0.5333),
+        ("a100-80gb", "70B", 64, 8192, 80, 32, 2, 16, True, 0.4856),
+        ("a100-40gb", "70B", 64, 8192, 80, 128, 4, 1, True, 0.4891),
+        ("a100-40gb", "70B", 64, 8192, 80, 64, 2, 1, True, 0.3587),
+        ("a100-40gb", "30B", 56, 7168, 48, 128, 6, 1, True, 0.5225),
+        ("a100-40gb", "30B", 56, 7168, 48, 32, 4, 1, True, 0.5174),
+        ("a100-40gb", "13B", 40, 5120, 40, 128, 16, 1, True, 0.5193),
+        ("a100-40gb", "13B", 40, 5120, 40, 64, 16, 1, True, 0.5204),
+        ("a100-40gb", "7B", 32, 4096, 32, 128, 18, 1, True, 0.5014),
+        ("a100-40gb", "7B", 32, 4096, 32, 64, 18, 1, True, 0.5073),
+    )
+]
+
+# The calibration (training/plan/hardware.py): llm-foundry's single-node rows at sequence 2048 without activation
+# checkpointing (8 GPUs, FSDP full shard; MPT shapes from scripts/train/yamls/pretrain/mpt-*.yaml), MFU as published.
+CALIBRATION = [
+    FSDPRun(*row[1:], gpu=row[0], source="llm-foundry single node (calibration)")
+    for row in (
+        ("a100-80gb", "125M", 12, 768, 12, 8, 40, 2, False, 0.4479),
+        ("a100-80gb", "350M", 16, 1024, 24, 8, 32, 2, False, 0.5162),
+        ("a100-80gb", "760M", 12, 1536, 24, 8, 24, 2, False, 0.5685),
+        ("a100-80gb", "1B", 16, 2048, 24, 8, 14, 4, False, 0.5986),
+        ("a100-80gb", "3B", 20, 2560, 32, 8, 10, 2, False, 0.6211),
+        ("a100-80gb", "7B", 32, 4096, 32, 8, 6, 2, False, 0.6423),
+        ("h100", "760M", 12, 1536, 24, 8, 24, 2, False, 0.3490),
+        ("h100", "1B", 16, 2048, 24, 8, 14, 1, False, 0.4182),
+        ("h100", "7B", 32, 4096, 32, 8, 6, 1, False, 0.4644),
+    )
+]
+
+
+def calibrate() -> dict[str, float]:
+    """The matrix units' efficiency per GPU kind and ELEMENTWISE_ACCESSES, solved by least squares (relative error)
+    from CALIBRATION: on one node, nothing exposed, 1 / MFU = 1 / efficiency + peak x memory-bound seconds per model
+    FLOP (step_time.compute_seconds), linear in (1 / efficiency of each kind, ELEMENTWISE_ACCESSES)."""
+    kinds = sorted({run.gpu for run in CALIBRATION})
+    rows, targets = [], []
+    for run in CALIBRATION:
+        config, gpus = gpt_config(run, MPT_VOCAB), cluster(run.gpu, run.gpus)
+        per_flop = gpus.peak_flops / (model_flops_per_token(config, SEQ_LEN) * gpus.hbm_bw)  # per HBM byte
+        y = 1 / run.mfu - per_flop * ACTIVATION_BYTES * VOCAB_ACCESSES * config.vocab_size
+        per_access = per_flop * ACTIVATION_BYTES * config.hidden_size * config.num_hidden_layers
+        rows.append([float(run.gpu == k) / y for k in kinds] + [per_access / y])
+        targets.append([1.0])
+    solution = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64))
+    *inverse, accesses = solution.solution.flatten().tolist()
+    return {**{k: 1 / u for k, u in zip(kinds, inverse, strict=True)}, "elementwise_accesses": accesses}
+
+
+def gpt_config(run: PublishedRun | FSDPRun, vocab: int = VOCAB, attention_dropout: float = 0.0) -> ShardGPTConfig:
+    """The run's GPT (or MPT) as this project's model: the same matrices (module docstring)."""
+    return ShardGPTConfig(
+        vocab_size=vocab, hidden_size=run.hidden, intermediate_size=round(8 * run.hidden / 3),
+        num_hidden_layers=run.layers, num_attention_heads=run.heads, num_key_value_heads=run.heads,
+        max_position_embeddings=SEQ_LEN, attention_dropout=attention_dropout,
+    )  # fmt: skip
+
+
+def megatron_flops(run: PublishedRun) -> float:
+    """FLOPs of one step by the paper's equation 3: 96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+    b, s, l, h = run.batch, SEQ_LEN, run.layers, run.hidden
+    return 96 * b * s * l * h**2 * (1 + s / (6 * h) + run.vocab / (16 * l * h))
+
+
+def run_layout(run: PublishedRun) -> Layout:
+    """The run's layout: its degrees, its micro batch under a pipeline (one sequence where the table is silent; the
+    whole share of the batch otherwise, one micro batch a step), activation checkpointing on."""
+    dp = run.gpus // (run.tp * run.pp)
+    micro = run.micro_batch if run.pp > 1 else run.batch // dp
+    return Layout(run.strategy, dp, run.tp, run.pp, 1, "1F1B", micro, run.batch // (dp * micro), True)
+
+
+def compare(runs: list[PublishedRun]) -> list[dict]:
+    """Each run's predicted TFLOP/s per GPU (the paper's FLOPs over the predicted step), beside the published."""
+    out = []
+    for run in runs:
+        layout = run_layout(run)
+        config = gpt_config(run, run.vocab, attention_dropout=ATTENTION_DROPOUT)
+        gpus = cluster("a100-80gb", run.gpus, inter_node_gbps=run.inter_node_gbps)
+        row = predict_step(config, gpus, layout, SEQ_LEN, attn_implementation="eager")
+        predicted = megatron_flops(run) / row["step_seconds"] / run.gpus / 1e12
+        seconds = {k: row[k] for k in ("step_seconds", "bubble_seconds", "communication_seconds")}
+        out.append(dict(source=run.source, parameters=run.parameters, layout=layout.name, sharding=layout.sharding,
+                        gpus=run.gpus, batch=run.batch, published_tflops=run.tflops_per_gpu, predicted_tflops=predicted,
+                        error=predicted / run.tflops_per_gpu - 1, **seconds))  # fmt: skip
+    return out
+
+
+def compare_mfu(runs: list[FSDPRun]) -> list[dict]:
+    """Each FSDP run's predicted MFU on its GPUs, beside the published."""
+    out = []
+    for run in runs:
+        layout = Layout("fsdp", run.gpus, micro_batch=run.micro_batch, micro_batches=run.accumulation,
+                        checkpointing=run.checkpointing)  # fmt: skip
+        row = predict_step(gpt_config(run, MPT_VOCAB), cluster(run.gpu, run.gpus), layout, SEQ_LEN)
+        seconds = {k: row[k] for k in ("step_seconds", "communication_seconds")}
+        out.append(dict(source=run.source, parameters=run.parameters, layout=layout.name, gpus=run.gpus, gpu=run.gpu,
+                        published_mfu=run.mfu, predicted_mfu=row["mfu"], error=row["mfu"] / run.mfu - 1,
+                        **seconds))  # fmt: skip
+    return out
