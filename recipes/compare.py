@@ -318,7 +318,7 @@ def pipeline_strategy(strategy, run: dict):
     """`strategy` with the schedule and stages per rank of the run's flags (`run_config.json`), or None where the
     planner does not model that pipeline."""
     from training.parallel.schedules import stages_per_rank
-    from training.plan.memory.planner import models_pipeline
+    from training.plan.memory.stages import models_pipeline
 
     schedule = run["pipeline_parallel_schedule"]
     per_rank = stages_per_rank(schedule, run.get("pipeline_parallel_virtual_stages"))

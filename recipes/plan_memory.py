@@ -55,7 +55,9 @@ from training.parallel.deepspeed_config import load_json
 from training.parallel.strategy import Strategy
 from training.plan.hardware import GPU_KINDS, cluster
 from training.plan.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
-from training.plan.memory.planner import BYTES, PIPELINE_SCHEDULES, STRATEGIES, GiB, layout, predict
+from training.plan.memory.layout import BYTES, STRATEGIES, GiB, layout
+from training.plan.memory.planner import predict
+from training.plan.memory.stages import PIPELINE_SCHEDULES
 from training.plan.published import (
     BLOOM,
     CALIBRATION,

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from training.paths import ROOT
-from training.plan.memory import planner as pm
 from training.plan.memory.measured import launch_command, load, paper, planned
+from training.plan.memory.states import bytes_by_category
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 PRECISION = "fp32"  # DDP and FSDP keep fp32 states whatever the flag; fp32 compares all five on one footing
@@ -56,7 +56,7 @@ def points(out: Path, world_sizes: list[int]) -> list[dict]:
             worst = {**worst, "strategy": config}  # one rank is "single" to the strategy check, still DDP-wrapped
             rows.append({"launch": config, "world": world, "psi": worst["psi"], "measured": worst["model_states"],
                          "paper": paper(worst),
-                         "planner": sum(pm.bytes_by_category(planned(worst)).values())})  # fmt: skip
+                         "planner": sum(bytes_by_category(planned(worst)).values())})  # fmt: skip
     return rows
 
 

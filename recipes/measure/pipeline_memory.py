@@ -9,7 +9,7 @@ One process per stage (gloo, one thread each), training/parallel/pipeline.py's s
 schedules (training/loop/bubble.measure_model). Per stage: the step (the fastest of --steps), the share of it the stage
 computed (its forward and backward, the training's busy clock) against M / (M + P - 1), and the most bytes it held for
 its backward at once (autograd's saved tensors and the stage's kept outputs, counted live), against the planner's
-`held_for_backward` (training/plan/memory/planner.stage_held). fp32. More stages than cores slows every stage: the bytes
+`held_for_backward` (training/plan/memory/stages.stage_held). fp32. More stages than cores slows every stage: the bytes
 stay exact, the times do not.
 """
 

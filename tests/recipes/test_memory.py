@@ -18,7 +18,9 @@ from launching import ROOT, launch, launcher_command
 
 from model import ShardGPTConfig
 from training.plan.memory import planner as pm
+from training.plan.memory.activations import temporaries
 from training.plan.memory.measured import deviations, load, planned, planner_inputs
+from training.plan.memory.states import bytes_by_category
 
 TINY = ["--preset=tiny", "--per_device_train_batch_size=1", "--block_size=64"]
 LAUNCHES = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero3", "fp32"), ("fsdp", "fp32"),
@@ -97,7 +99,7 @@ def test_model_states_match_planner_and_paper(config, precision, tmp_path):
     launched = bf16_reduction_config(config, tmp_path) if precision == "bf16" else config
     for record in measure(launched, args, tmp_path / "out"):
         # 1. The planner's count, category by category, to the byte.
-        predicted = pm.bytes_by_category(planned(record))
+        predicted = bytes_by_category(planned(record))
         assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]
 
         # 2. Against the paper: exactly the named terms (no padding: tiny's dimensions are even).
@@ -113,7 +115,7 @@ def test_model_states_match_planner_and_paper(config, precision, tmp_path):
         # 5. DeepSpeed's reduce buckets, as the planner sizes them from the JSON (a temporary buffer).
         if config.startswith("zero"):
             lay, strategy, zero = planner_inputs(record)
-            temps = pm.temporaries(lay, strategy, 2, precision, zero)
+            temps = temporaries(lay, strategy, 2, precision, zero)
             buckets = sum(it.nbytes for it in temps if it.label == "reduce_buckets")
             assert record["snapshots"]["backward_end"]["detail"]["buffers.reduce_buckets"] == buckets
 
@@ -133,12 +135,10 @@ def test_autotp_states_match_planner(nproc, tmp_path):
         local = (record["psi"] - norms) // 2 + norms
         assert record["local_parameter_fraction"] == pytest.approx(local / record["psi"], abs=1e-4)
         assert record["model_states"] == (4 + 4) * local + (4 + 8) * local // dp + 4 * 2, record["bytes"]
-        predicted = pm.bytes_by_category(planned(record))
+        predicted = bytes_by_category(planned(record))
         assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]
         lay, strategy, zero = planner_inputs(record)  # the reduce bucket, sized from the JSON for the slice
-        buckets = sum(
-            it.nbytes for it in pm.temporaries(lay, strategy, dp, "fp32", zero) if it.label == "reduce_buckets"
-        )
+        buckets = sum(it.nbytes for it in temporaries(lay, strategy, dp, "fp32", zero) if it.label == "reduce_buckets")
         assert record["snapshots"]["backward_end"]["detail"]["buffers.reduce_buckets"] == buckets
         for name, snap in record["snapshots"].items():
             assert snap["unattributed"]["bytes"] < 64 * 1024, (name, snap["unattributed"])
@@ -152,7 +152,7 @@ def test_planner_exact_with_padding_on_3_ranks(config, tmp_path):
     buffers and splits parameters across partitions, ZeRO-3 rounds partitions up and pads its gathers."""
     args = ["--preset=debug", "--per_device_train_batch_size=1", "--block_size=32", "--tokenizer_vocab_size=300"]
     for record in measure(config, args, tmp_path / "out", nproc=3):
-        predicted = pm.bytes_by_category(planned(record))
+        predicted = bytes_by_category(planned(record))
         assert {k: record["bytes"][k] for k in predicted} == predicted, (record["rank"], record["snapshots"])
 
 
@@ -164,7 +164,7 @@ def test_sharded_states_fall_as_one_over_n_on_4_ranks(config, tmp_path):
     the paper's 16Ψ/4 plus exactly the named terms (ZeRO-3's fp32 master copy and whole norms, Adam's step
     counters), and the planner's count to the byte."""
     for record in measure(config, TINY, tmp_path / "out", nproc=4):
-        predicted = pm.bytes_by_category(planned(record))
+        predicted = bytes_by_category(planned(record))
         assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]
         assert deviations(record) == pytest.approx(expected_deviations(record), abs=1e-6)
         assert record["model_states"] < 6 * record["psi"]  # against 16Ψ to 20Ψ unsharded

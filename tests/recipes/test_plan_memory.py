@@ -12,9 +12,14 @@ import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from recipes import plan_memory
+from training.parallel.deepspeed_config import load_json
 from training.parallel.strategy import Strategy
 from training.paths import ROOT
 from training.plan.memory import planner as pm
+from training.plan.memory.activations import activation_bytes, saved_loss_bytes
+from training.plan.memory.layout import Layout, layout, zero_config
+from training.plan.memory.stages import in_flight
+from training.plan.memory.states import persistent, zero3_groups, zero12_partitions
 
 GB = 1e9
 named = Strategy.from_name
@@ -32,22 +37,22 @@ def test_paper_formulas_reproduce_the_zero_papers_figure_1():
     assert pm.zero_paper(psi, nd, 3, "fp32") == 16 * psi / nd
 
 
-def toy_layout(numels: list[int]) -> pm.Layout:
+def toy_layout(numels: list[int]) -> Layout:
     config = ShardGPTConfig.from_preset("debug")
-    return pm.Layout(config, [f"p{i}" for i in range(len(numels))], numels, numels, [list(range(len(numels)))],
+    return Layout(config, [f"p{i}" for i in range(len(numels))], numels, numels, [list(range(len(numels)))],
                      [], 0, max(numels))  # fmt: skip
 
 
 def test_zero12_partitions_keep_every_gradient_that_touches_the_partition_whole():
     # 20 elements on 2 ranks: partitions [0, 10) and [10, 20). The 7-element parameter at [7, 14) touches both.
     lay = toy_layout([7, 7, 6])
-    assert pm.zero12_partitions(lay, 2, 0) == [(20, 10, 7 + 7)]
-    assert pm.zero12_partitions(lay, 2, 1) == [(20, 10, 7 + 6)]
+    assert zero12_partitions(lay, 2, 0) == [(20, 10, 7 + 7)]
+    assert zero12_partitions(lay, 2, 1) == [(20, 10, 7 + 6)]
     # 21 elements on 2 ranks: the flat buffer is padded to 24 (a multiple of 2 x world); the last rank's
     # partition [12, 24) holds 9 real elements and 3 of padding, whose zeros it flattens with its gradients.
     lay = toy_layout([7, 7, 7])
-    assert pm.zero12_partitions(lay, 2, 0) == [(24, 12, 14)]
-    assert pm.zero12_partitions(lay, 2, 1) == [(24, 12, 14 + 3)]
+    assert zero12_partitions(lay, 2, 0) == [(24, 12, 14)]
+    assert zero12_partitions(lay, 2, 1) == [(24, 12, 14 + 3)]
 
 
 def saved_activation_bytes(config: ShardGPTConfig, dtype: torch.dtype, batch: int, seq: int) -> int:
@@ -79,14 +84,14 @@ def test_activation_formula_is_what_autograd_saves(dtype, layers):
     config = ShardGPTConfig.from_preset("debug", num_hidden_layers=layers)
     e = 2 if dtype == torch.bfloat16 else 4
     batch, seq = 2, 48
-    expected = pm.activation_bytes(config, batch, seq, e, False) + pm.saved_loss_bytes(config, batch, seq, e)
+    expected = activation_bytes(config, batch, seq, e, False) + saved_loss_bytes(config, batch, seq, e)
     assert saved_activation_bytes(config, dtype, batch, seq) == expected
 
 
 def test_activation_checkpointing_keeps_one_input_per_layer():
     config = ShardGPTConfig.from_preset("llama-1b")
-    full = pm.activation_bytes(config, 1, 2048, 2, False)
-    ckpt = pm.activation_bytes(config, 1, 2048, 2, True)
+    full = activation_bytes(config, 1, 2048, 2, False)
+    ckpt = activation_bytes(config, 1, 2048, 2, True)
     layer = 2 * (6 * 2048 + 2 * 8 * 64 + 4 * 8192) + 8 * 2048 + 4 * 32 + 8  # 8 key/value heads of 64
     assert full - ckpt == 2048 * (config.num_hidden_layers - 1) * layer - 2048 * config.num_hidden_layers * 2 * 2048
 
@@ -101,7 +106,7 @@ def test_predict_every_strategy():
     ms = {s: p["model_states"] for s, p in preds.items()}
     assert ms["zero3"] < ms["zero2"] < ms["zero1"] < ms["ddp"]
     psi = preds["ddp"]["inputs"]["psi"]
-    tensors = len(pm.layout(config).numels)  # 146: embedding, 16 x 9 per layer, final norm
+    tensors = len(layout(config).numels)  # 146: embedding, 16 x 9 per layer, final norm
     assert ms["ddp"] == 20 * psi + 4 * tensors  # + DDP's buckets, + a 4-byte Adam step counter per tensor
     assert ms["fsdp"] == pytest.approx(16 * psi / 8, rel=1e-6)
     # Offload moves model states to the host (and to NVMe), not to nothing; ZeRO-3 keeps its persistent
@@ -134,7 +139,7 @@ def test_predict_matches_deepspeeds_estimators():
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     config = ShardGPTConfig.from_preset("llama-1b")
-    lay = pm.layout(config)
+    lay = layout(config)
     psi = lay.psi
     z2 = pm.predict(config, named("zero2", 8), "bf16", 1, 2048)
     _, ds_z2 = estimate_zero2_model_states_mem_needs(psi, 8, 1, cpu_offload=False)
@@ -145,7 +150,7 @@ def test_predict_matches_deepspeeds_estimators():
     _, ds_z3, _ = estimate_zero3_model_states_mem_needs(psi, lay.largest_module, 8, 1, cpu_offload=False,
                                                         cpu_offload_params=False)  # fmt: skip
     # DeepSpeed's estimate counts the gradient partitions in the model's dtype (its default grad_accum_dtype).
-    ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3.json")
+    ds = load_json(ROOT / "ds_configs" / "zero3.json")
     ds["data_types"]["grad_accum_dtype"] = "bf16"
     # DeepSpeed's estimate leaves its buckets out: the comparison holds them at 1e7 elements, as measured.
     ds["zero_optimization"].update(reduce_bucket_size=10_000_000, stage3_prefetch_bucket_size=10_000_000)
@@ -158,16 +163,16 @@ def test_predict_matches_deepspeeds_estimators():
 
 def test_zero3_persistence_and_sub_groups_follow_the_json():
     config = ShardGPTConfig.from_preset("gpt2-124m")
-    lay = pm.layout(config)
-    zero = pm.zero_config(named("zero3"), config, 8, "bf16", 1)
+    lay = layout(config)
+    zero = zero_config(named("zero3"), config, 8, "bf16", 1)
     shipped = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())["zero_optimization"]
     assert zero["stage3_param_persistence_threshold"] == 10 * config.hidden_size  # "auto" resolved as training
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size"):
         assert zero[key] == shipped[key]  # GPU-sized in the JSON; the planner plans GPUs, uncapped
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
-    assert sum(lay.numels[i] for i in pm.persistent(lay, zero)) == norms
-    assert len(pm.zero3_groups(lay, 8, zero["sub_group_size"])) == 2  # decay, no decay
-    assert len(pm.zero3_groups(lay, 1, 10_000_000)) > 2  # small sub_group_size: the groups split
+    assert sum(lay.numels[i] for i in persistent(lay, zero)) == norms
+    assert len(zero3_groups(lay, 8, zero["sub_group_size"])) == 2  # decay, no decay
+    assert len(zero3_groups(lay, 1, 10_000_000)) > 2  # small sub_group_size: the groups split
 
 
 def test_rank_figures_differ_only_where_deepspeed_splits():
@@ -194,7 +199,7 @@ def test_command_line_overrides_and_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["strategy"] == "zero2-offload-cpu"  # the device an -offload leaves out is CPU
     expected = ShardGPTConfig.from_preset("llama-1b", hidden_size=1024, num_attention_heads=16)
-    assert out["inputs"]["psi"] == pm.layout(expected).psi
+    assert out["inputs"]["psi"] == layout(expected).psi
     assert math.isclose(out["host_ram_at_start"], 4 * out["inputs"]["psi"])
 
 
@@ -209,7 +214,7 @@ def test_zero3_and_fsdp_build_partitioned_at_start():
     """Under zero.Init and FSDP2's meta-device build a rank holds its fp32 partition and the module being built;
     under DDP, the whole model."""
     config = ShardGPTConfig.from_preset("llama-1b")
-    lay = pm.layout(config)
+    lay = layout(config)
     for strategy in ("zero3", "fsdp"):
         built = pm.predict(config, named(strategy, 8))["host_ram_at_start"]
         assert built == 4 * (math.ceil(lay.psi / 8) + lay.largest_module)
@@ -221,10 +226,10 @@ def test_autotp_splits_the_planned_matrices_and_shards_adam_over_data_parallel_r
     of the plan (and of the tied embedding), the whole norms, and ZeRO-1's quarter of the fp32 master copy and of
     Adam's moments over the 4 data-parallel ranks (measured to the byte on CPU ranks: tests/recipes/test_memory.py)."""
     config = ShardGPTConfig.from_preset("llama-1b")
-    psi = pm.layout(config).psi
+    psi = layout(config).psi
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
     local = (psi - norms) // 2 + norms
-    assert pm.layout(config, tp=2).psi == local
+    assert layout(config, tp=2).psi == local
     pred = pm.predict(config, named("zero1-autotp", 8), "bf16")
     assert pred["inputs"]["tensor_parallel_size"] == 2 and pred["inputs"]["psi"] == psi
     assert pred["model_states"] == 2 * local + 2 * local + (4 + 8) * local // 4 + 4 * 2
@@ -238,14 +243,14 @@ def test_zero3_gradient_partitions_follow_grad_accum_dtype_and_nvme_keeps_max_in
     bf16 under --bf16_gradient_reduction. With parameters on NVMe, offload_param.max_in_cpu elements of the
     partition stay in host memory."""
     config = ShardGPTConfig.from_preset("gpt2-124m")
-    part = sum(math.ceil(n / 2) for n in pm.layout(config).numels)
+    part = sum(math.ceil(n / 2) for n in layout(config).numels)
     assert pm.predict(config, named("zero3", 2), "bf16")["detail"]["gpu:grads.grad_partitions"] == 4 * part
-    ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3.json")
+    ds = load_json(ROOT / "ds_configs" / "zero3.json")
     ds["data_types"]["grad_accum_dtype"] = "auto"
     for low, size in ((False, 4), (True, 2)):
         detail = pm.predict(config, named("zero3", 2), "bf16", ds_config=ds, bf16_gradient_reduction=low)["detail"]
         assert detail["gpu:grads.grad_partitions"] == size * part
-    ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3_offload_nvme.json")
+    ds = load_json(ROOT / "ds_configs" / "zero3_offload_nvme.json")
     ds["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**7
     detail = pm.predict(config, named("zero3-offload-nvme", 2), "bf16", ds_config=ds)["detail"]
     assert detail["host:params.partitions_in_cpu"] == 2 * 10**7
@@ -264,18 +269,18 @@ def test_zero3_with_parameters_on_nvme_builds_into_the_swap_buffers():
     """zero.Init swaps each partition out as it is built: at start a rank holds the parameter swap buffers, the
     max_in_cpu share and the fp32 module being built, not its fp32 partition."""
     config = ShardGPTConfig.from_preset("llama-3b", vocab_size=8192)
-    ds = pm.load_json(pm.ROOT / "ds_configs" / "zero3_offload_nvme_small_host.json")
+    ds = load_json(ROOT / "ds_configs" / "zero3_offload_nvme_small_host.json")
     swap = ds["zero_optimization"]["offload_param"]
     assert swap["max_in_cpu"] == 0
     built = pm.predict(config, named("zero3-offload-nvme", 2), "bf16", ds_config=ds)["host_ram_at_start"]
-    assert built == 4 * pm.layout(config).largest_module + 2 * swap["buffer_count"] * swap["buffer_size"]
+    assert built == 4 * layout(config).largest_module + 2 * swap["buffer_count"] * swap["buffer_size"]
 
 
 def test_unfused_adam_holds_two_fp32_temporaries_of_the_largest_tensor_it_steps():
     """CPU ranks step torch's unfused AdamW: two fp32 temporaries the size of the largest tensor it steps at once
     (a parameter under DDP, a ZeRO-3 sub-group); none for DeepSpeed's in-place CPU Adam."""
     config = ShardGPTConfig.from_preset("gpt2-124m")
-    lay = pm.layout(config)
+    lay = layout(config)
 
     def extra(strategy: str) -> int:  # what CPU ranks add for AdamW (they also cap the JSON's buckets)
         detail = pm.predict(config, named(strategy, 2), "bf16", cpu_ranks=True)["detail"]
@@ -283,8 +288,8 @@ def test_unfused_adam_holds_two_fp32_temporaries_of_the_largest_tensor_it_steps(
         return detail.get("gpu:buffers.adam_temporaries", 0)  # none under DeepSpeed's in-place CPU Adam
 
     assert extra("ddp") == 8 * max(lay.numels)
-    zero = pm.zero_config(named("zero3"), config, 2, "bf16", 1)
-    assert extra("zero3") == 8 * max(pm.zero3_groups(lay, 2, zero["sub_group_size"]))
+    zero = zero_config(named("zero3"), config, 2, "bf16", 1)
+    assert extra("zero3") == 8 * max(zero3_groups(lay, 2, zero["sub_group_size"]))
     assert extra("zero3-offload-cpu") == 0
 
 
@@ -293,7 +298,7 @@ def test_zero2_offload_keeps_a_gradient_partition_on_the_device_in_the_accumulat
     gradient partition, DeepSpeed's offload path reduces into a flat partition in data_types.grad_accum_dtype on
     the device (`averaged_gradients`), fp32 as the training script sets it."""
     config = ShardGPTConfig.from_preset("llama-1b", vocab_size=8192, num_hidden_layers=2)
-    part = sum(p for _, p, _ in pm.zero12_partitions(pm.layout(config), 2, 0))
+    part = sum(p for _, p, _ in zero12_partitions(layout(config), 2, 0))
     detail = pm.predict(config, named("zero2-offload-cpu", 2), "bf16")["detail"]
     assert detail["gpu:grads.averaged_gradients"] == 4 * part == detail["host:grads.fp32_partition.grad"]
 
@@ -306,7 +311,7 @@ def test_pipeline_stages_hold_their_layers_and_the_tied_embedding_on_the_first_a
     """llama-1b in 4 stages of 4 layers on 8 GPUs: the first stage holds the embedding, the last the norm and a copy
     of the tied embedding as its head; each stage's states whole per rank (ddp) or halved over its 2 ranks (fsdp)."""
     config = ShardGPTConfig.from_preset("llama-1b")
-    lay = pm.layout(config)
+    lay = layout(config)
     embedding, norm = config.vocab_size * config.hidden_size, config.hidden_size
     stages = pm.predict(config, pipeline("ddp", 8, 4), "bf16", micro_batches=8)["stages"]
     psi = [s["inputs"]["stage_psi"] for s in stages]
@@ -329,8 +334,8 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_the_stages_after():
         stages = pm.predict(config, pipeline("ddp", 4, 4, schedule), "fp32", 1, 128, micro_batches=m)["stages"]
         return [s["held_for_backward"] for s in stages]
 
-    assert [pm.in_flight("1F1B", 4, 8, s) for s in range(4)] == [4, 3, 2, 1]
-    assert [pm.in_flight("GPipe", 4, 8, s) for s in range(4)] == [8] * 4
+    assert [in_flight("1F1B", 4, 8, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("GPipe", 4, 8, s) for s in range(4)] == [8] * 4
     assert held("1F1B", 4)[1:] == held("1F1B", 16)[1:]  # the first stage's token ids grow with the step
     assert all(g8 > g4 for g4, g8 in zip(held("GPipe", 4), held("GPipe", 8), strict=True))
     assert all(gpipe > ours for gpipe, ours in zip(held("GPipe", 8), held("1F1B", 8), strict=True))

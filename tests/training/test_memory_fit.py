@@ -24,7 +24,8 @@ from training.plan.memory.fit import (
     planner_strategy,
     shortfalls,
 )
-from training.plan.memory.planner import layout, predict
+from training.plan.memory.layout import layout
+from training.plan.memory.planner import predict
 
 GiB = 2**30
 LLAMA_1B = ShardGPTConfig.from_preset("llama-1b")

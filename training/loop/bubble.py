@@ -10,7 +10,7 @@ its peak, 1F1B at most P (stage s: P - s).
 The model's own stages (`measure_model`: training/parallel/pipeline.py's `build_pipeline`, one stage per rank) are timed
 with the training's busy clock and counted in bytes: the peak of what a stage holds for its backward, autograd's
 saved tensors and the outputs the stage keeps (training/plan/memory/saved.py), which the planner predicts
-(training/plan/memory/planner.stage_held).
+(training/plan/memory/stages.stage_held).
 
 The ranks run torch.distributed.pipelining's own schedules over gloo (collective: the point-to-point sends of
 activations and gradients between neighbouring stages, and the barriers that time a step).

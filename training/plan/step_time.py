@@ -55,16 +55,10 @@ from training.flops import flops_per_token
 from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape, expected_payloads, ulysses_payloads
 from training.plan.hardware import Cluster
-from training.plan.memory.planner import (
-    PIPELINE_SCHEDULES,
-    activation_bytes,
-    in_flight,
-    layer_activation_bytes,
-    logits_bytes,
-    predict,
-    repo_json,
-    zero_paper,
-)
+from training.plan.memory.activations import activation_bytes, layer_activation_bytes, logits_bytes
+from training.plan.memory.layout import repo_json
+from training.plan.memory.planner import predict, zero_paper
+from training.plan.memory.stages import PIPELINE_SCHEDULES, in_flight
 
 # The data-parallel strategies a layout can use, by `Strategy.name`; those a pipeline or tensor parallelism combines
 # with anywhere (Megatron-LM's DDP, DeepSpeed's ZeRO-1 under its pipeline and AutoTP, FSDP2 under torch's pipeline).

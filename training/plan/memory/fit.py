@@ -75,9 +75,10 @@ class Capacity:
 def planner_strategy(strategy: Strategy) -> Strategy | None:
     """A launch's strategy as the planner models it: one process as DDP on one rank, FSDP1's flat parameters as
     FSDP2's shards (NO_SHARD as DDP), hybrid FSDP as FSDP over one shard group (the memory of a rank is that);
-    a pipeline stage by stage (`planner.models_pipeline`); Ulysses by each rank's share of the sequence; None for
+    a pipeline stage by stage (`stages.models_pipeline`); Ulysses by each rank's share of the sequence; None for
     what the planner does not model."""
-    from training.plan.memory.planner import STRATEGIES, models_pipeline
+    from training.plan.memory.layout import STRATEGIES
+    from training.plan.memory.stages import models_pipeline
 
     if strategy.pp_size > 1:
         return strategy if models_pipeline(strategy) else None
@@ -226,7 +227,7 @@ def candidate_sizes(overrides: dict | None = None) -> list[tuple[str, object]]:
     each preceded by the depths of it that are larger than the preset before (`--config_overrides
     num_hidden_layers=N`): neighbouring presets are about 3x apart in parameters, too coarse to say what fits."""
     from model import PRESETS, ShardGPTConfig
-    from training.plan.memory.planner import layout
+    from training.plan.memory.layout import layout
 
     def build(name: str, **depth) -> ShardGPTConfig:
         return ShardGPTConfig.from_preset(name, **{**(overrides or {}), **depth})

@@ -13,6 +13,8 @@ from model import ShardGPTConfig
 from training.parallel.strategy import Strategy
 from training.paths import ROOT
 from training.plan.memory import planner as pm
+from training.plan.memory.layout import Layout, layout, tensor_parallel_size, zero_config
+from training.plan.memory.states import Item, bytes_by_category, model_states
 
 LAUNCHES = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero3", "fp32"), ("fsdp", "fp32"),
             ("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "bf16")]  # fmt: skip
@@ -44,26 +46,26 @@ def recorded_strategy(record: dict) -> Strategy:
     return Strategy.from_name(record["strategy"], record["world_size"])
 
 
-def planner_inputs(record: dict) -> tuple[pm.Layout, Strategy, dict | None]:
+def planner_inputs(record: dict) -> tuple[Layout, Strategy, dict | None]:
     """The planner's view of a measured launch: the layout of the model (of one tensor-parallel slice under
     AutoTP), the strategy and the resolved ZeRO section."""
     config = ShardGPTConfig.from_preset(record["preset"], vocab_size=record["vocab_size"])
     strategy = recorded_strategy(record)
-    tp = pm.tensor_parallel_size(strategy, record["ds_config"])
+    tp = tensor_parallel_size(strategy, record["ds_config"])
     zero = None
     if strategy.family == "deepspeed":
-        zero = pm.zero_config(strategy, config, record["world_size"] // tp, record["precision"],
+        zero = zero_config(strategy, config, record["world_size"] // tp, record["precision"],
                               record["micro_batch"], record["ds_config"])  # fmt: skip
-    return pm.layout(config, tp=tp), strategy, zero
+    return layout(config, tp=tp), strategy, zero
 
 
-def planned(record: dict) -> list[pm.Item]:
+def planned(record: dict) -> list[Item]:
     """The planner's model-state items for the rank, precision and DeepSpeed config that `record` measured
     (under AutoTP: the rank's slice, over the data-parallel ranks)."""
     lay, strategy, zero = planner_inputs(record)
-    tp = pm.tensor_parallel_size(strategy, record["ds_config"])
+    tp = tensor_parallel_size(strategy, record["ds_config"])
     world, rank = record["world_size"] // tp, record["rank"] // tp
-    return pm.model_states(lay, strategy, world, rank, record["precision"], zero)
+    return model_states(lay, strategy, world, rank, record["precision"], zero)
 
 
 def paper(record: dict) -> float:
@@ -113,7 +115,7 @@ def rows(out: Path, launches=LAUNCHES) -> list[dict]:
     for config, precision in launches:
         records = load(out / f"{precision}_{config}")
         worst = max(records, key=lambda r: r["model_states"])
-        plan = sum(pm.bytes_by_category(planned(worst)).values())
+        plan = sum(bytes_by_category(planned(worst)).values())
         table.append({"launch": config, "record": worst, "paper": paper(worst), "planner": plan,
                       "deviations": deviations(worst)})  # fmt: skip
     return table

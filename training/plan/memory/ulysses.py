@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from data.loader import _shard
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from training.plan.memory import planner
+from training.plan.memory.activations import activation_bytes, saved_loss_bytes
 from training.plan.memory.saved import HeldBytes
 
 
@@ -80,6 +80,4 @@ def predicted(preset: str, micro: int, block: int, sp: int, dtype: str) -> int:
     """The planner's activations plus the loss's saved tensors for a rank's block / sp positions."""
     config, e = config_for(preset, block), torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     seq = block // sp
-    return planner.activation_bytes(config, micro, block, e, False, sp=sp) + planner.saved_loss_bytes(
-        config, micro, seq, e
-    )
+    return activation_bytes(config, micro, block, e, False, sp=sp) + saved_loss_bytes(config, micro, seq, e)

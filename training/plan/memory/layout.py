@@ -1,0 +1,169 @@
+"""The model as the memory planner sees it: every parameter's shape on a rank (under AutoTP, its split), the
+groups AdamW makes of them, and the DeepSpeed config of each planned strategy, resolved as the training script
+resolves it.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from model import ShardGPTConfig, ShardGPTForCausalLM
+from training.adamw import param_groups
+from training.config import RunConfig
+from training.parallel.deepspeed_config import (
+    autotp_size,
+    cpu_capped,
+    gradient_reduction_dtype,
+    load_json,
+    resolve_deepspeed,
+)
+from training.parallel.strategy import Strategy
+from training.paths import ROOT
+
+# The strategies the planner models, by name (`Strategy.name`); each ZeRO one with the repo's JSON for it.
+STRATEGIES = (
+    "ddp", "fsdp", "fsdp-shard-grad-op", "fsdp-offload", "zero1", "zero2", "zero2-offload-cpu", "zero3",
+    "zero3-offload-cpu", "zero3-offload-nvme", "zero1-autotp",
+)  # fmt: skip
+DS_CONFIGS = {
+    "zero1": "zero1.json", "zero2": "zero2.json", "zero2-offload-cpu": "zero2_offload.json", "zero3": "zero3.json",
+    "zero3-offload-cpu": "zero3_offload_cpu.json", "zero3-offload-nvme": "zero3_offload_nvme.json",
+    "zero1-autotp": "autotp.json",
+}  # fmt: skip
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+@dataclass
+class Layout:
+    """The parameters as the training script builds them: sizes in `named_parameters()` order, the optimizer's
+    groups (decay / no decay, indices into `numels`), FSDP's units and the modules ZeRO-3 gathers."""
+
+    config: ShardGPTConfig
+    names: list[str]
+    numels: list[int]
+    rows: list[int]  # dim 0, which FSDP2 shards
+    groups: list[list[int]]
+    root: list[int]  # the FSDP root unit: parameters outside every decoder layer
+    layer_numel: int  # one decoder layer (every layer has the same shape)
+    largest_module: int  # the most parameters one module owns (ZeRO-3 gathers module by module)
+
+    @property
+    def psi(self) -> int:
+        return sum(self.numels)
+
+
+_LAYOUTS: dict[tuple[str, bool, int], Layout] = {}  # by the config's JSON: the step-time planner asks hundreds of times
+
+
+def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1) -> Layout:
+    """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight."""
+    key = (config.to_json_string(use_diff=False), decay_embeddings, tp)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp)
+    return copy.deepcopy(_LAYOUTS[key])
+
+
+def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int) -> Layout:
+    with torch.device("meta"):  # shapes only: no memory, fast for any size
+        net = ShardGPTForCausalLM(config)
+    named = list(net.named_parameters())  # tied lm_head / embedding listed once, as DeepSpeed and DDP see them
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    groups = [[index[id(p)] for p in g["params"]] for g in param_groups(net, 0.1, decay_embeddings)]
+    root = [i for i, (name, _) in enumerate(named) if ".layers." not in f".{name}"]
+    shapes = [tensor_parallel_shape(name, tuple(p.shape), net.tp_plan, tp) for name, p in named]
+    layer = sum(math.prod(s) for (name, _), s in zip(named, shapes, strict=True) if name.startswith("model.layers.0."))
+    by_module: dict[str, int] = {}
+    for (name, _), shape in zip(named, shapes, strict=True):
+        module = name.rpartition(".")[0]
+        by_module[module] = by_module.get(module, 0) + math.prod(shape)
+    return Layout(
+        config, [n for n, _ in named], [math.prod(s) for s in shapes], [s[0] for s in shapes],
+        [g for g in groups if g], root, layer, max(by_module.values()),
+    )  # fmt: skip
+
+
+def tensor_parallel_shape(name: str, shape: tuple[int, ...], plan: dict[str, str], tp: int) -> tuple[int, ...]:
+    """What one of `tp` ranks holds of parameter `name`: a module of the plan keeps 1/tp of its rows ("colwise",
+    the vocabulary-parallel embedding and head) or of its columns ("rowwise"); the rest (the norms) stays whole."""
+    module = name.rpartition(".")[0]
+    style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(module, pattern)), None)
+    if tp == 1 or style is None:
+        return shape
+    dim = 1 if style == "rowwise" else 0
+    if shape[dim] % tp:
+        raise ValueError(f"{name} has {shape[dim]} {'columns' if dim else 'rows'}, which {tp} ranks cannot split")
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+
+
+def tensor_parallel_size(strategy: Strategy, ds_config: dict | None = None) -> int:
+    """Ranks each layer is split over: under AutoTP the DeepSpeed JSON's `tensor_parallel.autotp_size` (the repo's
+    for the strategy when `ds_config` is None); 1 for the data-parallel strategies."""
+    if strategy.tp_size == 1:
+        return 1
+    return autotp_size(ds_config if ds_config is not None else repo_json(strategy))
+
+
+def repo_json(strategy: Strategy) -> dict:
+    """The repo's DeepSpeed JSON for a ZeRO strategy the planner models."""
+    return load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy.name])
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed config
+
+
+def zero_config(strategy: Strategy, config: ShardGPTConfig, world: int, precision: str, micro_batch: int,
+                ds_config: dict | None = None, bf16_gradient_reduction: bool = False,
+                cpu_ranks: bool = False) -> dict:  # fmt: skip
+    """The `zero_optimization` section in force: `ds_config` (the repo's JSON for `strategy` when None) with its "auto"
+    values filled exactly as the training script fills them (`training/parallel/deepspeed_config.resolve_deepspeed`),
+    plus `grad_accum_bytes`: the bytes per element of `data_types.grad_accum_dtype`, in which ZeRO-3 keeps its
+    gradient partitions (the training script sets it to fp32, or bf16 under --bf16_gradient_reduction)."""
+    if ds_config is None:  # the repo's JSON, as a launch would resolve it (a launch's own is resolved already)
+        ds_config = repo_json(strategy)
+        if cpu_ranks:
+            zero = ds_config["zero_optimization"]
+            zero.update(cpu_capped(zero))
+    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype", "auto")
+    if accum == "auto":
+        accum = gradient_reduction_dtype(precision == "bf16", bf16_gradient_reduction)
+    accum_bytes = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[accum]
+    zero = copy.deepcopy(ds_config.get("zero_optimization") or {})
+    # Offload sections are read as they are: resolving them would check that nvme_path exists here.
+    offload = {k: zero.pop(k) for k in ("offload_optimizer", "offload_param") if k in zero}
+    if "auto" in zero.values():
+        cfg = RunConfig(per_device_train_batch_size=micro_batch, bf16=precision == "bf16", fp16=precision == "fp16")
+        zero = resolve_deepspeed({"zero_optimization": zero}, cfg, world, config.hidden_size, "(planner)")
+        zero = zero["zero_optimization"]
+    zero.update(offload)
+    stage = int(zero.get("stage", 0))
+    zero.setdefault("overlap_comm", stage == 3)  # DeepSpeed's defaults (runtime/zero/config.py)
+    zero.setdefault("contiguous_gradients", True)
+    zero.setdefault("reduce_bucket_size", 500_000_000)
+    zero.setdefault("allgather_bucket_size", 500_000_000)
+    zero.setdefault("sub_group_size", 1_000_000_000)
+    zero.setdefault("stage3_prefetch_bucket_size", 50_000_000)
+    zero.setdefault("stage3_param_persistence_threshold", 100_000)
+    zero.setdefault("stage3_model_persistence_threshold", sys.maxsize)
+    zero["grad_accum_bytes"] = accum_bytes
+    return zero
+
+
+def offload_device(zero: dict, key: str) -> str:
+    return (zero.get(key) or {}).get("device", "none")
+
+
+def ranks_to_check(strategy: Strategy, world: int) -> list[int]:
+    """The data-parallel ranks whose states can differ (ZeRO-1/2 partitions, FSDP2 shards), else rank 0 alone."""
+    if (strategy.zero_stage in (1, 2) and not strategy.offloads) or strategy.family == "fsdp":
+        return list(range(world)) if world <= 64 else [0, world - 1]  # the differences sit at the ends
+    return [0]

@@ -1,0 +1,183 @@
+"""A pipeline's memory per stage: the parameters a stage keeps, the micro batches a schedule holds in flight on
+it, and the model states and activations of each pipeline rank under DDP or FSDP2.
+"""
+
+from __future__ import annotations
+
+from model import ShardGPTConfig
+from training.parallel.schedules import check_pipeline, stage_layers
+from training.parallel.strategy import Strategy
+from training.plan.memory.activations import (
+    LOSS_CHUNK,
+    adam_temporaries,
+    final_norm_bytes,
+    layer_activation_bytes,
+    rotary_bytes,
+    saved_loss_bytes,
+    temporaries,
+)
+from training.plan.memory.layout import BYTES, Layout, layout, ranks_to_check
+from training.plan.memory.states import Item, adam, bytes_by_category, fsdp_states
+
+# ---------------------------------------------------------------------------------------------- pipeline stages
+
+# The schedules whose activations the planner models. The interleaved and zero-bubble ones hold several stages per
+# rank and order their micro batches differently (their split backwards too): not modelled.
+PIPELINE_SCHEDULES = ("GPipe", "1F1B")
+
+
+def in_flight(schedule: str, pp: int, micro_batches: int, stage: int) -> int:
+    """Micro batches whose activations stage `stage` of `pp` holds at once, at most: GPipe runs every forward before
+    any backward (M); under 1F1B stage s runs P - s forwards before its first backward, then one forward per
+    backward (min(M, P - s)). Measured with torch's schedules: tests/training/test_bubble.py."""
+    if schedule == "GPipe":
+        return micro_batches
+    if schedule == "1F1B":
+        return min(micro_batches, pp - stage)
+    raise ValueError(f"the planner models {' and '.join(PIPELINE_SCHEDULES)}'s activations, not {schedule}'s")
+
+
+def stage_layout(lay: Layout, num_stages: int, stage: int) -> Layout:
+    """The parameters stage `stage` keeps (training/parallel/pipeline.keep_stages): its decoder layers, the embedding on
+    the
+    first stage, the final norm and the head on the last, where a tied head is a second copy of the embedding."""
+    config = lay.config
+    layers = tuple(f"model.layers.{i}." for i in stage_layers(config.num_hidden_layers, num_stages, stage))
+    first, last = stage == 0, stage == num_stages - 1
+
+    def kept(name: str) -> bool:
+        if name == "model.embed_tokens.weight":
+            return first or (last and config.tie_word_embeddings)
+        if name in ("model.norm.weight", "lm_head.weight"):
+            return last
+        return name.startswith(layers)
+
+    keep = [i for i, name in enumerate(lay.names) if kept(name)]
+    new = {old: j for j, old in enumerate(keep)}
+    by_module: dict[str, int] = {}
+    for i in keep:
+        module = lay.names[i].rpartition(".")[0]
+        by_module[module] = by_module.get(module, 0) + lay.numels[i]
+    groups = [[new[i] for i in group if i in new] for group in lay.groups]
+    return Layout(
+        config, [lay.names[i] for i in keep], [lay.numels[i] for i in keep], [lay.rows[i] for i in keep],
+        [g for g in groups if g], [new[i] for i in lay.root if i in new], lay.layer_numel, max(by_module.values()),
+    )  # fmt: skip
+
+
+def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool, schedule: str,
+               pp: int, micro_batches: int, stage: int, hidden: int = 4) -> tuple[int, int]:  # fmt: skip
+    """What stage `stage` holds for its backward at its peak: (activations, the chunked loss's saved gradients).
+
+    Per micro batch in flight (`in_flight`): its layers' saved tensors (`layer_activation_bytes` per layer and
+    token; with activation checkpointing the layer's input), the rotary cos and sin the stage computed for it, and
+    on the last stage the final norm's and the loss's saved tensors, on the others the output torch's PipelineStage
+    keeps until the micro batch's backward (h per token in the hidden states' dtype, `hidden` bytes). Once: the
+    first stage's token ids, 8 bytes per token of the whole step (the schedule's micro batches are views of the
+    step's ids, whose storage any of them keeps), and with checkpointing the one layer being recomputed.
+    Measured to the byte on the model's own stages (tests/training/test_bubble.py), fp32."""
+    c = config
+    tokens = micro_batch * seq_len
+    first, last = stage == 0, stage == pp - 1
+    layer = layer_activation_bytes(c, e)
+    per_layer = e * c.hidden_size if checkpointing else layer
+    per_micro = len(stage_layers(c.num_hidden_layers, pp, stage)) * per_layer * tokens + rotary_bytes(c, seq_len, e)
+    per_micro += (final_norm_bytes(c, e) if last else hidden * c.hidden_size) * tokens
+    n = in_flight(schedule, pp, micro_batches, stage)
+    once = (8 * tokens * micro_batches if first else 0) + (layer * tokens if checkpointing else 0)
+    return n * per_micro + once, n * saved_loss_bytes(c, micro_batch, seq_len, e) if last else 0
+
+
+def models_pipeline(strategy: Strategy) -> bool:
+    """Whether `pipeline_stages` plans `strategy`: one stage per rank under GPipe or 1F1B, each stage one process,
+    DDP or FSDP2 (full shard or shard-grad-op), as training/parallel/pipeline.py runs them."""
+    if strategy.family == "fsdp" and (strategy.fsdp_version != 2 or strategy.offloads or strategy.replicas > 1):
+        return False
+    return (strategy.family in ("single", "ddp", "fsdp") and strategy.tp_size == 1
+            and strategy.pp_stages_per_rank == 1 and strategy.pp_schedule in PIPELINE_SCHEDULES)  # fmt: skip
+
+
+def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, micro_batch: int, seq_len: int,
+                    micro_batches: int, checkpointing: bool = False, decay_embeddings: bool = False,
+                    cpu_ranks: bool = False) -> list[dict]:  # fmt: skip
+    """Bytes one rank of each pipeline stage needs, by category as `predict`'s, for a pipeline of
+    `strategy.pp_size` stages, one per rank, under GPipe or 1F1B (`strategy.pp_schedule`), `micro_batches` a step.
+
+    Model states as training/parallel/pipeline.py keeps them: a stage's parameters whole on each of its ranks, with one
+    all-reduce of a flat copy of its gradients where pipelines run side by side (ddp-pp: no DDP reducer, so no
+    buckets), or FSDP2-sharded over the stage's data-parallel ranks (fsdp-pp: FSDP's shards, units and prefetch,
+    the stage's embedding, norm and head its root unit). Activations: `stage_held`. Besides, torch's PipelineStage
+    allocates at its first step one receive buffer per micro batch for the activations (every stage but the
+    first) and one for their gradients (every stage but the last), micro x T x h each (`_prepare_forward_infra`,
+    torch 2.13; from its source, not measured); the in-flight micro batches' saved layer inputs are those buffers
+    in fp32, counted twice here (4h of a layer's tens of h per token).
+    """
+    pp, schedule = strategy.pp_size, strategy.pp_schedule
+    sharded = strategy.family == "fsdp"
+    if not models_pipeline(strategy):
+        raise ValueError(
+            f"the planner does not model {strategy.name} ({schedule}): it plans pipelines of one stage per rank "
+            f"under {' or '.join(PIPELINE_SCHEDULES)}, each stage one process, DDP or FSDP2 (single-pp, ddp-pp, "
+            "fsdp-pp, fsdp-shard-grad-op-pp)"
+        )
+    if precision not in BYTES or micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"precision {precision!r} (one of {', '.join(BYTES)}), micro_batch and seq_len at least 1")
+    check_pipeline(schedule, pp, 1, micro_batches, config.num_hidden_layers)
+    e = BYTES[precision]
+    hidden = e if sharded else 4  # FSDP2's bf16 parameters compute in bf16; autocast keeps the residual stream fp32
+    whole = layout(config, decay_embeddings)
+    tokens, v, h = micro_batch * seq_len, config.vocab_size, config.hidden_size
+    stages = []
+    for stage in range(pp):
+        lay = stage_layout(whole, pp, stage)
+        states, temps = stage_states(lay, strategy, precision, cpu_ranks)
+        boundaries = (stage > 0) + (stage < pp - 1)
+        temps.append(Item("buffers", "pipeline_receive_buffers", boundaries * micro_batches * tokens * h * hidden))
+        activations, loss = stage_held(config, micro_batch, seq_len, e, checkpointing, schedule, pp, micro_batches,
+                                       stage, hidden)  # fmt: skip
+        chunk = min(LOSS_CHUNK, tokens)
+        gpu = bytes_by_category(states)
+        row = {
+            "params": gpu["params"],
+            "grads": gpu["grads"],
+            "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
+            "activations": activations,
+            "logits": loss + ((4 + e) * chunk * v + e * v * h if stage == pp - 1 else 0),
+            "temporary": sum(it.nbytes for it in temps),
+            "held_for_backward": activations + loss,
+        }
+        row["model_states"] = row["params"] + row["grads"] + row["optimizer_states"]
+        row["total"] = row["model_states"] + row["activations"] + row["logits"] + row["temporary"]
+        # Every rank builds the whole model from the seed before it keeps its stage (training/parallel/pipeline.py).
+        row.update(host_ram=0, host_ram_at_start=4 * whole.psi, nvme=0)
+        row["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
+        row["inputs"] = dict(
+            strategy=strategy.name, world_size=strategy.world_size, precision=precision, micro_batch=micro_batch,
+            seq_len=seq_len, activation_checkpointing=checkpointing, psi=whole.psi, tensor_parallel_size=1,
+            pipeline_schedule=schedule, micro_batches=micro_batches, stage=stage, stage_psi=lay.psi,
+            layers=list(stage_layers(config.num_hidden_layers, pp, stage)),
+            micro_batches_in_flight=in_flight(schedule, pp, micro_batches, stage),
+        )  # fmt: skip
+        stages.append(row)
+    return stages
+
+
+def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: bool) -> tuple[list[Item], list[Item]]:
+    """One rank's model states of the stage `lay` holds, and its temporaries: FSDP2's over the stage's
+    data-parallel ranks, or the stage whole (fp32 weights, gradients and AdamW; autocast's weight copies in bf16; the
+    flat copy of the gradients that their all-reduce over the data-parallel ranks averages). On CPU ranks, unfused
+    AdamW's two fp32 temporaries of the largest tensor it steps."""
+    dp, e = strategy.data_parallel_size, BYTES[precision]
+    if strategy.family == "fsdp":
+        states = max((fsdp_states(lay, dp, r, offload=False) for r in ranks_to_check(strategy, dp)),
+                     key=lambda items: sum(it.nbytes for it in items))  # fmt: skip
+        temps = temporaries(lay, strategy, dp, precision, None)
+        if cpu_ranks:
+            temps.append(adam_temporaries(lay, strategy, dp, None, e))
+        return states, temps
+    states = [Item("params", "weights", 4 * lay.psi), Item("grads", "param.grad", 4 * lay.psi)]
+    adam(states, lay.psi, len(lay.numels), "gpu")
+    temps = [Item("buffers", "autocast_weight_copies", e * lay.psi if precision != "fp32" else 0),
+             Item("buffers", "gradient_all_reduce", 4 * lay.psi if dp > 1 else 0),
+             Item("buffers", "adam_temporaries", 8 * max(lay.numels) if cpu_ranks else 0)]  # fmt: skip
+    return states, temps
