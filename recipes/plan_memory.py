@@ -54,6 +54,7 @@ from training.flops import PEAK_FLOPS
 from training.parallel.deepspeed_config import load_json
 from training.parallel.strategy import Strategy
 from training.plan.hardware import GPU_KINDS, cluster
+from training.plan.layouts import llama_config, plan
 from training.plan.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
 from training.plan.memory.layout import BYTES, STRATEGIES, GiB, layout
 from training.plan.memory.planner import predict
@@ -68,7 +69,7 @@ from training.plan.published import (
     compare,
     compare_mfu,
 )
-from training.plan.step_time import ATTN_IMPLEMENTATIONS, DP_STRATEGIES, llama_config, plan
+from training.plan.step_time import ATTN_IMPLEMENTATIONS, DP_STRATEGIES
 from training.report.console import configure_console
 
 OVERRIDES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",

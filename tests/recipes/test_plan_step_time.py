@@ -9,7 +9,7 @@ import pytest
 from model import ShardGPTConfig
 from recipes import plan_memory
 from training.plan.hardware import cluster
-from training.plan.step_time import plan
+from training.plan.layouts import plan
 
 BASE = ["--step_time", "--preset", "llama-1b", "--num_gpus", "16", "--global_batch", "64", "--seq_len", "1024"]
 

@@ -8,6 +8,7 @@ import pytest
 
 from model import ShardGPTConfig
 from training.flops import flops_per_token
+from training.plan import layouts as lay
 from training.plan import step_time as st
 from training.plan.communication import ModelShape
 from training.plan.hardware import GPU_KINDS, cluster
@@ -139,8 +140,8 @@ def test_uneven_stages_pace_the_pipeline_by_the_largest_and_only_megatrons_layou
                                  Layout("ddp", 2, pp=4, micro_batches=8), SEQ) for n in (16, 15))  # fmt: skip
     assert uneven["compute_seconds"] == pytest.approx(even["compute_seconds"])  # ceil(15 / 4) = 16 / 4
     with pytest.raises(ValueError, match="on stages of equal layers.*--any_layout"):
-        st.layouts(config, gpus, 64, SEQ, dict(pp=4))
-    every = st.layouts(config, gpus, 64, SEQ, dict(pp=4), any_layout=True)
+        lay.layouts(config, gpus, 64, SEQ, dict(pp=4))
+    every = lay.layouts(config, gpus, 64, SEQ, dict(pp=4), any_layout=True)
     assert every and not any(lay.runs_here for lay in every)
 
 
@@ -232,7 +233,7 @@ def test_offload_moves_the_partition_over_pcie():
 
 def test_the_plan_ranks_layouts_that_fit_fastest_first():
     gpus = cluster("h100", 16)
-    result = st.plan(CONFIG, gpus, 256, SEQ)
+    result = lay.plan(CONFIG, gpus, 256, SEQ)
     rows = result["layouts"]
     assert rows and result["rejected_for_memory"] > 0
     speeds = [r["tokens_per_second"] for r in rows]
@@ -260,13 +261,13 @@ def refused_by_train_py(lay: Layout) -> str | None:
 
 def test_the_default_enumeration_holds_only_layouts_train_py_runs_and_any_layout_adds_megatrons():
     gpus = cluster("h100", 64)
-    here = st.layouts(CONFIG, gpus, 512, SEQ)
+    here = lay.layouts(CONFIG, gpus, 512, SEQ)
     assert here and all(lay.runs_here and refused_by_train_py(lay) is None for lay in here)
     # Each axis the script runs is still there: AutoTP, DDP's and FSDP2's pipelines, Ulysses under ZeRO.
     assert {lay.strategy for lay in here if lay.tp > 1} == {"zero1"}
     assert {lay.strategy for lay in here if lay.pp > 1} == {"ddp", "fsdp"}
     assert {lay.strategy for lay in here if lay.sp > 1} == set(st.DEEPSPEED)
-    every = st.layouts(CONFIG, gpus, 512, SEQ, any_layout=True)
+    every = lay.layouts(CONFIG, gpus, 512, SEQ, any_layout=True)
     assert set(here) < set(every) and {lay for lay in every if lay.runs_here} == set(here)
     megatron = [lay for lay in every if not lay.runs_here]
     assert all(refused_by_train_py(lay) for lay in megatron)
@@ -274,18 +275,18 @@ def test_the_default_enumeration_holds_only_layouts_train_py_runs_and_any_layout
     assert {("ddp", True, False), ("ddp", True, True), ("zero1", False, True), ("zero1", True, True)} <= kinds
     # Pinned to a layout only Megatron-LM runs: refused in one line that names the flag, unless asked for.
     with pytest.raises(ValueError, match=r"tp 2, strategy ddp runs in recipes/train.py .* --any_layout"):
-        st.layouts(CONFIG, gpus, 512, SEQ, dict(tp=2, strategy="ddp"))
-    assert st.layouts(CONFIG, gpus, 512, SEQ, dict(tp=2, strategy="ddp"), any_layout=True)
+        lay.layouts(CONFIG, gpus, 512, SEQ, dict(tp=2, strategy="ddp"))
+    assert lay.layouts(CONFIG, gpus, 512, SEQ, dict(tp=2, strategy="ddp"), any_layout=True)
 
 
 def test_bad_degrees_and_batches_are_refused_in_one_line():
     gpus = cluster("h100", 8)
     with pytest.raises(ValueError, match=r"tp 4 x pp 4 = 16 do not divide the 8 GPUs"):
-        st.layouts(CONFIG, gpus, 64, SEQ, dict(tp=4, pp=4))
+        lay.layouts(CONFIG, gpus, 64, SEQ, dict(tp=4, pp=4))
     with pytest.raises(ValueError, match=r"= 4 do not multiply to the 8 GPUs"):
-        st.layouts(CONFIG, gpus, 64, SEQ, dict(tp=2, pp=1, sp=1, dp=2))
+        lay.layouts(CONFIG, gpus, 64, SEQ, dict(tp=2, pp=1, sp=1, dp=2))
     with pytest.raises(ValueError, match=r"global batch 12 sequences does not divide"):
-        st.layouts(CONFIG, gpus, 12, SEQ, dict(dp=8))
+        lay.layouts(CONFIG, gpus, 12, SEQ, dict(dp=8))
     with pytest.raises(ValueError, match=r"unknown GPU kind 'b200': known kinds are h100, h200, a100-80gb"):
         cluster("b200", 8)
 
@@ -310,9 +311,9 @@ def test_the_published_runs_are_megatrons_layouts_predicted_as_before():
     # --any_layout enumerates such a run's layout (39.1B: DDP, tp 8 x pp 2 on 512 A100s); the default does not.
     run = MEGATRON_TABLE_1[4]
     a100s, pinned = cluster("a100-80gb", run.gpus), dict(tp=run.tp, pp=run.pp)
-    assert run_layout(run) in st.layouts(gpt_config(run), a100s, run.batch, SEQ, pinned, any_layout=True)
+    assert run_layout(run) in lay.layouts(gpt_config(run), a100s, run.batch, SEQ, pinned, any_layout=True)
     with pytest.raises(ValueError, match="--any_layout"):
-        st.layouts(gpt_config(run), a100s, run.batch, SEQ, pinned)
+        lay.layouts(gpt_config(run), a100s, run.batch, SEQ, pinned)
     for key, tflops in (("1.7Bddp dp32 micro 16 x1 ckpt", 142), ("76.1Bddp dp32 tp8 pp4 1F1B micro 1 x56 ckpt", 137),
                         ("175Bzero3 dp768 micro 2 x1 ckpt", 214)):  # fmt: skip
         assert round(rows[key]["predicted_tflops"]) == tflops
@@ -345,6 +346,6 @@ def test_llama_3_config_files_have_the_published_sizes():
     from training.paths import ROOT
 
     for name, billions in (("llama-3-8b", 8.03), ("llama-3-70b", 70.55), ("llama-3.1-405b", 405.85)):
-        config = st.llama_config(str(ROOT / "model" / "configs" / f"{name}.json"))
+        config = lay.llama_config(str(ROOT / "model" / "configs" / f"{name}.json"))
         assert ModelShape.of(config).parameters / 1e9 == pytest.approx(billions, abs=0.01)
     assert math.isclose(GPU_KINDS["a100-40gb"].peak_flops, 312e12)

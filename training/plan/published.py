@@ -37,7 +37,8 @@ import torch
 
 from model import ShardGPTConfig
 from training.plan.hardware import cluster
-from training.plan.step_time import ACTIVATION_BYTES, VOCAB_ACCESSES, Layout, model_flops_per_token, predict_step
+from training.plan.ring import ACTIVATION_BYTES
+from training.plan.step_time import VOCAB_ACCESSES, Layout, model_flops_per_token, predict_step
 
 SEQ_LEN, VOCAB = 2048, 51200
 ATTENTION_DROPOUT = 0.1  # Megatron-LM's default --attention-dropout, on scores written out (no FlashAttention then)

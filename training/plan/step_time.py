@@ -46,7 +46,6 @@ than the links' bandwidth, zero-bubble schedules, the CPU's Adam step under offl
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, replace
 
@@ -55,10 +54,16 @@ from training.flops import flops_per_token
 from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape, expected_payloads, ulysses_payloads
 from training.plan.hardware import Cluster
-from training.plan.memory.activations import activation_bytes, layer_activation_bytes, logits_bytes
-from training.plan.memory.layout import repo_json
-from training.plan.memory.planner import predict, zero_paper
-from training.plan.memory.stages import PIPELINE_SCHEDULES, in_flight
+from training.plan.memory.stages import PIPELINE_SCHEDULES
+from training.plan.ring import (
+    ACTIVATION_BYTES,
+    all_reduce_seconds,
+    bubble_fraction,
+    calls_per_step,
+    collective_seconds,
+    gather_seconds,
+    ring_latency,
+)
 
 # The data-parallel strategies a layout can use, by `Strategy.name`; those a pipeline or tensor parallelism combines
 # with anywhere (Megatron-LM's DDP, DeepSpeed's ZeRO-1 under its pipeline and AutoTP, FSDP2 under torch's pipeline).
@@ -78,7 +83,6 @@ MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro batch sizes tried, in sequences
 # Pipeline schedules tried, with the stages each rank holds: the memory planner's two, and interleaved 1F1B at 2
 # stages a rank (training/parallel/pipeline.py's default; more divide the bubble further and send more).
 SCHEDULES = tuple((s, 1) for s in PIPELINE_SCHEDULES) + (("Interleaved1F1B", 2),)
-ACTIVATION_BYTES = 2  # bf16 activations
 
 # Memory-bound work, counted in reads and writes of 2-byte elements per token over a forward and a backward, at the
 # GPU's HBM bandwidth (a forward is a third of them; activation checkpointing runs it twice):
@@ -102,19 +106,6 @@ REPLICATED_SHARE = 10 / 18
 SCORE_ACCESSES = {"forward": 4, "backward": 6}
 DROPOUT_ACCESSES = {"forward": 2.5, "backward": 2.5}
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-
-# Each collective call also pays NCCL's latency on its ring (src/graph/tuning.cc, Simple protocol, the figures
-# torch/_inductor/comm_analysis.py ports): a base per launch, and a hop per ring step, NVLink's inside a node and the
-# network's between nodes (n - 1 steps for an all-gather or a reduce-scatter, nodes - 1 of them between nodes; twice
-# both for an all-reduce). Calls per step: DDP's buckets (bucket_cap_mb 25), DeepSpeed's (the shipped JSONs' 5e8
-# element buckets), FSDP's units (a decoder layer each, and the root), ZeRO-3's modules (every linear layer's
-# parameters are fetched on their own: seven a decoder layer here).
-NCCL_BASE_LATENCY = 8.4e-6
-NCCL_NVLINK_HOP = 3.4e-6
-NCCL_NET_HOP = 14e-6
-DDP_BUCKET_BYTES = 25 * 2**20
-DEEPSPEED_BUCKET_ELEMENTS = 5e8
-LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
 
 # Which collectives hide behind which compute, per strategy. "backward": behind the backward of the micro batch it
 # belongs to (2/3 of its compute); "forward": behind its forward (1/3); None: exposed.
@@ -199,52 +190,6 @@ class Layout:
 
 
 # ---------------------------------------------------------------------------------------------- the ring
-
-
-def all_reduce_seconds(nbytes: float, n: int, bandwidth: float) -> float:
-    """Ring all-reduce of `nbytes` over `n` ranks: S/B x 2(n-1)/n."""
-    return nbytes / bandwidth * 2 * (n - 1) / n if n > 1 else 0.0
-
-
-def gather_seconds(nbytes: float, n: int, bandwidth: float) -> float:
-    """Ring reduce-scatter, all-gather or all-to-all of `nbytes` (the whole tensor) over `n` ranks: S/B x (n-1)/n."""
-    return nbytes / bandwidth * (n - 1) / n if n > 1 else 0.0
-
-
-def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
-    """A collective of `kind` (training/loop/comms.KINDS) on the ring."""
-    if kind == "all_reduce":
-        return all_reduce_seconds(nbytes, n, bandwidth)
-    return gather_seconds(nbytes, n, bandwidth)
-
-
-def ring_latency(kind: str, n: int, nodes: int) -> float:
-    """NCCL's latency for one call of `kind` on a ring of `n` ranks over `nodes` nodes (the module's constants)."""
-    if n < 2:
-        return 0.0
-    twice = 2 if kind == "all_reduce" else 1
-    steps, between = twice * (n - 1), twice * (nodes - 1)
-    return NCCL_BASE_LATENCY + (steps - between) * NCCL_NVLINK_HOP + between * NCCL_NET_HOP
-
-
-def calls_per_step(family: str, kind: str, nbytes: float, shape: ModelShape, layers: int) -> int:
-    """Calls of a data-parallel collective of `kind` carrying `nbytes` a step (one micro batch's, where it repeats)."""
-    if family == "ddp":
-        return math.ceil(nbytes / DDP_BUCKET_BYTES)
-    if family in ("fsdp", "zero3") and kind == "all_gather":
-        passes = max(1, round(nbytes / (ACTIVATION_BYTES * shape.parameters)))  # forward, backward re-gathers
-        return passes * layers * (LINEARS_PER_LAYER if family == "zero3" else 1) + 1  # and the root
-    if family == "fsdp":
-        return layers + 1
-    return math.ceil(shape.parameters / DEEPSPEED_BUCKET_ELEMENTS)
-
-
-def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """The share of a GPipe or 1F1B step its pipeline idles, (P - 1) / (M + P - 1); interleaving v stages on each
-    rank divides the idle time by v: (P - 1) / (v M + P - 1) (Narayanan et al. 2021, section 2.2.2)."""
-    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
-
-
 # ---------------------------------------------------------------------------------------------- one layout
 
 
@@ -434,212 +379,3 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         "mfu": model_flops * tokens / step / (cluster.num_gpus * cluster.peak_flops),
         "bubble_fraction": bubble_fraction(layout.pp, layout.micro_batches, layout.virtual_stages),
     }
-
-
-# ---------------------------------------------------------------------------------------------- memory
-
-
-class Memory:
-    """Bytes one GPU of a layout needs at its peak, the memory planner's (`training/plan/memory/planner.predict`) where
-    it models the layout (data parallelism with Ulysses, AutoTP under ZeRO-1, DDP's and FSDP2's pipelines); otherwise
-    its pieces composed: the ZeRO paper's model states of the rank's slice (`zero_paper`), the activations of the
-    micro batches a stage holds (`layer_activation_bytes`, `in_flight`) and the chunked loss's logits."""
-
-    def __init__(self, config: ShardGPTConfig, seq_len: int):
-        self.config, self.seq_len = config, seq_len
-        self.cache: dict[Layout, tuple[float, str]] = {}
-
-    def __call__(self, layout: Layout) -> tuple[float, str]:
-        """(bytes, "planner" or "composed")."""
-        if layout not in self.cache:
-            self.cache[layout] = self._predict(layout)
-        return self.cache[layout]
-
-    def _predict(self, layout: Layout) -> tuple[float, str]:
-        c, world = self.config, layout.world
-        strategy = Strategy.from_name(layout.strategy, world).with_degrees(sp=layout.sp)
-        ds = None
-        if layout.tp > 1 and layout.sharding == "zero1" and layout.pp == 1:
-            strategy, ds = strategy.with_degrees(tp=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
-            ds["tensor_parallel"]["autotp_size"] = layout.tp
-        planned = layout.tp == 1 and layout.pp == 1 or ds is not None
-        planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")
-        if layout.pp > 1:
-            strategy = replace(strategy.with_degrees(pp=layout.pp), pp_schedule=layout.memory_schedule)
-        if planned:
-            try:
-                row = predict(c, strategy, "bf16", layout.micro_batch, self.seq_len, layout.checkpointing,
-                              ds_config=ds, micro_batches=layout.micro_batches)  # fmt: skip
-                return float(row["total"]), "planner"
-            except ValueError:  # a pipeline torch's schedules refuse (1F1B with M < P, layers that do not split)
-                return math.inf, "planner"
-        shape = rank_shape(c, layout)
-        stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
-        states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
-        e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
-        layers = layout.stage_layers(c)
-        if layout.pp == 1:
-            activations = activation_bytes(c, layout.micro_batch, self.seq_len, e, layout.checkpointing, layout.tp)
-        else:
-            per_layer = e * c.hidden_size if layout.checkpointing else layer_activation_bytes(c, e, layout.tp)
-            held = in_flight(layout.memory_schedule, layout.pp, layout.micro_batches, 0)
-            activations = held * layers * per_layer * tokens
-            activations += layer_activation_bytes(c, e, layout.tp) * tokens if layout.checkpointing else 0
-        return states + activations + logits_bytes(c, layout.micro_batch, self.seq_len, e) / layout.tp, "composed"
-
-
-# ---------------------------------------------------------------------------------------------- enumeration
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def degree_options(config: ShardGPTConfig, num_gpus: int, gpus_per_node: int, seq_len: int,
-                   fixed: dict[str, int | None]) -> list[tuple[int, int, int, int]]:  # fmt: skip
-    """(tp, pp, sp, dp) with tp x pp x sp x dp = num_gpus: tp within a node and dividing the heads and key-value
-    heads, pp dividing the layers, sp dividing the heads and the sequence and a multiple or divisor of the key-value
-    heads (Ulysses, as training/parallel/sequence.py checks); `fixed` pins any of them."""
-    heads, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
-    out = []
-    for tp in divisors(num_gpus):
-        if tp > gpus_per_node or heads % tp or kv % tp:
-            continue
-        for pp in divisors(num_gpus // tp):
-            if pp > layers:  # stages of unequal layers too: Megatron-LM's and Llama 3's runs split them so
-                continue
-            for sp in divisors(num_gpus // (tp * pp)):
-                if sp > 1 and (
-                    tp > 1 or pp > 1 or heads % sp or kv % sp and sp % kv or seq_len % sp or sp > gpus_per_node
-                ):
-                    continue
-                dp = num_gpus // (tp * pp * sp)
-                degrees = dict(tp=tp, pp=pp, sp=sp, dp=dp)
-                if all(fixed.get(k) in (None, v) for k, v in degrees.items()):
-                    out.append((tp, pp, sp, dp))
-    return out
-
-
-def check_degrees(num_gpus: int, fixed: dict[str, int | None]) -> None:
-    """Refuse, in one line, explicit degrees that cannot make `num_gpus`."""
-    given = {k: v for k, v in fixed.items() if v is not None}
-    if any(v < 1 for v in given.values()):
-        raise ValueError(f"degrees must be at least 1: {given}")
-    product = math.prod(given.values())
-    spelled = " x ".join(f"{k} {v}" for k, v in given.items())
-    if len(given) == 4 and product != num_gpus or num_gpus % product:
-        raise ValueError(
-            f"degrees {spelled} = {product} do not {'multiply to' if len(given) == 4 else 'divide'} the {num_gpus} "
-            "GPUs: choose degrees whose product is the GPU count"
-        )
-
-
-def check_batch(global_batch: int, seq_len: int, options: list[tuple[int, int, int, int]], micro: int | None) -> None:
-    """Refuse, in one line, a global batch that no layout's data-parallel ranks (x the pinned micro batch) divide."""
-    if global_batch < 1 or seq_len < 1:
-        raise ValueError(f"global batch {global_batch} sequences of {seq_len} tokens: both must be at least 1")
-    shares = sorted({dp * (micro or 1) for *_, dp in options})
-    if not any(global_batch % share == 0 for share in shares):
-        per = " x micro batch" if micro else ""
-        raise ValueError(
-            f"global batch {global_batch} sequences does not divide over data-parallel ranks{per} "
-            f"({', '.join(map(str, shares))}): choose a multiple of one of them"
-        )
-
-
-def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int,
-            fixed: dict | None = None, any_layout: bool = False) -> list[Layout]:  # fmt: skip
-    """Every layout of the cluster for `global_batch` sequences a step (before the memory check) that recipes/train.py
-    runs (`Layout.runs_here`), or with `any_layout` Megatron-LM's too. `fixed`: any of tp, pp, sp, dp (degrees),
-    strategy, schedule, micro_batch, checkpointing pinned to a value."""
-    fixed = fixed or {}
-    degrees = {k: fixed.get(k) for k in ("tp", "pp", "sp", "dp")}
-    check_degrees(cluster.num_gpus, degrees)
-    options = degree_options(config, cluster.num_gpus, cluster.gpus_per_node, seq_len, degrees)
-    if not options:
-        raise ValueError(f"no layout of {cluster.num_gpus} GPUs has the degrees {degrees} for this model's "
-                         f"{config.num_attention_heads} heads and {config.num_hidden_layers} layers")  # fmt: skip
-    check_batch(global_batch, seq_len, options, fixed.get("micro_batch"))
-    out = []
-    for tp, pp, sp, dp in options:
-        if global_batch % dp:
-            continue
-        names = WITH_PIPELINE if pp > 1 else WITH_TENSOR_PARALLEL if tp > 1 else DP_STRATEGIES
-        if sp > 1:
-            names = [n for n in names if n in WITH_SEQUENCE_PARALLEL]
-        if tp > 1 and pp > 1:
-            names = [n for n in names if n in WITH_TENSOR_PARALLEL]
-        for name in names:
-            for schedule, v in SCHEDULES if pp > 1 else (("1F1B", 1),):
-                for micro in MICRO_BATCHES:
-                    if (global_batch // dp) % micro:
-                        continue
-                    m = global_batch // dp // micro
-                    even = config.num_hidden_layers % (pp * v) == 0
-                    if v > 1 and (m % pp or pp * v > config.num_hidden_layers):
-                        continue  # interleaving takes micro batches in rounds of P (torch's and Megatron-LM's)
-                    for checkpointing in (False, True):
-                        lay = Layout(name, dp, tp, pp, sp, schedule, micro, m, checkpointing, v)
-                        if even or not lay.runs_here:  # recipes/train.py splits the layers evenly
-                            out.append(lay)
-    pinned = {k: v for k, v in fixed.items()
-              if k in ("strategy", "schedule", "micro_batch", "checkpointing", "virtual_stages")}  # fmt: skip
-    out = [lay for lay in out if all(getattr(lay, k) == v for k, v in pinned.items() if v is not None)]
-    here = [lay for lay in out if lay.runs_here]
-    if out and not here and not any_layout:
-        pins = ", ".join(f"{k} {v}" for k, v in fixed.items() if v is not None)
-        raise ValueError(
-            f"no layout with {pins} runs in recipes/train.py (tensor parallelism only as ZeRO-1 AutoTP, a pipeline "
-            "only under DDP or FSDP2 on stages of equal layers, Ulysses only under ZeRO, none of them combined): pin "
-            "another, or pass --any_layout to predict Megatron-LM's layouts too"
-        )
-    return out if any_layout else here
-
-
-def plan(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int, fixed: dict | None = None,
-         any_layout: bool = False, attn_implementation: str = "sdpa") -> dict:  # fmt: skip
-    """Every layout recipes/train.py runs (with `any_layout`, Megatron-LM's too) that fits the cluster's GPU memory,
-    predicted and ranked by tokens/s (fastest first), each saying whether the script runs it (`runs_here`), with the
-    inputs; `rejected` counts those that do not fit."""
-    memory = Memory(config, seq_len)
-    rows, rejected = [], 0
-    smallest_too_large: dict[Layout, int] = {}  # memory grows with the micro batch: past one that does not fit, skip
-    for lay in layouts(config, cluster, global_batch, seq_len, fixed, any_layout):
-        key = replace(lay, micro_batch=0, micro_batches=0)
-        if lay.micro_batch > smallest_too_large.get(key, math.inf):
-            rejected += 1
-            continue
-        needed, source = memory(lay)
-        if needed > cluster.memory_bytes:
-            smallest_too_large[key] = min(lay.micro_batch, smallest_too_large.get(key, math.inf))
-            rejected += 1
-            continue
-        row = predict_step(config, cluster, lay, seq_len, attn_implementation)
-        row.update(memory_gb=needed / 1e9, memory_source=source, runs_here=lay.runs_here)
-        rows.append(row)
-    rows.sort(key=lambda r: (-r["tokens_per_second"], r["memory_gb"]))  # ties: the one that needs less memory
-    inputs = dict(cluster=dataclasses.asdict(cluster), global_batch=global_batch, seq_len=seq_len,
-                  any_layout=any_layout, attn_implementation=attn_implementation,
-                  parameters=ModelShape.of(config).parameters,
-                  model_flops_per_token=model_flops_per_token(config, seq_len))  # fmt: skip
-    return {"inputs": inputs, "layouts": rows, "rejected_for_memory": rejected}
-
-
-LLAMA_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
-)  # fmt: skip
-
-
-def llama_config(path: str, **overrides) -> ShardGPTConfig:
-    """A Llama config.json (transformers' LlamaConfig fields; model/configs/ holds Llama 3's) as this project's
-    model, any field replaced by `overrides`."""
-    with open(path) as f:
-        fields = {**json.load(f), **overrides}
-    missing = [k for k in LLAMA_FIELDS[:5] if k not in fields]
-    if missing:
-        raise ValueError(f"{path} is not a Llama config.json: it lacks {', '.join(missing)}")
-    heads = fields["num_attention_heads"]
-    if fields.get("head_dim", fields["hidden_size"] // heads) * heads != fields["hidden_size"]:
-        raise ValueError(f"{path}: head_dim x num_attention_heads must equal hidden_size in this project's model")
-    return ShardGPTConfig(**{k: fields[k] for k in LLAMA_FIELDS if k in fields})
