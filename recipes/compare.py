@@ -94,6 +94,7 @@ def single_node_configs() -> list[str]:
 
 def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
     from training.doctor.launch import read_launch_config
+    from training.parallel.axes import AXES, composes
 
     script = ROOT / "recipes" / "train.py"
     names = single_node_configs() if strategies == "all" else [s.strip() for s in strategies.split(",") if s.strip()]
@@ -120,6 +121,10 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
             elif launch.get("num_processes", 1) == 1 or launch.get("distributed_type") == "NO":
                 spec.nproc = 1  # one process: its micro batch is scaled up to keep the global batch
             spec.tp = tensor_parallel_size(launch) * sequence_parallel_size(launch)
+            held_by = launch_wrapper(launch) if spec.pp > 1 else None
+            if held_by is not None and not spec.error and not composes("pp", held_by):
+                spec.error = (f"{name}: {AXES['pp'].name} does not train under {held_by} (it trains under "
+                              f"{', '.join(AXES['pp'].trains_under)}): pick one of those configs")  # fmt: skip
         specs.append(spec)
     trainer_script = ROOT / "recipes" / "trainer.py"
     if trainer and trainer_script.is_file():
@@ -135,6 +140,25 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
                     )
                 )
     return specs
+
+
+def launch_wrapper(launch: dict) -> str:
+    """The data-parallel wrapper of an accelerate config (training/parallel/axes.py): fsdp, zeroN, or ddp."""
+    from training.parallel.axes import wrapper
+    from training.parallel.deepspeed_config import load_json, zero_stage
+
+    if launch.get("distributed_type") == "FSDP":
+        return "fsdp"
+    if launch.get("distributed_type") != "DEEPSPEED":
+        return "ddp"
+    ds = launch.get("deepspeed_config") or {}
+    ds_file = ds.get("deepspeed_config_file")
+    if not ds_file:
+        return wrapper("deepspeed", int(ds.get("zero_stage", 0)))
+    try:
+        return wrapper("deepspeed", zero_stage(load_json(ds_file if Path(ds_file).is_absolute() else ROOT / ds_file)))
+    except (OSError, ValueError):
+        return "deepspeed"  # the launch itself fails and reports why
 
 
 def tensor_parallel_size(launch: dict) -> int:

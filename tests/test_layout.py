@@ -80,11 +80,11 @@ def test_no_import_circles():
 
 # training/'s layers, lowest first: a module imports its own subpackage and lower layers, never a layer above it nor
 # another subpackage of its own layer. The configuration (layer 0) is the flags, the version floors and the plain
-# facts of the mesh and the pipeline schedules: it imports no runtime.
+# facts of the mesh, the axes table and the pipeline schedules: it imports no runtime.
 CONFIGURATION = {
     "training", "training.adamw", "training.arguments", "training.compat", "training.config", "training.faults",
-    "training.flops", "training.limits", "training.paths", "training.pretrained", "training.parallel.mesh",
-    "training.parallel.schedules",
+    "training.flops", "training.limits", "training.paths", "training.pretrained", "training.parallel.axes",
+    "training.parallel.mesh", "training.parallel.schedules",
 }  # fmt: skip
 LAYERS = {"training.parallel": 1, "training.plan": 2, "training.checkpoints": 2, "training.loop": 3,
           "training.report": 4, "training.compare": 5, "training.doctor": 5}  # fmt: skip

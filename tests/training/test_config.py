@@ -281,7 +281,7 @@ def test_sequence_parallel_refuses_key_value_heads_it_cannot_split():
 
     config = ShardGPTConfig.from_preset("debug", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
     with pytest.raises(ValueError, match="model's 3 key-value heads are neither a multiple nor a divisor of sp_size 2"):
-        check_sequence_parallel(RunConfig(output_dir="/nonexistent/shardgpt-test"), config, 2, 2, True)
+        check_sequence_parallel(RunConfig(output_dir="/nonexistent/shardgpt-test"), config, 2, 2, "zero3")
 
 
 def test_sequence_parallel_degrees_from_yaml_and_json(monkeypatch, tmp_path):

@@ -215,6 +215,7 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         report.add("strategy", FAIL, str(e))
         return
     report.resolved = {"strategy": f"{strategy.name} on {world} rank(s)", **report.resolved}
+    axes(report, strategy, cfg.pipeline_parallel_degree)
 
     # NVMe offload: this node's ranks swap their shards of the fp32 weights, master copies and Adam states.
     per_node = world // int(launch.get("num_machines", 1) or 1)
@@ -228,6 +229,24 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         args.nvme_need = need
     plan(report, config, strategy, per_node, cfg, ds)
     traffic(report, config, strategy, cfg, ds)
+
+
+def axes(report: Report, strategy: Strategy, pp: int) -> None:
+    """The model-parallel axes the launch asks for, against the axes table (training/parallel/axes.py): each under a
+    wrapper that trains it, and alone."""
+    from training.parallel.axes import AXES, composes, wrapper
+
+    held_by = wrapper(strategy.family, strategy.zero_stage)
+    degrees = {"pp": pp, "tp": strategy.tp_size, "sp": strategy.sp_size, "cp": strategy.cp_size}
+    asked = {axis: degree for axis, degree in degrees.items() if degree > 1}
+    if not asked:
+        return
+    wrong = [f"{AXES[a].name} does not train under {held_by} (it trains under {', '.join(AXES[a].trains_under)})"
+             for a in asked if not composes(a, held_by)]  # fmt: skip
+    if len(asked) > 1 and any(AXES[a].alone for a in asked):
+        wrong.append(f"{' with '.join(AXES[a].name for a in asked)}: each axis trains alone here")
+    seen = ", ".join(f"{AXES[a].name} {d} under {held_by}" for a, d in asked.items())
+    report.add("parallel axes", FAIL if wrong else OK, "; ".join(wrong) if wrong else seen)
 
 
 def global_batch_line(ds: dict, world: int) -> str:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from training.parallel.axes import AXES
 from training.parallel.mesh import Mesh
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def degree(key: str, value) -> int:
 
 def data_parallel_size(ds: dict, world_size: int, source: str) -> int:
     """Ranks that train on different data: the world divided by the tensor-parallel and sequence-parallel sizes."""
-    if autotp_size(ds) > 1 and sequence_parallel_size(ds) > 1:
+    if autotp_size(ds) > 1 and sequence_parallel_size(ds) > 1 and AXES["sp"].alone:
         raise ValueError(
             f"sequence parallelism (sp_size {sequence_parallel_size(ds)}) with DeepSpeed AutoTP (autotp_size "
             f"{autotp_size(ds)}) in {source}: DeepSpeed does not combine the two; remove tensor_parallel from the "

@@ -15,6 +15,7 @@ from accelerate.utils import (
 )
 
 from training.config import RunConfig
+from training.parallel.axes import composes, wrapper
 from training.parallel.deepspeed_config import (
     autotp_size,
     data_parallel_size,
@@ -70,11 +71,13 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             "accelerate config): launch with one of them"
         )
     check_parallelism_config_tp()
+    # The data-parallel wrapper, for the axes table's checks (training/parallel/axes.py).
+    held_by = wrapper("deepspeed", zero_stage(launched[0])) if launched else "fsdp" if use_fsdp else "ddp"
     sp = sequence_parallel_size(launched[0]) if launched else yaml_sequence_parallel_size()
-    check_sequence_parallel(cfg, cfg.model_config() if sp > 1 else None, sp, world, launched is not None)
+    check_sequence_parallel(cfg, cfg.model_config() if sp > 1 else None, sp, world, held_by)
     cp = yaml_context_parallel_size()
     fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
-    check_context_parallel(cfg, cp, fsdp_version(fsdp_env) if use_fsdp else 0, torch.cuda.is_available())
+    check_context_parallel(cfg, cp, held_by, fsdp_version(fsdp_env) if use_fsdp else 0, torch.cuda.is_available())
     if launched is not None:
         raw, source = launched
         check_pipeline_with_deepspeed(cfg, raw, source)
@@ -114,7 +117,7 @@ def check_pipeline_with_deepspeed(cfg: RunConfig, raw: dict, source: str) -> Non
     """Pipeline parallelism runs with one process's optimizer, DDP or FSDP2 across the pipelines; a DeepSpeed engine
     wraps the whole model and steps it itself (DeepSpeed's own pipeline engine needs the model rewritten as its
     `PipelineModule`, and allows ZeRO-0/1 only)."""
-    if cfg.pipeline_parallel_degree == 1:
+    if cfg.pipeline_parallel_degree == 1 or composes("pp", wrapper("deepspeed", zero_stage(raw))):
         return
     what = f"ZeRO-{zero_stage(raw)}" + (" with AutoTP" if autotp_size(raw) > 1 else "")
     raise ValueError(

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from training.parallel.axes import AXES, composes
 from training.parallel.mesh import Mesh, block_degree, parallelism_block
 
 if TYPE_CHECKING:
@@ -65,19 +66,20 @@ def launched_sequence_parallel_size(ds: dict, source: str, from_yaml: int) -> in
 
 
 def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: int, world: int,
-                            deepspeed: bool) -> None:  # fmt: skip
+                            held_by: str) -> None:  # fmt: skip
     """Refuse, before any process group, a sequence-parallel launch that could not train as asked. Each message
-    names the setting, its value and the fix."""
+    names the setting, its value and the fix. `held_by`: the launch's data-parallel wrapper
+    (training/parallel/axes.py)."""
     block = parallelism_block() or {}
     cp = int(block.get("cp_size", "1") or 1)
-    if cp > 1 and sp > 1:
+    if cp > 1 and sp > 1 and AXES["sp"].alone:
         raise ValueError(
             f"the accelerate config's parallelism_config sets both sp_size: {sp} and cp_size: {cp}: sequence "
             "parallelism (Ulysses) and context parallelism (ring attention) split the same sequence; keep one"
         )
     if sp == 1:
         return
-    if not deepspeed:
+    if not composes("sp", held_by):
         raise ValueError(
             f"sequence parallelism (sp_size {sp}) needs DeepSpeed, whose engine reduces the gradients over the "
             "sequence-parallel ranks (accelerate's sp_backend: deepspeed): launch with a ZeRO config "
@@ -87,7 +89,7 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
     backend = block.get("sp_backend", "deepspeed")
     if backend != "deepspeed":
         raise ValueError(f"parallelism_config_sp_backend: {backend}; the only backend is deepspeed: set it so")
-    if cfg.pipeline_parallel_degree > 1:
+    if cfg.pipeline_parallel_degree > 1 and AXES["sp"].alone:
         raise ValueError(
             f"sequence parallelism (sp_size {sp}) with --pipeline_parallel_degree {cfg.pipeline_parallel_degree}: "
             "a pipeline does not run under DeepSpeed here; choose one of them"
@@ -129,7 +131,7 @@ def yaml_context_parallel_size() -> int:
     return block_degree("cp_size")
 
 
-def check_context_parallel(cfg: RunConfig, cp: int, fsdp_version: int, cuda: bool) -> None:
+def check_context_parallel(cfg: RunConfig, cp: int, held_by: str, fsdp_version: int, cuda: bool) -> None:
     """Torch's ring context parallelism, passed through to accelerate where it can run: FSDP2 on CUDA GPUs, whose
     flash or memory-efficient attention kernels its ring attention needs (accelerate shards the batch's positions in
     `maybe_context_parallel`, load-balanced: 2 x cp chunks of each sequence). Unproven here: this project has no
@@ -143,12 +145,12 @@ def check_context_parallel(cfg: RunConfig, cp: int, fsdp_version: int, cuda: boo
             "here use Ulysses: parallelism_config_sp_size with a DeepSpeed config (docs/strategies.md), or remove "
             "parallelism_config_cp_size"
         )
-    if fsdp_version != 2:
+    if not composes("cp", held_by) or fsdp_version != 2:
         raise ValueError(
             f"parallelism_config_cp_size: {cp} needs FSDP2 (accelerate shards over its dp_shard x cp mesh): launch "
             "with an FSDP config with fsdp_version: 2, or use parallelism_config_sp_size with a DeepSpeed config"
         )
-    if cfg.pipeline_parallel_degree > 1:
+    if cfg.pipeline_parallel_degree > 1 and AXES["cp"].alone:
         raise ValueError(
             f"parallelism_config_cp_size: {cp} with --pipeline_parallel_degree {cfg.pipeline_parallel_degree}: the "
             "pipeline's stages run outside accelerate's context-parallel preparation; choose one of them"

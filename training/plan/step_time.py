@@ -51,6 +51,8 @@ from dataclasses import dataclass, replace
 
 from model import ShardGPTConfig
 from training.flops import flops_per_token
+from training.parallel.axes import AXES, composes, wrapper
+from training.parallel.axes import DEEPSPEED as DEEPSPEED_WRAPPERS
 from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape, expected_payloads, ulysses_payloads
 from training.plan.hardware import Cluster
@@ -65,20 +67,18 @@ from training.plan.ring import (
     ring_latency,
 )
 
-# The data-parallel strategies a layout can use, by `Strategy.name`; those a pipeline or tensor parallelism combines
-# with anywhere (Megatron-LM's DDP, DeepSpeed's ZeRO-1 under its pipeline and AutoTP, FSDP2 under torch's pipeline).
+# The data-parallel strategies a layout can use, by `Strategy.name`, and each one's wrapper (training/parallel/axes.py).
 DP_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero2-offload-cpu", "zero3-offload-cpu")
-WITH_PIPELINE = ("ddp", "fsdp", "zero1")
-WITH_TENSOR_PARALLEL = ("ddp", "zero1")
-DEEPSPEED = ("zero1", "zero2", "zero3", "zero2-offload-cpu", "zero3-offload-cpu")
-WITH_SEQUENCE_PARALLEL = DEEPSPEED  # Ulysses runs under DeepSpeed (training/parallel/sequence.py)
-# Of those, what recipes/train.py runs (training/parallel/strategy.py's checks refuse the rest): a pipeline under one
-# process's optimizer, DDP or FSDP2, never a DeepSpeed engine (`check_pipeline_with_deepspeed`); tensor parallelism
-# as DeepSpeed AutoTP under ZeRO-1 only, with no pipeline (accelerate's FSDP2 x TP: `check_parallelism_config_tp`);
-# Ulysses under DeepSpeed only, without AutoTP (`deepspeed_config.sequence_parallel_size`) or a pipeline
-# (`check_sequence_parallel`).
-PIPELINE_HERE = ("ddp", "fsdp")
-TENSOR_PARALLEL_HERE = ("zero1",)
+WRAPPER = {name: wrapper(s.family, s.zero_stage) for name in DP_STRATEGIES for s in [Strategy.from_name(name)]}
+DEEPSPEED = tuple(n for n in DP_STRATEGIES if WRAPPER[n] in DEEPSPEED_WRAPPERS)
+# The axes table's compositions: what recipes/train.py runs, and what published runs used beside it (Megatron-LM's
+# DDP, DeepSpeed's ZeRO-1 under its pipeline), which `any_layout` adds. Of the DeepSpeed stages AutoTP trains under, the
+# planners model ZeRO-1 (the memory planner's `zero1-autotp`). Each axis runs alone here (`Axis.alone`).
+PIPELINE_HERE = tuple(n for n in DP_STRATEGIES if composes("pp", WRAPPER[n]))
+WITH_PIPELINE = tuple(n for n in DP_STRATEGIES if n in PIPELINE_HERE or n in AXES["pp"].published_under)
+TENSOR_PARALLEL_HERE = tuple(n for n in ("zero1",) if composes("tp", WRAPPER[n]))
+WITH_TENSOR_PARALLEL = tuple(n for n in DP_STRATEGIES if n in TENSOR_PARALLEL_HERE or n in AXES["tp"].published_under)
+WITH_SEQUENCE_PARALLEL = tuple(n for n in DP_STRATEGIES if composes("sp", WRAPPER[n]))
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro batch sizes tried, in sequences
 # Pipeline schedules tried, with the stages each rank holds: the memory planner's two, and interleaved 1F1B at 2
 # stages a rank (training/parallel/pipeline.py's default; more divide the bubble further and send more).

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
+from training.parallel.axes import composes, wrapper
 from training.parallel.strategy import Strategy
 
 GiB = 2**30
@@ -142,10 +143,11 @@ def cheapest_fix(config, launch: Launch, have: Capacity) -> str:
         micro //= 2
     world, now = launch.world_size, launch.strategy
     zero3 = Strategy.of("deepspeed", world, zero_stage=3)
-    if world > 1 and now != zero3 and now.pp_size == 1:  # ZeRO does not run under a pipeline
+    under_pipeline = now.pp_size > 1 and not composes("pp", wrapper("deepspeed", 3))  # ZeRO under no pipeline here
+    if world > 1 and now != zero3 and not under_pipeline:
         candidates.append(("launch with accelerate_configs/zero3.yaml (ZeRO-3 shards every state)",
                            replace(launch, strategy=zero3, ds_config=None)))  # fmt: skip
-    if on_gpu and not now.offloads and world > 1 and now.pp_size == 1:
+    if on_gpu and not now.offloads and world > 1 and not under_pipeline:
         offloaded = replace(zero3, offload_param="cpu", offload_optimizer="cpu")
         candidates.append(("launch with accelerate_configs/zero3_offload_cpu.yaml (states in host RAM)",
                            replace(launch, strategy=offloaded, ds_config=None)))  # fmt: skip

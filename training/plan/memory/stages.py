@@ -5,6 +5,7 @@ it, and the model states and activations of each pipeline rank under DDP or FSDP
 from __future__ import annotations
 
 from model import ShardGPTConfig
+from training.parallel.axes import composes, wrapper
 from training.parallel.schedules import check_pipeline, stage_layers
 from training.parallel.strategy import Strategy
 from training.plan.memory.activations import (
@@ -93,7 +94,7 @@ def models_pipeline(strategy: Strategy) -> bool:
     DDP or FSDP2 (full shard or shard-grad-op), as training/parallel/pipeline.py runs them."""
     if strategy.family == "fsdp" and (strategy.fsdp_version != 2 or strategy.offloads or strategy.replicas > 1):
         return False
-    return (strategy.family in ("single", "ddp", "fsdp") and strategy.tp_size == 1
+    return (composes("pp", wrapper(strategy.family, strategy.zero_stage)) and strategy.tp_size == 1
             and strategy.pp_stages_per_rank == 1 and strategy.pp_schedule in PIPELINE_SCHEDULES)  # fmt: skip
 
 

@@ -1,0 +1,104 @@
+"""The axes table (training/parallel/axes.py) is what its readers act on: the launch checks refuse an axis under a
+wrapper the table does not list and let the listed ones through, and the planners, recipes/compare.py and the doctor
+say what it says."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from training.config import RunConfig
+from training.parallel.axes import AXES, DEEPSPEED, WRAPPERS, composes, wrapper
+from training.paths import ROOT
+
+CFG = {"output_dir": "/nonexistent/shardgpt-test"}
+
+
+@pytest.mark.parametrize("held_by", DEEPSPEED)
+def test_a_pipeline_under_a_deepspeed_engine_is_refused_as_the_table_says(held_by):
+    from training.parallel.launch import check_pipeline_with_deepspeed
+
+    raw = {"zero_optimization": {"stage": int(held_by[4])}}
+    cfg = RunConfig(**CFG, pipeline_parallel_degree=2)
+    assert not composes("pp", held_by)
+    with pytest.raises(ValueError, match=r"--pipeline_parallel_degree 2 with the DeepSpeed config"):
+        check_pipeline_with_deepspeed(cfg, raw, "ds.json")
+
+
+@pytest.mark.parametrize("held_by", WRAPPERS)
+def test_sequence_parallelism_trains_under_the_wrappers_the_table_lists(held_by):
+    from model import ShardGPTConfig
+    from training.parallel.sequence import check_sequence_parallel
+
+    config = ShardGPTConfig.from_preset("debug")
+    cfg = RunConfig(**CFG)
+    if composes("sp", held_by):
+        check_sequence_parallel(cfg, config, 2, 2, held_by)  # no refusal
+    else:
+        with pytest.raises(ValueError, match=r"sequence parallelism \(sp_size 2\) needs DeepSpeed"):
+            check_sequence_parallel(cfg, config, 2, 2, held_by)
+
+
+@pytest.mark.parametrize("held_by", WRAPPERS)
+def test_context_parallelism_trains_under_the_wrappers_the_table_lists(held_by):
+    from training.parallel.sequence import check_context_parallel
+
+    cfg = RunConfig(**CFG, block_size=64)
+    if composes("cp", held_by):
+        check_context_parallel(cfg, 2, held_by, 2, cuda=True)  # no refusal (the CUDA check passed as on a GPU)
+    else:
+        with pytest.raises(ValueError, match=r"parallelism_config_cp_size: 2 needs FSDP2"):
+            check_context_parallel(cfg, 2, held_by, 2, cuda=True)
+
+
+def test_the_planners_model_what_the_table_trains():
+    from training.parallel.strategy import Strategy
+    from training.plan import step_time as st
+    from training.plan.memory.stages import models_pipeline
+
+    for family, extra in (("ddp", {}), ("fsdp", {"fsdp_version": 2}), ("deepspeed", {"zero_stage": 1}),
+                          ("deepspeed", {"zero_stage": 3})):  # fmt: skip
+        strategy = Strategy.of(family, 4, pp=2, **extra)
+        stage = extra.get("zero_stage")
+        assert models_pipeline(strategy) == composes("pp", wrapper(family, stage)), strategy.name
+    assert set(st.PIPELINE_HERE) == {n for n in st.DP_STRATEGIES if n in AXES["pp"].trains_under}
+    assert set(st.WITH_SEQUENCE_PARALLEL) == {n for n in st.DP_STRATEGIES if n.startswith(AXES["sp"].trains_under)}
+    assert set(st.WITH_TENSOR_PARALLEL) - set(AXES["tp"].trains_under) == set(AXES["tp"].published_under)
+
+
+def test_compare_refuses_a_pipeline_under_a_wrapper_the_table_does_not_list(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    sys.modules.pop("compare", None)
+    import compare
+
+    zero2, ddp = compare.make_specs("zero2+pp2,ddp+pp2", 4, False)
+    assert zero2.error == (
+        "zero2+pp2: pipeline parallelism does not train under zero2 (it trains under single, ddp, fsdp): pick one of "
+        "those configs"
+    )
+    assert ddp.error is None and ddp.pp == 2
+
+
+def test_the_doctor_reads_the_table():
+    from training.doctor.launch import axes
+    from training.doctor.report import Report
+    from training.parallel.strategy import Strategy
+
+    report = Report()
+    axes(report, Strategy.of("fsdp", 4, pp=2), 2)
+    axes(report, Strategy.of("deepspeed", 4, zero_stage=3, sp=2), 1)
+    axes(report, Strategy.of("ddp", 4), 1)  # no model-parallel axis: no line
+    lines = [(c.name, c.status, c.detail) for c in report.checks]
+    assert lines == [
+        ("parallel axes", "OK", "pipeline parallelism 2 under fsdp"),
+        ("parallel axes", "OK", "sequence parallelism (Ulysses) 2 under zero3"),
+    ]
+    bad = Report()
+    axes(bad, SimpleNamespace(family="ddp", zero_stage=None, tp_size=1, sp_size=2, cp_size=1), 2)
+    (check,) = bad.checks
+    assert check.status == "FAIL" and check.detail == (
+        "sequence parallelism (Ulysses) does not train under ddp (it trains under zero1, zero2, zero3); "
+        "pipeline parallelism with sequence parallelism (Ulysses): each axis trains alone here"
+    )

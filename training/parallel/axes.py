@@ -1,0 +1,58 @@
+"""Which model-parallel axis composes with which data-parallel wrapper: one table, read by the launch checks
+(training/parallel/launch.py, sequence.py), the memory planner (training/plan/memory/stages.py, fit.py), the
+step-time planner (training/plan/step_time.py, layouts.py), recipes/compare.py and the doctor.
+
+A wrapper is what holds the data-parallel copies: one process (`single`), DDP, FSDP or a DeepSpeed engine by its
+ZeRO stage (`zero1` ... `zero3`, offloaded or not: `wrapper`). Plain data: the configuration and the planners read it
+without any runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WRAPPERS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
+DEEPSPEED = ("zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One model-parallel axis of the mesh (training/parallel/mesh.py) and the wrappers it composes with."""
+
+    name: str  # in words, as errors and reports name it
+    trains_under: tuple[str, ...]  # the wrappers recipes/train.py trains it under; its launch checks refuse the rest
+    published_under: tuple[str, ...] = ()  # beside those, what published runs used it under (Megatron-LM's DDP,
+    # DeepSpeed's ZeRO-1 under its own pipeline): the step-time planner's `any_layout`, never launched here
+    alone: bool = True  # trains with no other model-parallel axis (each axis runs alone this round)
+
+    def trains_with(self, wrapper_name: str) -> bool:
+        return wrapper_name in self.trains_under
+
+    def published_with(self, wrapper_name: str) -> bool:
+        return wrapper_name in self.trains_under + self.published_under
+
+
+AXES = {
+    # torch.distributed.pipelining's stages, with one process's optimizer, DDP's all-reduce or FSDP2 per stage
+    # (training/parallel/pipeline.py); a DeepSpeed engine wraps and steps the whole model.
+    # DeepSpeed's own pipeline engine runs ZeRO-0/1 only, on a model rewritten as its PipelineModule.
+    "pp": Axis("pipeline parallelism", ("single", "ddp", "fsdp"), published_under=("zero1",)),
+    # DeepSpeed AutoTP, built by the engine (`tensor_parallel.autotp_size`); accelerate's FSDP2 x TP path cannot import
+    # on transformers 5 (training/parallel/launch_checks.py). Megatron-LM's runs split layers under DDP.
+    "tp": Axis("tensor parallelism (DeepSpeed AutoTP)", DEEPSPEED, published_under=("ddp",)),
+    # DeepSpeed's Ulysses: the engine reduces the gradients over the sequence-parallel ranks
+    # (training/parallel/sequence.py).
+    "sp": Axis("sequence parallelism (Ulysses)", DEEPSPEED),
+    # torch's ring attention through accelerate, over FSDP2's dp_shard x cp mesh (CUDA only).
+    "cp": Axis("context parallelism (ring attention)", ("fsdp",)),
+}
+
+
+def wrapper(family: str, zero_stage: int | None = None) -> str:
+    """The wrapper of a `Strategy.family` (and its ZeRO stage under DeepSpeed): `ddp`, `fsdp`, `zero2`, ..."""
+    return f"zero{zero_stage}" if family == "deepspeed" else family
+
+
+def composes(axis: str, wrapper_name: str) -> bool:
+    """Whether recipes/train.py trains `axis` under the data-parallel wrapper `wrapper_name` (`wrapper`)."""
+    return AXES[axis].trains_with(wrapper_name)
