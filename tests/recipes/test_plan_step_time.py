@@ -23,9 +23,10 @@ def run(capsys, *argv):
     "argv, message",
     [
         (["--gpu", "b200"], "unknown GPU kind 'b200': known kinds are h100, h200, a100-80gb, a100-40gb"),
-        (["--tensor_parallel_degree", "8", "--pipeline_parallel_degree", "4"], "do not divide the 16 GPUs"),
+        (["--tensor_parallel_degree", "8", "--pipeline_parallel_degree", "4"],
+         "(= 32 GPUs) does not divide the 16 GPUs"),
         (["--data_parallel_degree", "16", "--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "1",
-          "--sequence_parallel_degree", "1"], "= 32 do not multiply to the 16 GPUs"),
+          "--sequence_parallel_degree", "1"], "(= 32 GPUs) does not divide the 16 GPUs"),
         (["--data_parallel_degree", "16", "--global_batch", "24"], "global batch 24 sequences does not divide"),
     ],
 )  # fmt: skip

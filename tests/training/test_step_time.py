@@ -281,7 +281,10 @@ def test_the_default_enumeration_holds_only_layouts_train_py_runs_and_any_layout
 
 def test_bad_degrees_and_batches_are_refused_in_one_line():
     gpus = cluster("h100", 8)
-    with pytest.raises(ValueError, match=r"tp 4 x pp 4 = 16 do not divide the 8 GPUs"):
+    with pytest.raises(
+        ValueError,
+        match=r"--pipeline_parallel_degree = 4 x --tensor_parallel_degree = 4 \(= 16 GPUs\) does not divide the 8 GPUs",
+    ):
         lay.layouts(CONFIG, gpus, 64, SEQ, dict(tp=4, pp=4))
     with pytest.raises(ValueError, match=r"= 4 do not multiply to the 8 GPUs"):
         lay.layouts(CONFIG, gpus, 64, SEQ, dict(tp=2, pp=1, sp=1, dp=2))

@@ -67,23 +67,25 @@ class Mesh:
 
     @classmethod
     def of_world(cls, world: int, *, pp: int = 1, cp: int = 1, sp: int = 1, tp: int = 1, replicas: int = 1,
-                 shard: bool = True) -> Mesh:  # fmt: skip
+                 shard: bool = True, flags: dict[str, str] = FLAGS, unit: str = "ranks") -> Mesh:  # fmt: skip
         """The mesh of `world` launched ranks with these model-parallel degrees, the rest data parallel: sharded
         (`shard`: FSDP, ZeRO) over world / (pp cp sp tp replicas) ranks in each of `replicas` copies, or replicated
-        (DDP). The one check that the degrees divide the world."""
+        (DDP). The one check that the degrees divide the world; its error names each degree by `flags` and the world
+        in `unit` (the step-time planner's: its own flags, GPUs)."""
         if not isinstance(world, int) or world < 1:
             raise ValueError(f"the launch has {world!r} ranks: launch 1 or more")
         model_parallel = cls(pp=pp, cp=cp, sp=sp, tp=tp, dp_replicate=replicas)  # each degree checked
         if world % model_parallel.world:
             given = [a for a in AXES if getattr(model_parallel, a) > 1]
-            named = " x ".join(f"{FLAGS[a]} = {getattr(model_parallel, a)}" for a in given)
+            named = " x ".join(f"{flags[a]} = {getattr(model_parallel, a)}" for a in given)
             if len(given) > 1:
-                named += f" (= {model_parallel.world} ranks)"
+                named += f" (= {model_parallel.world} {unit})"
             fix = "set it to one of" if len(given) == 1 else "make their product one of"
             fits = [d for d in range(1, world + 1) if world % d == 0]
+            launched = "launched ranks" if unit == "ranks" else unit
             raise MeshError(
-                f"{named} does not divide the {world} launched ranks: {fix} {fits}, or launch a multiple of "
-                f"{model_parallel.world} ranks"
+                f"{named} does not divide the {world} {launched}: {fix} {fits}, or launch a multiple of "
+                f"{model_parallel.world} {unit}"
             )
         data = world // model_parallel.world
         if shard:

@@ -11,6 +11,7 @@ import math
 from dataclasses import replace
 
 from model import ShardGPTConfig
+from training.parallel.mesh import Mesh
 from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape
 from training.plan.hardware import Cluster
@@ -116,17 +117,24 @@ def degree_options(config: ShardGPTConfig, num_gpus: int, gpus_per_node: int, se
     return out
 
 
+# The planner's flags for the mesh's axes (recipes/plan_memory.py --step_time): its errors name them.
+PLANNER_FLAGS = {"pp": "--pipeline_parallel_degree", "dp_replicate": "--data_parallel_degree",
+                 "sp": "--sequence_parallel_degree", "tp": "--tensor_parallel_degree"}  # fmt: skip
+
+
 def check_degrees(num_gpus: int, fixed: dict[str, int | None]) -> None:
-    """Refuse, in one line, explicit degrees that cannot make `num_gpus`."""
+    """Refuse, in one line, explicit degrees that cannot make `num_gpus`: the mesh's one divisibility check
+    (`Mesh.of_world`), then, with every degree given, that they multiply to the GPU count."""
     given = {k: v for k, v in fixed.items() if v is not None}
     if any(v < 1 for v in given.values()):
         raise ValueError(f"degrees must be at least 1: {given}")
-    product = math.prod(given.values())
-    spelled = " x ".join(f"{k} {v}" for k, v in given.items())
-    if len(given) == 4 and product != num_gpus or num_gpus % product:
+    degrees = {"pp": given.get("pp", 1), "sp": given.get("sp", 1), "tp": given.get("tp", 1)}
+    mesh = Mesh.of_world(num_gpus, **degrees, replicas=given.get("dp", 1), flags=PLANNER_FLAGS, unit="GPUs")
+    if len(given) == 4 and mesh.dp_shard != 1:
+        spelled = " x ".join(f"{PLANNER_FLAGS['dp_replicate' if k == 'dp' else k]} {v}" for k, v in given.items())
         raise ValueError(
-            f"degrees {spelled} = {product} do not {'multiply to' if len(given) == 4 else 'divide'} the {num_gpus} "
-            "GPUs: choose degrees whose product is the GPU count"
+            f"{spelled} = {math.prod(given.values())} do not multiply to the {num_gpus} GPUs: choose degrees whose "
+            "product is the GPU count"
         )
 
 
