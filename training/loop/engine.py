@@ -22,7 +22,7 @@ from training.checkpoints.export import full_state_dict
 from training.config import RunConfig
 from training.loop.evaluate import evaluate
 from training.loop.optim import make_optimizer, make_scheduler
-from training.loop.step import StepResult, pipelined_step, train_step
+from training.loop.step import StepResult, accumulated_loss_scale, pipelined_step, train_step
 from training.parallel.accelerator import fsdp_precision
 from training.parallel.build import build_model
 from training.parallel.gradnorm import fsdp1_shards
@@ -35,7 +35,7 @@ from training.parallel.inspection import (
     verify_strategy,
 )
 from training.parallel.pipeline import Pipeline, build_pipeline, fsdp2_stages
-from training.parallel.sequence import context_parallel, gradient_divisor
+from training.parallel.sequence import context_parallel
 from training.parallel.strategy import Strategy
 
 
@@ -75,9 +75,7 @@ class Replicated(Engine):
         # Token-weighted accumulation across micro batches and data-parallel ranks (see training/loop/step.py); under
         # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (training/parallel/sequence.py).
         s = self.strategy
-        zero = (s.deepspeed or {}).get("zero_optimization") or {}
-        divisor = gradient_divisor(s.mesh, s.zero_stage, zero)
-        loss_scale = divisor * self.cfg.gradient_accumulation_steps
+        loss_scale = accumulated_loss_scale(s, self.cfg.gradient_accumulation_steps)
         context = context_parallel(self.accelerator) if s.cp_size > 1 else None  # CUDA only: ring attention
         shards = fsdp1_shards(self.net, s.fsdp_version, s.fsdp_sharding)  # FSDP1's gradients' ranks, for the norm
         return train_step(self.accelerator, self.net, self.optimizer, self.scheduler, micro_batches, loss_scale,

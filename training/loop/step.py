@@ -15,6 +15,7 @@ import torch
 
 from training import faults
 from training.parallel.gradnorm import clip_, grad_norm
+from training.parallel.sequence import gradient_divisor
 
 
 class NonFiniteLossError(RuntimeError):
@@ -76,6 +77,14 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
                 if grad_norm is None and hasattr(net, "get_global_grad_norm"):  # DeepSpeed's, after its step
                     grad_norm = float(net.get_global_grad_norm())
     return StepResult(global_loss, grad_norm, skipped)
+
+
+def accumulated_loss_scale(strategy, accumulation: int) -> float:
+    """`train_step`'s `loss_scale` for the launch: what the gradient reduction divides by on the strategy's mesh
+    (training/parallel/sequence.py's `gradient_divisor`: the data-parallel ranks, or DeepSpeed's own divisor under
+    sequence parallelism) times the accumulation steps accelerate and DeepSpeed divide the loss by."""
+    zero = (strategy.deepspeed or {}).get("zero_optimization") or {}
+    return gradient_divisor(strategy.mesh, strategy.zero_stage, zero) * accumulation
 
 
 def pipelined_step(pipeline, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float, step: int,

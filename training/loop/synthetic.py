@@ -17,7 +17,7 @@ from model import ShardGPTConfig
 from training.arguments import parse_run_config
 from training.config import RunConfig
 from training.loop.optim import make_optimizer, make_scheduler
-from training.loop.step import train_step
+from training.loop.step import accumulated_loss_scale, train_step
 from training.parallel.accelerator import make_accelerator
 from training.parallel.build import build_model
 from training.parallel.gradnorm import fsdp1_shards
@@ -77,7 +77,7 @@ class SyntheticRun:
 
     def step(self, step: int) -> None:
         """One `train_step` on this rank's next micro batches (collectives on every rank)."""
-        loss_scale = self.strategy.data_parallel_size * self.cfg.gradient_accumulation_steps
+        loss_scale = accumulated_loss_scale(self.strategy, self.cfg.gradient_accumulation_steps)
         batch = next(self.loader)
         s = self.strategy
         shards = fsdp1_shards(self.net, s.fsdp_version, s.fsdp_sharding)  # FSDP1's gradients' ranks, for the norm
