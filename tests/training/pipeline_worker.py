@@ -25,8 +25,8 @@ from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.adamw import param_groups
 from training.loop.step import pipelined_step
 from training.parallel.gradnorm import clip_, grad_norm
-from training.parallel.mesh import Mesh
 from training.parallel.pipeline import build_pipeline, fsdp2_stages
+from training.parallel.strategy import Strategy
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
 MAX_GRAD_NORM = 0.5  # below the step-1 norm: clipping is active
@@ -89,8 +89,9 @@ def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_b
     dp = world // pp
     net = model().train()
     shard = fsdp2_stages(MixedPrecisionPolicy(), True, "cpu") if data_parallel == "fsdp" else None
-    mesh = Mesh.of_world(world, pp=pp, shard=data_parallel == "fsdp")
-    pipeline = build_pipeline(net, mesh, rank, schedule, per_rank, micro_batches, torch.device("cpu"), shard)
+    family = "fsdp" if data_parallel == "fsdp" else "ddp"
+    strategy = Strategy.of(family, world, pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank)
+    pipeline = build_pipeline(net, strategy, rank, micro_batches, torch.device("cpu"), shard)
     optimizer = adamw(net)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     losses, norms = [], []

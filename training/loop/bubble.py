@@ -217,8 +217,8 @@ class ModelCase:
 def _model_rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], model: ModelCase, steps: int,
                 queue) -> None:  # fmt: skip
     from model import ShardGPTConfig, ShardGPTForCausalLM
-    from training.parallel.mesh import Mesh
     from training.parallel.pipeline import build_pipeline
+    from training.parallel.strategy import Strategy
     from training.plan.memory.saved import HeldBytes
 
     torch.set_num_threads(1)  # one core per stage: P = 2 ranks on 2 cores time honestly
@@ -227,7 +227,8 @@ def _model_rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], mo
     for schedule, m in cases:
         torch.manual_seed(0)  # every rank builds one process's model, then keeps its stage
         net = ShardGPTForCausalLM(config).train()
-        pipeline = build_pipeline(net, Mesh(pp=pp), rank, schedule, 1, m, torch.device("cpu"), None)  # collective
+        strategy = Strategy.of("single", pp, pp=pp, pp_schedule=schedule)  # one stage per rank, no data parallelism
+        pipeline = build_pipeline(net, strategy, rank, m, torch.device("cpu"), None)  # collective
         ids = torch.randint(0, config.vocab_size, (m * model.micro_batch, model.seq_len))  # (M * micro, T)
         pipeline.loss_scale = 1 / ids.numel()
         held = HeldBytes(net.parameters())

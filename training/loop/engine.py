@@ -154,9 +154,9 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     pipeline = None
     if pipelined:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config
         shard = stage_sharder(cfg, strategy, accelerator.device) if strategy.family == "fsdp" else None
-        pipeline = build_pipeline(net, strategy.mesh, accelerator.process_index, strategy.pp_schedule,
-                                  strategy.pp_stages_per_rank, cfg.gradient_accumulation_steps, accelerator.device,
-                                  shard)  # fmt: skip  # collective: the groups
+        pipeline = build_pipeline(
+            net, strategy, accelerator.process_index, cfg.gradient_accumulation_steps, accelerator.device, shard
+        )  # collective: the groups
     fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)

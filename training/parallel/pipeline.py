@@ -31,8 +31,8 @@ from training.parallel.build import local
 from training.parallel.busy_clock import BackwardMark, BusyClock
 from training.parallel.gradnorm import clip_, grad_norm
 from training.parallel.groups import new_groups
-from training.parallel.mesh import Mesh
 from training.parallel.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
+from training.parallel.strategy import Strategy
 
 
 class Stage(nn.Module):
@@ -303,12 +303,14 @@ class Pipeline:
         return whole
 
 
-def build_pipeline(model: nn.Module, mesh: Mesh, rank: int, schedule_name: str, per_rank: int, micro_batches: int,
-                   device: torch.device, shard) -> Pipeline:  # fmt: skip
-    """`rank`'s stages of `model` (trimmed in place) on the launch's `mesh` (pp x data parallel), wrapped for data
-    parallelism (`shard`: FSDP2's `fully_shard` over the data-parallel ranks, or None: DDP where there are several),
-    and the schedule over them. Collective: creates the pipeline, data-parallel and tied-embedding process groups
-    (every rank creates every group)."""
+def build_pipeline(model: nn.Module, strategy: Strategy, rank: int, micro_batches: int, device: torch.device,
+                   shard) -> Pipeline:  # fmt: skip
+    """`rank`'s stages of `model` (trimmed in place) for the launch's `strategy`: its mesh (pp x data parallel), its
+    schedule and stages per rank; wrapped for data parallelism (`shard`: FSDP2's `fully_shard` over the
+    data-parallel ranks, or None: DDP's all-reduce where there are several), and the schedule over them, which runs
+    `micro_batches` a step. Collective: creates the pipeline, data-parallel and tied-embedding process groups (every
+    rank creates every group)."""
+    mesh, schedule_name, per_rank = strategy.mesh, strategy.pp_schedule, strategy.pp_stages_per_rank
     if mesh.world != mesh.pp * mesh.dp:
         raise ValueError(f"a pipeline runs on pp x data-parallel ranks; the mesh is {mesh.shape}")
     pp, dp, pp_rank = mesh.pp, mesh.dp, mesh.coordinates(rank)["pp"]
