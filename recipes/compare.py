@@ -142,38 +142,42 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
     return specs
 
 
+def launch_json(launch: dict) -> dict | None:
+    """The DeepSpeed JSON an accelerate config names (`deepspeed_config_file`, relative to the repository): None where
+    it names none, {} where it cannot be read (the launch itself fails and reports why)."""
+    from training.parallel.deepspeed_config import load_json
+
+    ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not ds_file:
+        return None
+    try:
+        return load_json(ds_file if Path(ds_file).is_absolute() else ROOT / ds_file)
+    except (OSError, ValueError):
+        return {}
+
+
 def launch_wrapper(launch: dict) -> str:
     """The data-parallel wrapper of an accelerate config (training/parallel/axes.py): fsdp, zeroN, or ddp."""
     from training.parallel.axes import wrapper
-    from training.parallel.deepspeed_config import load_json, zero_stage
+    from training.parallel.deepspeed_config import zero_stage
 
     if launch.get("distributed_type") == "FSDP":
         return "fsdp"
     if launch.get("distributed_type") != "DEEPSPEED":
         return "ddp"
-    ds = launch.get("deepspeed_config") or {}
-    ds_file = ds.get("deepspeed_config_file")
-    if not ds_file:
-        return wrapper("deepspeed", int(ds.get("zero_stage", 0)))
-    try:
-        return wrapper("deepspeed", zero_stage(load_json(ds_file if Path(ds_file).is_absolute() else ROOT / ds_file)))
-    except (OSError, ValueError):
-        return "deepspeed"  # the launch itself fails and reports why
+    ds = launch_json(launch)
+    if ds is None:  # the stage written inline in the accelerate config
+        return wrapper("deepspeed", int((launch.get("deepspeed_config") or {}).get("zero_stage", 0)))
+    return wrapper("deepspeed", zero_stage(ds)) if ds else "deepspeed"
 
 
 def tensor_parallel_size(launch: dict) -> int:
     """Ranks each layer is split over in an accelerate config: its DeepSpeed JSON's autotp_size, or its
     parallelism_config's tp size."""
-    from training.parallel.deepspeed_config import autotp_size, load_json
+    from training.parallel.deepspeed_config import autotp_size
 
-    ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
-    if ds_file:
-        path = ds_file if Path(ds_file).is_absolute() else ROOT / ds_file
-        try:
-            return autotp_size(load_json(path))
-        except (OSError, ValueError):
-            return 1  # the launch itself fails and reports why
-    return block_degree("tp_size", environ=exported(launch))
+    ds = launch_json(launch)
+    return autotp_size(ds) if ds is not None else block_degree("tp_size", environ=exported(launch))
 
 
 def sequence_parallel_size(launch: dict) -> int:

@@ -266,7 +266,7 @@ def test_the_default_enumeration_holds_only_layouts_train_py_runs_and_any_layout
     # Each axis the script runs is still there: AutoTP, DDP's and FSDP2's pipelines, Ulysses under ZeRO.
     assert {lay.strategy for lay in here if lay.tp > 1} == {"zero1"}
     assert {lay.strategy for lay in here if lay.pp > 1} == {"ddp", "fsdp"}
-    assert {lay.strategy for lay in here if lay.sp > 1} == set(st.DEEPSPEED)
+    assert {lay.strategy for lay in here if lay.sp > 1} == set(st.WITH_SEQUENCE_PARALLEL)
     every = lay.layouts(CONFIG, gpus, 512, SEQ, any_layout=True)
     assert set(here) < set(every) and {lay for lay in every if lay.runs_here} == set(here)
     megatron = [lay for lay in every if not lay.runs_here]

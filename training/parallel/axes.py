@@ -25,12 +25,6 @@ class Axis:
     # DeepSpeed's ZeRO-1 under its own pipeline): the step-time planner's `any_layout`, never launched here
     alone: bool = True  # trains with no other model-parallel axis (each axis runs alone this round)
 
-    def trains_with(self, wrapper_name: str) -> bool:
-        return wrapper_name in self.trains_under
-
-    def published_with(self, wrapper_name: str) -> bool:
-        return wrapper_name in self.trains_under + self.published_under
-
 
 AXES = {
     # torch.distributed.pipelining's stages, with one process's optimizer, DDP's all-reduce or FSDP2 per stage
@@ -55,4 +49,4 @@ def wrapper(family: str, zero_stage: int | None = None) -> str:
 
 def composes(axis: str, wrapper_name: str) -> bool:
     """Whether recipes/train.py trains `axis` under the data-parallel wrapper `wrapper_name` (`wrapper`)."""
-    return AXES[axis].trains_with(wrapper_name)
+    return wrapper_name in AXES[axis].trains_under

@@ -10,9 +10,7 @@ import os
 from dataclasses import replace
 
 import torch
-from accelerate.utils import (
-    DeepSpeedPlugin,
-)
+from accelerate.utils import DeepSpeedPlugin
 
 from training.config import RunConfig
 from training.parallel.axes import composes, wrapper

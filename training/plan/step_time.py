@@ -52,7 +52,6 @@ from dataclasses import dataclass, replace
 from model import ShardGPTConfig
 from training.flops import flops_per_token
 from training.parallel.axes import AXES, composes, wrapper
-from training.parallel.axes import DEEPSPEED as DEEPSPEED_WRAPPERS
 from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape, expected_payloads, ulysses_payloads
 from training.plan.hardware import Cluster
@@ -70,7 +69,6 @@ from training.plan.ring import (
 # The data-parallel strategies a layout can use, by `Strategy.name`, and each one's wrapper (training/parallel/axes.py).
 DP_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero2-offload-cpu", "zero3-offload-cpu")
 WRAPPER = {name: wrapper(s.family, s.zero_stage) for name in DP_STRATEGIES for s in [Strategy.from_name(name)]}
-DEEPSPEED = tuple(n for n in DP_STRATEGIES if WRAPPER[n] in DEEPSPEED_WRAPPERS)
 # The axes table's compositions: what recipes/train.py runs, and what published runs used beside it (Megatron-LM's
 # DDP, DeepSpeed's ZeRO-1 under its pipeline), which `any_layout` adds. Of the DeepSpeed stages AutoTP trains under, the
 # planners model ZeRO-1 (the memory planner's `zero1-autotp`). Each axis runs alone here (`Axis.alone`).
@@ -177,7 +175,7 @@ class Layout:
             return self.strategy in PIPELINE_HERE and self.tp == self.sp == 1
         if self.tp > 1:
             return self.strategy in TENSOR_PARALLEL_HERE and self.sp == 1
-        return self.sp == 1 or self.strategy in DEEPSPEED
+        return self.sp == 1 or self.strategy in WITH_SEQUENCE_PARALLEL
 
     @property
     def name(self) -> str:
