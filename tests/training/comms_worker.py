@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from training.loop.comms import CommCounter
+from training.parallel.ranks import run_rank
 
 K = 1000  # elements of one rank's share
 # torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single, which older releases lack.
@@ -37,16 +38,17 @@ def exchange(rank: int, n: int) -> None:
         work.wait()
 
 
-def ddp_backward() -> None:
-    """DDP's reducer all-reduces the gradients from C++, inside the backward."""
+def ddp_backward() -> tuple[dict, torch.nn.Module]:
+    """DDP's reducer all-reduces the gradients from C++, inside the backward. The wrapped module is returned
+    with the record: freeing DDP's reducer tears the process group down (see `run_rank`)."""
     torch.manual_seed(0)
     net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(K, 3))
     with CommCounter() as counter:
         net(torch.randn(2, K)).sum().backward()
-    return counter.record.to_dict()
+    return counter.record.to_dict(), net
 
 
-def main(out: Path) -> None:
+def main(out: Path) -> torch.nn.Module:
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     pair = dist.new_group([0, 1])  # collective: every rank creates it
@@ -60,8 +62,8 @@ def main(out: Path) -> None:
         "broadcast": counted(lambda: dist.broadcast(torch.ones(K), src=0)),
         "reduce": counted(lambda: dist.reduce(torch.ones(K), dst=0)),
         "barrier": counted(dist.barrier),
-        "ddp": ddp_backward(),
     }
+    records["ddp"], net = ddp_backward()
     # A DTensor sharded over every rank: gathered whole, and its norm (a partial sum until all-reduced).
     whole = distribute_tensor(torch.ones(n * K), mesh, [Shard(0)])
     records["dtensor_gather"] = counted(lambda: whole.full_tensor())
@@ -69,8 +71,12 @@ def main(out: Path) -> None:
     if rank < 2:  # a group of 2 of the n ranks
         records["pair"] = counted(lambda: dist.all_reduce(torch.ones(K), group=pair))
     (out / f"comms_rank{rank}.json").write_text(json.dumps(records))
+    dist.barrier()  # collective: nobody tears the group down while another rank still sends
     dist.destroy_process_group()
+    return net  # kept alive until the process ends (see `run_rank`)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[sys.argv.index("--output_dir") + 1]))
+    # run_rank ends the process without finalization: a 4-rank launch that had written everything once died
+    # in it with "terminate called without an active exception" (gloo's threads outlive the group after DDP).
+    run_rank(lambda: main(Path(sys.argv[sys.argv.index("--output_dir") + 1])))

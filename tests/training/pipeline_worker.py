@@ -26,6 +26,7 @@ from training.adamw import param_groups
 from training.loop.step import pipelined_step
 from training.parallel.gradnorm import clip_, grad_norm
 from training.parallel.pipeline import build_pipeline, fsdp2_stages
+from training.parallel.ranks import run_rank
 from training.parallel.strategy import Strategy
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
@@ -101,22 +102,24 @@ def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_b
         losses.append(result.loss)
         norms.append(result.grad_norm)
     weights = pipeline.full_state_dict()
-    return {"losses": losses, "grad_norms": norms, "weights": weights}
+    return {"losses": losses, "grad_norms": norms, "weights": weights, "pipeline": pipeline}
 
 
-def main() -> None:
+def main() -> list:
     pp, *schedules, flag, out = sys.argv[1:]
     assert flag == "--output_dir", sys.argv
     pp = int(pp)
     Path(out).mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     dp = dist.get_world_size() // pp
+    kept = []  # every pipeline, alive until the process ends: freeing DDP's reducer tears the group down (run_rank)
     for spec in schedules:
         schedule, per_rank, data_parallel = (spec.split(":") + ["1", "ddp"][spec.count(":") :])[:3]
         per_rank = int(per_rank)
         micro_batches = 2 * pp * per_rank  # enough for every schedule's rule
         try:
             run = pipelined(schedule, per_rank, pp, data_parallel, micro_batches)
+            kept.append(run["pipeline"])
             error = None
         except Exception as e:  # recorded: the test names the schedule that fails and why
             run, error = None, f"{type(e).__name__}: {e} {e.__cause__!r}"
@@ -134,7 +137,8 @@ def main() -> None:
             raise RuntimeError(error)
         dist.barrier()
     dist.destroy_process_group()
+    return kept
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(main)  # ends the process without finalization, where gloo's threads have aborted a finished rank
