@@ -2,8 +2,9 @@
 launch`, torchrun and the deepspeed launcher (torch, accelerate and deepspeed with them: most of the 5 seconds
 `accelerate launch` takes before its first rank starts, on the project's 2-core machines) and then, for each launch
 the tests ask for, forks a child that runs that launcher's own `main` with the launch's command line, environment,
-working directory and output files, in a session of its own. The ranks are started by the launcher as always:
-fresh interpreters, nothing inherited but the environment. The server itself runs no tensor operation (a fork after
+working directory and output files, in a session of its own. The launcher starts its ranks as always, with its
+`sys.executable`, which the request names: tests/rank_server.py's client, which has them forked from a process
+that has paid their imports (or the real interpreter). The server itself runs no tensor operation (a fork after
 one is unsafe), and handles one request at a time: "start" forks and answers the child's pid, "poll" answers its
 exit status once it has one.
 
@@ -45,6 +46,7 @@ def run_child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = request["argv"]
+        sys.executable = request["python"]  # what the launcher starts its ranks with (tests/rank_server.py)
         ENTRY_POINTS[request["argv"][0]]()
         code = 0
     except SystemExit as e:

@@ -111,11 +111,9 @@ def accelerate_with(config: str) -> list[str]:
     return cmd
 
 
-def launch(
-    cmd: list[str], args: list[str], output_dir: Path, check: bool = True, timeout: int = TIMEOUT, env=None
-) -> Run:
-    """Run `cmd args --output_dir output_dir` in a fresh environment (plus `env`); fail the test with the
-    workers' stderr if it fails (unless `check=False`) or outlives `timeout`."""
+def launch_env(env: dict | None = None) -> dict:
+    """The environment of a launch: this process's, with one thread per rank, no W&B uploads, and the project
+    importable, plus `env`."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -126,6 +124,15 @@ def launch(
         **(env or {}),
     }
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def launch(
+    cmd: list[str], args: list[str], output_dir: Path, check: bool = True, timeout: int = TIMEOUT, env=None
+) -> Run:
+    """Run `cmd args --output_dir output_dir` in a fresh environment (plus `env`); fail the test with the
+    workers' stderr if it fails (unless `check=False`) or outlives `timeout`."""
+    env = launch_env(env)
     if cmd[0] != sys.executable and CURRENT_TEST is not None and not CURRENT_TEST.get_closest_marker("multiproc"):
         pytest.fail(f"{CURRENT_TEST.nodeid} launches ranks ({Path(cmd[0]).name}) but is not marked multiproc: "
                     "pytest-xdist would run it beside another launch")  # fmt: skip
@@ -173,7 +180,41 @@ def plain_launch(argv: list[str], env: dict, timeout: int) -> tuple[str, str, in
 # per launch, which runs the launcher's own main and starts fresh ranks as always.
 # SHARDGPT_LAUNCH_SERVER=0 launches every command as a new process instead.
 
+# The ranks such a launcher starts come from tests/rank_server.py, which pays a rank's imports once (about 6 of a
+# rank's 10 seconds of start-up on the slower machine) and forks each rank from there, through the `python` it
+# writes (the launcher's sys.executable). SHARDGPT_RANK_SERVER=0 starts every rank as a fresh interpreter instead.
+
 _server: tuple[subprocess.Popen, str, bytes] | None = None
+_rank_server: tuple[subprocess.Popen, Path] | None = None
+
+
+def start_server(argv: list[str], key: bytes = b"") -> subprocess.Popen:
+    """Start a server of tests/ and wait for its "ready" line (after the libraries' start-up messages)."""
+    server = subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    server.stdin.write(key + b"\n")
+    server.stdin.close()
+    for line in server.stdout:
+        if line.strip() == b"ready":
+            break
+    else:
+        raise RuntimeError(f"{argv[1]} did not start (exit status {server.wait()})")
+    atexit.register(server.kill)
+    return server
+
+
+def rank_server() -> dict:
+    """The environment that sends a served launcher's ranks to the rank server (started on first use), and the
+    `python` the launcher is to start them with; empty if SHARDGPT_RANK_SERVER=0."""
+    global _rank_server
+    if os.environ.get("SHARDGPT_RANK_SERVER", "1") == "0":
+        return {}
+    if _rank_server is None or _rank_server[0].poll() is not None:
+        directory = Path(tempfile.mkdtemp(prefix="shardgpt-ranks-"))  # short: AF_UNIX allows 107
+        _rank_server = (start_server([sys.executable, str(ROOT / "tests" / "rank_server.py"), str(directory)]),
+                        directory)  # fmt: skip
+    directory = _rank_server[1]
+    return {"python": str(directory / "python"),
+            "env": {"SHARDGPT_RANK_SERVER": str(directory / "rank.sock"), "SHARDGPT_RANK_PYTHON": sys.executable}}  # fmt: skip
 
 
 def served(cmd: list[str]) -> bool:
@@ -192,17 +233,7 @@ def ask(request: dict):
     if _server is None or _server[0].poll() is not None:
         address = os.path.join(tempfile.mkdtemp(prefix="shardgpt-"), "launch.sock")  # short: AF_UNIX allows 107
         key = secrets.token_hex(16).encode()
-        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "launch_server.py"), address], cwd=ROOT,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
-        server.stdin.write(key + b"\n")
-        server.stdin.close()
-        for line in server.stdout:  # the libraries' start-up messages, then "ready"
-            if line.strip() == b"ready":
-                break
-        else:
-            raise RuntimeError(f"the launch server did not start (exit status {server.wait()})")
-        _server = (server, address, key)
-        atexit.register(server.kill)
+        _server = (start_server([sys.executable, str(ROOT / "tests" / "launch_server.py"), address], key), address, key)
     with Client(_server[1], family="AF_UNIX", authkey=_server[2]) as conn:
         conn.send(request)
         return conn.recv()
@@ -214,7 +245,10 @@ def served_launch(argv: list[str], env: dict, timeout: int) -> tuple[str, str, i
     rest = argv[2:] if entry == "accelerate-launch" else argv[1:]  # the launcher's arguments
     with tempfile.TemporaryDirectory(prefix="shardgpt-launch-") as scratch:
         out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
-        pid = ask({"op": "start", "argv": [entry, *rest], "env": env, "cwd": str(ROOT), "stdout": out, "stderr": err})
+        ranks = rank_server()
+        request = {"op": "start", "argv": [entry, *rest], "env": {**env, **ranks.get("env", {})}, "cwd": str(ROOT),
+                   "stdout": out, "stderr": err, "python": ranks.get("python", sys.executable)}  # fmt: skip
+        pid = ask(request)
         deadline = time.monotonic() + timeout
         while (returncode := ask({"op": "poll", "pid": pid})) is None:
             if time.monotonic() > deadline:
