@@ -213,8 +213,8 @@ def rank_server() -> dict:
         _rank_server = (start_server([sys.executable, str(ROOT / "tests" / "rank_server.py"), str(directory)]),
                         directory)  # fmt: skip
     directory = _rank_server[1]
-    return {"python": str(directory / "python"),
-            "env": {"SHARDGPT_RANK_SERVER": str(directory / "rank.sock"), "SHARDGPT_RANK_PYTHON": sys.executable}}  # fmt: skip
+    env = {"SHARDGPT_RANK_SERVER": str(directory / "rank.sock"), "SHARDGPT_RANK_PYTHON": sys.executable}
+    return {"python": str(directory / "python"), "env": env}
 
 
 def served(cmd: list[str]) -> bool:

@@ -4,6 +4,7 @@ are handed, with this process's standard streams, to the rank server, which fork
 the signals it gets to the rank and ends as the rank ended. Anything else, or a refusal, runs the real interpreter
 in this process's place. Standard library only, and nothing but what it needs: it runs once per rank."""
 
+import contextlib
 import json
 import os
 import signal
@@ -55,10 +56,8 @@ def main():
         fresh()
 
     def forward(sig, frame):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, forward)

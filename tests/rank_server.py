@@ -20,6 +20,7 @@ that fresh interpreters do not: the string hash seed and the warnings already sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -155,10 +156,8 @@ def serve(directory: Path) -> tuple[dict, list[int]] | None:
                 selector.register(conn, selectors.EVENT_READ, pid)
             elif not key.fileobj.recv(64):  # the client is gone (killed): so goes its rank
                 selector.unregister(key.fileobj)
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(key.data, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         reap(children, selector)
     return None
 
@@ -179,10 +178,8 @@ def reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -
             selector.unregister(conn)
         except KeyError:  # already, when its client left
             pass
-        try:
+        with contextlib.suppress(OSError):
             conn.sendall(HEADER.pack(os.waitstatus_to_exitcode(status)))
-        except OSError:
-            pass
         conn.close()
 
 
