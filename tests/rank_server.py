@@ -174,10 +174,8 @@ def reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -
         conn = children.pop(pid, None)
         if conn is None:
             continue
-        try:
+        with contextlib.suppress(KeyError):  # unregistered already if its client left
             selector.unregister(conn)
-        except KeyError:  # already, when its client left
-            pass
         with contextlib.suppress(OSError):
             conn.sendall(HEADER.pack(os.waitstatus_to_exitcode(status)))
         conn.close()
