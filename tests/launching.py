@@ -24,7 +24,7 @@ TIMEOUT = 600  # seconds per launch; a hang fails the test instead of stalling t
 # session (tests/conftest.py): where the suite's time goes.
 LAUNCH_LOG = Path(os.environ.get("SHARDGPT_LAUNCH_LOG", ROOT / ".launches.jsonl"))
 CURRENT_TEST = None  # the running test's item (tests/conftest.py)
-_ops_ready = False  # DeepSpeed's ops compiled or loaded in this process
+_ops_ready: set[str] = set()  # the DeepSpeed ops compiled or loaded in this process
 
 
 def free_port() -> int:
@@ -136,8 +136,7 @@ def launch(
     if cmd[0] != sys.executable and CURRENT_TEST is not None and not CURRENT_TEST.get_closest_marker("multiproc"):
         pytest.fail(f"{CURRENT_TEST.nodeid} launches ranks ({Path(cmd[0]).name}) but is not marked multiproc: "
                     "pytest-xdist would run it beside another launch")  # fmt: skip
-    if uses_deepspeed(cmd, args):
-        build_deepspeed_ops()
+    build_deepspeed_ops(deepspeed_ops(cmd, args))
     before = len(metrics_lines(Path(output_dir)))
     started = time.perf_counter()
     argv = [*cmd, *args, "--output_dir", str(output_dir)]
@@ -203,8 +202,9 @@ def start_server(argv: list[str], key: bytes = b"") -> subprocess.Popen:
 
 
 def rank_server() -> dict:
-    """The environment that sends a served launcher's ranks to the rank server (started on first use), and the
-    `python` the launcher is to start them with; empty if SHARDGPT_RANK_SERVER=0."""
+    """The environment that sends a launcher's ranks to the rank server (started on first use): its socket, the real
+    interpreter, and PYTHON_EXEC, which torchrun (and `accelerate launch` through it) starts ranks with; and the
+    `python` a served launcher is to take as its sys.executable. Empty if SHARDGPT_RANK_SERVER=0."""
     global _rank_server
     if os.environ.get("SHARDGPT_RANK_SERVER", "1") == "0":
         return {}
@@ -213,8 +213,9 @@ def rank_server() -> dict:
         _rank_server = (start_server([sys.executable, str(ROOT / "tests" / "rank_server.py"), str(directory)]),
                         directory)  # fmt: skip
     directory = _rank_server[1]
+    client = str(directory / "python")
     env = {"SHARDGPT_RANK_SERVER": str(directory / "rank.sock"), "SHARDGPT_RANK_PYTHON": sys.executable}
-    return {"python": str(directory / "python"), "env": env}
+    return {"python": client, "env": {**env, "PYTHON_EXEC": client}}
 
 
 def served(cmd: list[str]) -> bool:
@@ -288,19 +289,44 @@ def uses_deepspeed(cmd: list[str], args: list[str]) -> bool:
     return any(p.is_file() and "distributed_type: DEEPSPEED" in p.read_text() for p in configs)
 
 
-def build_deepspeed_ops() -> None:
-    """Compile DeepSpeed's C++ ops once per test process, before its first DeepSpeed launch (minutes the first time,
-    cached in the environment's torch_extensions/ after): inside a launch that time would count against the
-    launch's timeout, and a build killed midway leaves a lock file on which every later load waits forever; a lock
-    left so is removed. Under pytest-xdist the launching worker builds while the other runs the in-process tests."""
-    global _ops_ready
-    if _ops_ready:
+def deepspeed_ops(cmd: list[str], args: list[str]) -> tuple[str, ...]:
+    """The DeepSpeed ops a launch loads on CPU ranks: those its DeepSpeed JSON (named by --deepspeed, or by its
+    accelerate config's deepspeed_config_file) needs; none for a JSON that does not parse (the launch refuses it
+    first); every CPU op where the JSON cannot be found."""
+    import yaml
+
+    from training.parallel.ops import CPU_OPS, launch_ops
+
+    if not uses_deepspeed(cmd, args):
+        return ()
+    named = [a.split("=", 1)[1] for a in args if a.startswith("--deepspeed=")]
+    named += [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--deepspeed"]
+    for config in (Path(a) for a in cmd if a.endswith(".yaml")):
+        section = (yaml.safe_load(config.read_text()) or {}).get("deepspeed_config") or {}
+        named += [str(ROOT / section["deepspeed_config_file"])] if "deepspeed_config_file" in section else []
+    if not named:
+        return CPU_OPS
+    try:
+        ds = json.loads(Path(named[-1]).read_text())
+    except (OSError, ValueError):
+        return ()
+    return launch_ops(ds, on_gpu=False) if isinstance(ds, dict) else ()
+
+
+def build_deepspeed_ops(ops: tuple[str, ...]) -> None:
+    """Compile DeepSpeed's C++ `ops` before the launch that loads them (minutes the first time, cached in the
+    environment's torch_extensions/ after): inside a launch that time would count against the launch's timeout, and
+    a build killed midway leaves a lock file on which every later load waits forever; a lock left so is removed.
+    Only the ops this launch loads, so that a launch that needs none (a JSON refused before DeepSpeed starts) does
+    not wait on another worker's build of the others."""
+    missing = tuple(op for op in ops if op not in _ops_ready)
+    if not missing:
         return
     from training.doctor.machine import build_ops
     from training.doctor.report import Report
 
     report = Report()
-    build_ops(report, remove_stale_locks=True)
+    build_ops(report, missing, remove_stale_locks=True)
     for check in report.checks:
         print(f"DeepSpeed ops: {check.name}: {check.status} {check.detail}", file=sys.stderr)
-    _ops_ready = True
+    _ops_ready.update(missing)

@@ -36,7 +36,7 @@ def main():
         args = args[1:]
     if not args or (args[0].startswith("-") and args[0] != "-m") or args[:1] == ["-m"] and len(args) < 2:
         fresh()
-    request = {"cwd": os.getcwd(), "env": dict(os.environ)}
+    request = {"cwd": os.getcwd(), "env": dict(os.environ), "parent": os.getppid()}
     if args[0] == "-m":
         request.update(module=args[1], args=args[2:])
     else:

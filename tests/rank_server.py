@@ -8,7 +8,9 @@ The launchers are unchanged: tests/launch_server.py gives the launcher it forks 
 (tests/rank_client.py behind a `#!python -IS` line, written next to this server's socket), so `accelerate launch`,
 torchrun and the deepspeed launcher start their ranks as always, through that client: it hands the server its
 command line and its standard streams, forwards the signals it gets to the rank, and exits with the rank's status
-(or dies of the rank's signal). A client killed outright has its rank killed by the server.
+(or dies of the rank's signal). A client killed outright has its rank killed by the server. A rank's parent is
+this server, not its launcher: a signal a rank sends its parent (a preemption reaching the launcher, as the fault
+tests send it) is passed on to the launcher that started its client.
 
 A rank is run fresh (`python` itself) when this server cannot stand in for it: a command line other than
 `python [-u] script args` or `python [-u] -m module args`, or an environment that differs from the server's in what
@@ -32,22 +34,29 @@ import sys
 from pathlib import Path
 
 # What the preloaded libraries read from the environment while they import (thread pools, log levels, caches,
-# offline switches, accelerator detection): a rank whose environment differs here is run fresh.
+# offline switches, accelerator detection): a rank whose environment differs here is run fresh. (CUDA_VISIBLE_DEVICES,
+# which the deepspeed launcher sets per rank, is not here: the server serves a CPU build of torch alone.)
 IMPORT_TIME_ENV = (
     "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_LOGS", "TORCH_CPP", "TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_COMPILE",
     "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "DS_", "DEEPSPEED_", "XLA_", "USE_",
-    "WANDB_", "CUDA_", "LD_", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
+    "WANDB_", "LD_", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
 )  # fmt: skip
 # Read when used, not on import: torchrun gives each rank an inductor cache of its own.
 READ_WHEN_USED = {"TORCHINDUCTOR_CACHE_DIR"}
 HEADER = struct.Struct("!q")
+# Signals the server takes from its queue (blocked, then read with their sender): one a rank sends to its parent (a
+# preemption sent to the launcher, as the fault tests do) goes to the rank's launcher, the client's parent.
+SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
 
 
 def preload() -> str | None:
     """Import what every rank imports first; None if the server can fork afterwards, else why not."""
+    import torch
+
+    if torch.version.cuda or torch.version.hip:  # deepspeed's import asks CUDA for its devices: no fork after that
+        return f"torch {torch.__version__} is a GPU build: ranks fork only from a CPU build's imports"
     import accelerate  # noqa: F401
     import deepspeed  # noqa: F401
-    import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
 
@@ -85,6 +94,7 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
 def become(request: dict, fds: list[int], client: str, base_path: list[str]) -> None:
     """In the forked child: become the rank `request` describes, and run it. Returns when its script returns; the
     interpreter then exits as any other would (atexit handlers, non-daemon threads joined)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # the server's blocked signals are the rank's again
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -115,7 +125,9 @@ def serve(directory: Path) -> tuple[dict, list[int]] | None:
         print(f"rank server: running every rank fresh: {refused}", file=sys.stderr, flush=True)
     own = import_time_env(os.environ)
     parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     children: dict[int, socket.socket] = {}
+    launchers: dict[int, int] = {}  # rank: the process that started its client
     selector = selectors.DefaultSelector()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(directory / "rank.sock"))
@@ -124,7 +136,7 @@ def serve(directory: Path) -> tuple[dict, list[int]] | None:
     print("ready", flush=True)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe from here on
     while os.getppid() == parent:
-        for key, _ in selector.select(timeout=0.2):
+        for key, _ in selector.select(timeout=0.05):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
                 try:
@@ -153,12 +165,20 @@ def serve(directory: Path) -> tuple[dict, list[int]] | None:
                     os.close(fd)
                 conn.sendall(HEADER.pack(pid))
                 children[pid] = conn
+                launchers[pid] = request["parent"]
                 selector.register(conn, selectors.EVENT_READ, pid)
             elif not key.fileobj.recv(64):  # the client is gone (killed): so goes its rank
                 selector.unregister(key.fileobj)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(key.data, signal.SIGKILL)
+        while (info := signal.sigtimedwait(SIGNALS, 0)) is not None:
+            if info.si_pid not in launchers:  # not from a rank: the server's own, as if never blocked
+                sys.exit(128 + info.si_signo)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launchers[info.si_pid], info.si_signo)
         reap(children, selector)
+        for pid in set(launchers) - set(children):
+            del launchers[pid]
     return None
 
 

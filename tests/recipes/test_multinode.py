@@ -12,18 +12,27 @@ import time
 import pytest
 from communication import assert_closed_form
 from hub import assert_loads_as_the_hub_does
-from launching import BIN, ROOT, TIMEOUT, Run, build_deepspeed_ops, free_port, log_launch, uses_deepspeed
+from launching import (
+    BIN,
+    ROOT,
+    TIMEOUT,
+    Run,
+    build_deepspeed_ops,
+    deepspeed_ops,
+    free_port,
+    launch_env,
+    log_launch,
+    rank_server,
+)
 from parity import STEPS, cell_args, cell_run
 
 
 def launch_two_nodes(config: str, args: list[str], out, per_node: int = 1, extra: tuple[str, ...] = ()) -> Run:
     """`accelerate launch --machine_rank R` of accelerate_configs/<config>.yaml for R = 0, 1 on loopback."""
     port = str(free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),
-           "WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # fmt: skip
+    env = {**launch_env(), **rank_server().get("env", {})}  # the ranks from the rank server, through PYTHON_EXEC
     yaml = str(ROOT / "accelerate_configs" / f"{config}.yaml")
-    if uses_deepspeed([yaml], args):
-        build_deepspeed_ops()
+    build_deepspeed_ops(deepspeed_ops([yaml], args))
     started = time.perf_counter()
     nodes = []
     for rank in (0, 1):
