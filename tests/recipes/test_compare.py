@@ -4,12 +4,12 @@ strategy is reported with its error while the others complete."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launching import launch_env, rank_server
 
 from recipes import compare
 from training.compare.launches import last_error
@@ -94,7 +94,8 @@ def run_compare(strategies: str, out: Path, corpus: dict) -> subprocess.Complete
         sys.executable, "recipes/compare.py", "--preset", "debug", "--strategies", strategies, "--steps", str(STEPS),
         "--nproc", "2", "--no_trainer", "--output_dir", str(out), *corpus["flags"],
     ]  # fmt: skip
-    env = {**launch_env(), **rank_server().get("env", {})}  # its launches' ranks from the rank server
+    # Fresh ranks, not the rank server's: compare reads each rank's peak memory from the launcher's children.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
 
 
