@@ -290,27 +290,28 @@ def uses_deepspeed(cmd: list[str], args: list[str]) -> bool:
 
 
 def deepspeed_ops(cmd: list[str], args: list[str]) -> tuple[str, ...]:
-    """The DeepSpeed ops a launch loads on CPU ranks: those its DeepSpeed JSON (named by --deepspeed, or by its
-    accelerate config's deepspeed_config_file) needs; none for a JSON that does not parse (the launch refuses it
-    first); every CPU op where the JSON cannot be found."""
+    """The DeepSpeed ops a launch loads on CPU ranks: those its DeepSpeed JSON needs (--deepspeed's, which wins as
+    in the training script, else its accelerate config's deepspeed_config_file, read as recipes/compare.py reads
+    it); none for a JSON that cannot be read (the launch refuses it first); every CPU op where no JSON is named."""
     import yaml
 
+    from recipes.compare import launch_json
+    from training.parallel.deepspeed_config import load_json
     from training.parallel.ops import CPU_OPS, launch_ops
 
     if not uses_deepspeed(cmd, args):
         return ()
     named = [a.split("=", 1)[1] for a in args if a.startswith("--deepspeed=")]
     named += [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--deepspeed"]
-    for config in (Path(a) for a in cmd if a.endswith(".yaml")):
-        section = (yaml.safe_load(config.read_text()) or {}).get("deepspeed_config") or {}
-        named += [str(ROOT / section["deepspeed_config_file"])] if "deepspeed_config_file" in section else []
-    if not named:
-        return CPU_OPS
     try:
-        ds = json.loads(Path(named[-1]).read_text())
+        ds = load_json(named[-1]) if named else None
     except (OSError, ValueError):
         return ()
-    return launch_ops(ds, on_gpu=False) if isinstance(ds, dict) else ()
+    for config in (Path(a) for a in cmd if a.endswith(".yaml") and ds is None):
+        ds = launch_json(yaml.safe_load(config.read_text()) or {})
+    if ds is None:
+        return CPU_OPS
+    return launch_ops(ds, on_gpu=False) if ds and isinstance(ds, dict) else ()
 
 
 def build_deepspeed_ops(ops: tuple[str, ...]) -> None:

@@ -126,8 +126,7 @@ def serve(directory: Path) -> tuple[dict, list[int]] | None:
     own = import_time_env(os.environ)
     parent = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-    children: dict[int, socket.socket] = {}
-    launchers: dict[int, int] = {}  # rank: the process that started its client
+    children: dict[int, tuple[socket.socket, int]] = {}  # rank: its client's connection, and the client's parent
     selector = selectors.DefaultSelector()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(directory / "rank.sock"))
@@ -157,32 +156,29 @@ def serve(directory: Path) -> tuple[dict, list[int]] | None:
                 if pid == 0:
                     selector.close()
                     listener.close()
-                    for other in children.values():
+                    for other, _ in children.values():
                         other.close()
                     conn.close()
                     return request, fds
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(HEADER.pack(pid))
-                children[pid] = conn
-                launchers[pid] = request["parent"]
+                children[pid] = conn, request["parent"]
                 selector.register(conn, selectors.EVENT_READ, pid)
             elif not key.fileobj.recv(64):  # the client is gone (killed): so goes its rank
                 selector.unregister(key.fileobj)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(key.data, signal.SIGKILL)
         while (info := signal.sigtimedwait(SIGNALS, 0)) is not None:
-            if info.si_pid not in launchers:  # not from a rank: the server's own, as if never blocked
+            if info.si_pid not in children:  # not from a rank: the server's own, as if never blocked
                 sys.exit(128 + info.si_signo)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(launchers[info.si_pid], info.si_signo)
+                os.kill(children[info.si_pid][1], info.si_signo)
         reap(children, selector)
-        for pid in set(launchers) - set(children):
-            del launchers[pid]
     return None
 
 
-def reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+def reap(children: dict[int, tuple[socket.socket, int]], selector: selectors.BaseSelector) -> None:
     """Tell each finished rank's client its exit status (negative: the signal that ended it)."""
     while children:
         try:
@@ -191,9 +187,9 @@ def reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -
             return
         if pid == 0:
             return
-        conn = children.pop(pid, None)
-        if conn is None:
+        if pid not in children:
             continue
+        conn, _ = children.pop(pid)
         with contextlib.suppress(KeyError):  # unregistered already if its client left
             selector.unregister(conn)
         with contextlib.suppress(OSError):
