@@ -19,25 +19,57 @@ if str(ROOT / "tests") not in sys.path:  # the helpers every test folder shares 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def cpu_times() -> tuple[float, float] | None:
+    """The machine's busy and idle CPU seconds since boot (/proc/stat; None where there is none)."""
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle and iowait
+    return (sum(fields[:8]) - idle) / tick, idle / tick
+
+
+SESSION = {"cpu": None, "busy": {}}  # the controlling process's: CPU times at the start, each worker's test time
+
+
 def pytest_sessionstart(session):
     """A new launch log for this session (tests/launching.py), begun by the controlling process only."""
     if not hasattr(session.config, "workerinput"):  # pytest-xdist's workers have it
         from launching import LAUNCH_LOG
 
         LAUNCH_LOG.unlink(missing_ok=True)
+        SESSION["cpu"] = cpu_times()
+
+
+def pytest_runtest_logreport(report):
+    """Each pytest-xdist worker's time in tests (set-up, call, teardown), for the summary: which worker the session
+    waited for."""
+    node = getattr(report, "node", None)  # set on the controlling process's copy of a worker's report
+    worker = node.gateway.id if node is not None else "main"
+    SESSION["busy"][worker] = SESSION["busy"].get(worker, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter, config):
     """Where the launches' time went: their count and wall time, the phases rank 0 recorded, the slowest ones."""
     from launching import LAUNCH_LOG
 
-    if hasattr(config, "workerinput") or not LAUNCH_LOG.is_file():
+    if hasattr(config, "workerinput"):
+        return
+    write = terminalreporter.write_line
+    started, now = SESSION["cpu"], cpu_times()
+    if started and now and SESSION["busy"]:
+        busy, idle = (b - a for a, b in zip(started, now, strict=True))
+        terminalreporter.section("where the time went")
+        workers = ", ".join(f"{w} {s / 60:.1f} min" for w, s in sorted(SESSION["busy"].items()))
+        write(f"time in tests per worker: {workers}; the machine's {os.cpu_count()} CPUs "
+              f"{100 * busy / max(busy + idle, 1e-9):.0f}% busy over the session")  # fmt: skip
+    if not LAUNCH_LOG.is_file():
         return
     import json
 
     launches = [json.loads(line) for line in LAUNCH_LOG.read_text().splitlines()]
     wall = sum(r["wall_s"] for r in launches)
-    write = terminalreporter.write_line
     terminalreporter.section("launches")
     write(f"{len(launches)} launches, {wall / 60:.1f} min of wall time in all ({LAUNCH_LOG})")
     timed = [r for r in launches if "wall_s" in r and "startup_s" in r]

@@ -140,6 +140,9 @@ def launch(
     before = len(metrics_lines(Path(output_dir)))
     started = time.perf_counter()
     argv = [*cmd, *args, "--output_dir", str(output_dir)]
+    if cmd[0] == sys.executable and (ranks := rank_server()):  # one process, `python train.py`: from the rank server
+        argv[0] = ranks["python"]
+        env.update(ranks["env"])
     stdout, stderr, returncode = (served_launch if served(cmd) else plain_launch)(argv, env, timeout)
     run = Run(output_dir, stdout, stderr, returncode, before)
     log_launch(cmd, args, run, time.perf_counter() - started)
@@ -181,7 +184,8 @@ def plain_launch(argv: list[str], env: dict, timeout: int) -> tuple[str, str, in
 
 # The ranks such a launcher starts come from tests/rank_server.py, which pays a rank's imports once (about 6 of a
 # rank's 10 seconds of start-up on the slower machine) and forks each rank from there, through the `python` it
-# writes (the launcher's sys.executable). SHARDGPT_RANK_SERVER=0 starts every rank as a fresh interpreter instead.
+# writes (the launcher's sys.executable), and so does a one-process launch (`python train.py`). SHARDGPT_RANK_SERVER=0
+# starts every rank as a fresh interpreter instead.
 
 _server: tuple[subprocess.Popen, str, bytes] | None = None
 _rank_server: tuple[subprocess.Popen, Path] | None = None
