@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from hub import assert_loads_as_the_hub_does
 from launching import Run, launch, launcher_command
 
 STEPS = 20
@@ -18,6 +20,8 @@ TRAIN = [
     "--eval_steps=10", "--max_eval_batches=4", "--save_steps=0", "--save_total_limit=5", "--sample_max_new_tokens=0",
 ]  # fmt: skip
 MAX_GRAD_NORM = 1.0  # --max_grad_norm's default, below every step's norm here: clipping acts at every step
+EXPORT_ATOL = 1e-4  # 10x the measured worst difference (tests/recipes/test_strategies.py's docstring)
+NORM_RTOL = 1e-6  # every step's gradient norm against one process's
 ONE_PROCESS = ["--per_device_train_batch_size=8"]
 TWO_RANKS = ["--per_device_train_batch_size=4"]
 # These cells take the same 8 sequences a step as 2 micro batches of 2 per rank: what a step sends with gradient
@@ -76,3 +80,21 @@ def reference_run(corpus: dict, tmp_path_factory) -> Run:
 
 def by_step(run: Run, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in run.records if key in r}
+
+
+def assert_same_training(run, reference) -> None:
+    """Every step's loss and gradient norm (before clipping, which acts at every step) equal the single process's,
+    and the export loads as the Hub loads it, holding the single process's weights (tolerances: tests/recipes/
+    test_strategies.py's docstring)."""
+    losses, ref = run.losses, reference.losses
+    assert sorted(losses) == sorted(ref) == list(range(1, STEPS + 1))
+    for step in ref:
+        rtol = 1e-6 if step == 1 else 1e-5
+        assert losses[step] == pytest.approx(ref[step], rel=rtol), f"step {step}"
+    norms, ref_norms = by_step(run, "grad_norm"), by_step(reference, "grad_norm")
+    assert sorted(norms) == sorted(ref_norms) and min(ref_norms.values()) > MAX_GRAD_NORM, ref_norms  # clipping acts
+    worst = max(abs(norms[step] / ref_norms[step] - 1) for step in ref_norms)
+    print(f"gradient norms: largest relative difference {worst:.3g}")
+    assert worst <= NORM_RTOL, {step: (norms[step], ref_norms[step]) for step in ref_norms}
+    seen = assert_loads_as_the_hub_does(run.output_dir, reference.output_dir, EXPORT_ATOL)
+    print(f"exported weights: max abs difference {seen['max_abs_diff']:.3g}")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launching import ROOT, launch, launcher_command
+from launching import ROOT, accelerate_with, launch, launcher_command
 
 from training.compat import build_lock_blocks
 
@@ -206,14 +206,19 @@ def test_a_stale_op_build_lock_fails_fast_instead_of_hanging(corpus, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_fsdp_tensor_parallel_config_is_refused_naming_the_blocker(corpus, tmp_path):
-    """accelerate_configs/fsdp_tp.yaml (dp_shard 2 x tp 2, 4 ranks) as shipped: accelerate 1.15 cannot prepare a
-    tensor-parallel model with transformers 5.23, so every rank stops before its process group, naming the
-    library line and the route that trains (DeepSpeed AutoTP)."""
-    cmd = launcher_command("accelerate", "fsdp_tp")
-    run = launch(cmd, [*corpus["flags"], *FAST], tmp_path / "out", check=False)
+def test_a_tensor_parallel_degree_that_splits_no_head_evenly_is_refused(corpus, tmp_path):
+    """accelerate_configs/fsdp_tp.yaml with its block changed to tp 4 on the 4 ranks: the `debug` model's 2
+    key-value heads cannot be split 4 ways, and every rank stops before its process group, naming the key, the
+    model's count and the degrees that would."""
+    yaml = (ROOT / "accelerate_configs" / "fsdp_tp.yaml").read_text()
+    yaml = yaml.replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 1")
+    config = tmp_path / "fsdp_tp4.yaml"
+    config.write_text(yaml.replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 4"))
+    run = launch(accelerate_with(str(config)), [*corpus["flags"], *FAST], tmp_path / "out", check=False)
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert errors and all("parallelism_config sets tp_size: 2" in e for e in errors), run.stderr[-3000:]
-    assert "accelerate/accelerator.py:1618" in errors[0] and "accelerate_configs/autotp.yaml" in errors[0]
+    want = "parallelism_config_tp_size = 4 does not divide the model's num_key_value_heads (2)"
+    assert errors and all(want in e and "set parallelism_config_tp_size to one of [1, 2]" in e for e in errors), (
+        run.stderr[-3000:]
+    )
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

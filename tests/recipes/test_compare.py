@@ -101,7 +101,7 @@ def run_compare(strategies: str, out: Path, corpus: dict) -> subprocess.Complete
 
 def test_tensor_parallel_rows_keep_the_global_batch():
     """autotp is in "all"; its 2 tensor-parallel ranks share one micro batch, so it gets twice the others' (the
-    same global batch). fsdp_tp, refused with these library versions, is left out of "all"."""
+    same global batch). fsdp_tp, whose YAML launches 4 ranks (dp_shard 2 x tp 2), is left out of "all"."""
     assert "autotp" in compare.single_node_configs() and "fsdp_tp" not in compare.single_node_configs()
     args, _ = compare.parse_args(["--strategies", "ddp,autotp,single"])
     specs = {s.name: s for s in compare.make_specs(args.strategies, 2, trainer=False)}

@@ -32,7 +32,7 @@ DEEPSPEED = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_cpu", "z
 NOT_ON_ONE_GPU = {
     "accelerate_configs/autotp.yaml": "tensor parallelism splits each layer over 2 ranks",
     "ds_configs/autotp.json": "tensor parallelism splits each layer over 2 ranks",
-    "accelerate_configs/fsdp_tp.yaml": "refused before the process group on any device (docs/strategies.md)",
+    "accelerate_configs/fsdp_tp.yaml": "dp_shard 2 x tp 2: 4 ranks",
     "accelerate_configs/fsdp_hybrid_multinode.yaml": "two machines",
     "accelerate_configs/multinode_zero3.yaml": "two machines",
     **{

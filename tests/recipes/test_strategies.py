@@ -31,13 +31,9 @@ import json
 
 import pytest
 from communication import assert_closed_form
-from hub import assert_loads_as_the_hub_does
 from launching import ROOT, launch, launcher_command, quiet_console_problems
-from parity import MAX_GRAD_NORM, STEPS, TRACKERS, TRAIN, TWO_RANKS, by_step, cell_run, reference_run
+from parity import STEPS, TRACKERS, TRAIN, TWO_RANKS, assert_same_training, cell_run, reference_run
 from trackers import assert_same_as_metrics, tensorboard_scalars, wandb_history
-
-EXPORT_ATOL = 1e-4  # 10x the measured worst difference (module docstring)
-NORM_RTOL = 1e-6  # every step's gradient norm against one process's
 
 # What the prepared objects must show, per strategy. shares: this rank's fraction of (parameters, gradients
 # given to the optimizer, Adam's states). ZeRO-1 and -2 both hand the optimizer a 1/N gradient partition;
@@ -142,23 +138,6 @@ def assert_in_force(seen: dict, strategy: str) -> None:
         assert seen["deepspeed_precision"] == FP32_ZERO, seen
     on_nvme = (seen.get("local_parameter_fraction_on_nvme", 0), seen["local_optimizer_state_fraction_on_nvme"])
     assert on_nvme == pytest.approx(want.get("nvme", (0, 0)), abs=0.02), f"(params, optimizer states) on NVMe: {seen}"
-
-
-def assert_same_training(run, reference) -> None:
-    """Every step's loss and gradient norm (before clipping, which acts at every step) equal the single process's,
-    and the export loads as the Hub loads it, holding the single process's weights (tolerances: module docstring)."""
-    losses, ref = run.losses, reference.losses
-    assert sorted(losses) == sorted(ref) == list(range(1, STEPS + 1))
-    for step in ref:
-        rtol = 1e-6 if step == 1 else 1e-5
-        assert losses[step] == pytest.approx(ref[step], rel=rtol), f"step {step}"
-    norms, ref_norms = by_step(run, "grad_norm"), by_step(reference, "grad_norm")
-    assert sorted(norms) == sorted(ref_norms) and min(ref_norms.values()) > MAX_GRAD_NORM, ref_norms  # clipping acts
-    worst = max(abs(norms[step] / ref_norms[step] - 1) for step in ref_norms)
-    print(f"gradient norms: largest relative difference {worst:.3g}")
-    assert worst <= NORM_RTOL, {step: (norms[step], ref_norms[step]) for step in ref_norms}
-    seen = assert_loads_as_the_hub_does(run.output_dir, reference.output_dir, EXPORT_ATOL)
-    print(f"exported weights: max abs difference {seen['max_abs_diff']:.3g}")
 
 
 @pytest.mark.slow

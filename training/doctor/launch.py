@@ -147,11 +147,12 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     yaml_sp = block_degree("sp_size", environ=exported(launch))
     ds_file = cfg.deepspeed or ((launch or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
     try:
-        # The ranks that train on different data: the world over the pipeline's and AutoTP's degrees, as the
+        # The ranks that train on different data: the world over the pipeline's and tensor-parallel degrees, as the
         # training script counts them (a missing or broken JSON is reported under "DeepSpeed config" below).
         present = ds_file and find_file(ds_file).is_file()
         raw = with_sequence_parallel(load_json(find_file(ds_file)), repr(str(ds_file)), yaml_sp) if present else None
-        dp = data_parallel_ranks(cfg, world, (raw, repr(str(ds_file))) if present else None)
+        yaml_tp = block_degree("tp_size", environ=exported(launch))  # tensor parallelism under FSDP2
+        dp = data_parallel_ranks(cfg, world, (raw, repr(str(ds_file))) if present else None, tp=yaml_tp)
         cfg = cfg.resolve(dp)  # the accelerate config's precision is checked below, against the flags
     except Exception as e:
         report.add("training flags", FAIL, str(e))

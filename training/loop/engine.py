@@ -37,6 +37,7 @@ from training.parallel.inspection import (
 from training.parallel.pipeline import Pipeline, build_pipeline, fsdp2_stages
 from training.parallel.sequence import context_parallel
 from training.parallel.strategy import Strategy
+from training.parallel.tensor import shard_tensor_parallel
 
 
 @dataclass
@@ -149,8 +150,17 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     # FSDP2 it is built on the meta device and sharded, then initialised module by module into each rank's shards. A
     # pipeline rank builds the whole model, as one process would, and keeps its stages. Every path draws the same
     # weights for a seed. --torch_compile compiles each decoder layer, after checkpointing, before any sharding.
+    # Under tensor parallelism (FSDP2 x TP) every rank builds the whole model, as one process would, and keeps its
+    # slices and shards of it (training/parallel/tensor.py).
+    tensor_parallel = strategy.family == "fsdp" and strategy.tp_size > 1
     net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path,
-                      None if pipelined else accelerator, cfg.torch_compile)  # fmt: skip
+                      None if pipelined or tensor_parallel else accelerator, cfg.torch_compile)  # fmt: skip
+    if tensor_parallel:  # collective: the device mesh; the plan's slices over tp, FSDP2 over the data-parallel ranks
+        # accelerate's plugin finds the YAML's wrap classes by name in the model, which FSDP2 renames
+        # (FSDPShardGPTDecoderLayer): resolved before sharding, as accelerate's own FSDP2 preparation does.
+        accelerator.state.fsdp_plugin.set_auto_wrap_policy(net)
+        policy = fsdp_precision(cfg) if cfg.mixed_precision != "no" else None
+        net = shard_tensor_parallel(net, strategy, accelerator.device, policy)
     pipeline = None
     if pipelined:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config
         shard = stage_sharder(cfg, strategy, accelerator.device) if strategy.family == "fsdp" else None

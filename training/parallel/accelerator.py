@@ -62,14 +62,17 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         # seed, so there is nothing to sync.
         os.environ["FSDP_SYNC_MODULE_STATES"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
     hybrid_on_cpu = fsdp_on_cpu and parallelism_config()
-    if hybrid_on_cpu:
+    tensor_parallel = strategy.family == "fsdp" and strategy.tp_size > 1
+    if hybrid_on_cpu or tensor_parallel:
         # accelerate checks a parallelism_config against the state's distributed type when the Accelerator is
         # built, which on CPU is MULTI_CPU until FSDP is switched on: the config is applied after that instead.
+        # With tensor parallelism accelerate never sees it, on any device: its `prepare` would import a class
+        # transformers 5 removed; the project shards the model on the block's degrees (training/parallel/tensor.py).
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
     if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
         enable_fsdp_on_cpu(accelerator)
-    if hybrid_on_cpu and strategy.replicas > 1:
+    if hybrid_on_cpu and strategy.replicas > 1 and not tensor_parallel:
         apply_parallelism_config_on_cpu(accelerator)
     if accelerator.distributed_type == DistributedType.FSDP and cfg.mixed_precision != "no":
         plugin = accelerator.state.fsdp_plugin

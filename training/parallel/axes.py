@@ -31,9 +31,12 @@ AXES = {
     # (training/parallel/pipeline.py); a DeepSpeed engine wraps and steps the whole model.
     # DeepSpeed's own pipeline engine runs ZeRO-0/1 only, on a model rewritten as its PipelineModule.
     "pp": Axis("pipeline parallelism", ("single", "ddp", "fsdp"), published_under=("zero1",)),
-    # DeepSpeed AutoTP, built by the engine (`tensor_parallel.autotp_size`); accelerate's FSDP2 x TP path cannot import
-    # on transformers 5 (training/parallel/launch_checks.py). Megatron-LM's runs split layers under DDP.
-    "tp": Axis("tensor parallelism (DeepSpeed AutoTP)", DEEPSPEED, published_under=("ddp",)),
+    # DeepSpeed AutoTP, built by the engine (`tensor_parallel.autotp_size`), or the model's plan with torch's
+    # DTensor APIs under FSDP2 (an accelerate YAML's parallelism_config_tp_size: training/parallel/tensor.py).
+    # Megatron-LM's runs split layers under DDP.
+    "tp": Axis(
+        "tensor parallelism (DeepSpeed AutoTP, or DTensor under FSDP2)", (*DEEPSPEED, "fsdp"), published_under=("ddp",)
+    ),
     # DeepSpeed's Ulysses: the engine reduces the gradients over the sequence-parallel ranks
     # (training/parallel/sequence.py).
     "sp": Axis("sequence parallelism (Ulysses)", DEEPSPEED),

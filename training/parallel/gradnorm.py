@@ -54,7 +54,9 @@ def grad_norm(parameters, device: torch.device, sharded_group: dist.ProcessGroup
             continue
         if any(p.is_partial() for p in grad.placements):
             raise RuntimeError(f"a gradient is still partial over its mesh {grad.placements}: it was never reduced")
-        key = (grad.device_mesh, tuple(d for d, p in enumerate(grad.placements) if p.is_shard()))
+        # Every dimension a gradient is not replicated over holds different elements: Shard, and FSDP2's strided
+        # shard of a tensor-parallel slice (torch 2.13's `_StridedShard`, whose `is_shard()` is False).
+        key = (grad.device_mesh, tuple(d for d, p in enumerate(grad.placements) if not p.is_replicate()))
         squares = local_squares(grad.to_local()).to(device)
         by_layout[key] = by_layout[key] + squares if key in by_layout else squares
     for (mesh, dims), squares in by_layout.items():

@@ -66,6 +66,8 @@ def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: 
         shards = strategy.shard_size
         if shards > 1 and local > total / shards * 1.05 + 1024:
             refuse(f"this rank holds {local} of {total} parameters (FSDP should hold about 1/{shards})")
+        if strategy.tp_size > 1:
+            seen["tensor_parallel"] = verify_dtensor_tp(unwrapped, strategy, refuse)
     elif world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         refuse(f"the prepared model is a {type(model).__name__}, not DistributedDataParallel")
     return seen
@@ -144,6 +146,23 @@ def verify_autotp(engine, unwrapped: torch.nn.Module, strategy: Strategy, refuse
         if not whole or split != want:
             refuse(f"{name} ({style}) holds a weight of {split}, not 1/{tp} of {whole or split} along dim {dim}")
         counts[style] = counts.get(style, 0) + 1
+    return {"size": tp, "data_parallel_size": strategy.data_parallel_size, "split_modules": counts}
+
+
+def verify_dtensor_tp(model: torch.nn.Module, strategy: Strategy, refuse: Callable[[str], NoReturn]) -> dict:
+    """The model's plan in force under FSDP2 (training/parallel/tensor.py): every module the decoder's plan names
+    holds a weight split over the mesh's tp ranks along the plan's dimension (colwise: output rows, rowwise: input
+    columns). Returns the count of each style."""
+    from training.parallel.tensor import split_modules
+
+    tp = strategy.tp_size
+    counts = split_modules(model, tp)
+    layers = len(model.model.layers)
+    planned: dict[str, int] = {}
+    for style in model.config.base_model_tp_plan.values():
+        planned[style] = planned.get(style, 0) + layers
+    if counts != planned:
+        refuse(f"the modules split over {tp} tensor-parallel ranks are {counts}, not the plan's {planned}")
     return {"size": tp, "data_parallel_size": strategy.data_parallel_size, "split_modules": counts}
 
 

@@ -27,7 +27,7 @@ from training.parallel.launch_checks import (
     check_fsdp1_checkpoints,
     check_parallelism_config_tp,
 )
-from training.parallel.mesh import Mesh, block_degree
+from training.parallel.mesh import FLAGS, Mesh, block_degree
 from training.parallel.schedules import ZERO_BUBBLE
 from training.parallel.sequence import (
     check_context_parallel,
@@ -68,13 +68,14 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             "both DeepSpeed and FSDP are requested (--deepspeed or a DeepSpeed accelerate config, and an FSDP "
             "accelerate config): launch with one of them"
         )
-    check_parallelism_config_tp()
+    fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
+    tp = yaml_tensor_parallel_size()
+    check_parallelism_config_tp(tp, launched is not None, fsdp_version(fsdp_env) if use_fsdp else 0, cfg)
     # The data-parallel wrapper, for the axes table's checks (training/parallel/axes.py).
     held_by = wrapper("deepspeed", zero_stage(launched[0])) if launched else "fsdp" if use_fsdp else "ddp"
     sp = sequence_parallel_size(launched[0]) if launched else yaml_sequence_parallel_size()
     check_sequence_parallel(cfg, cfg.model_config() if sp > 1 else None, sp, world, held_by)
     cp = yaml_context_parallel_size()
-    fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
     check_context_parallel(cfg, cp, held_by, fsdp_version(fsdp_env) if use_fsdp else 0, torch.cuda.is_available())
     if launched is not None:
         raw, source = launched
@@ -86,17 +87,23 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         if fsdp_version(fsdp_env) == 1:
             check_fsdp1_checkpoints(cfg, fsdp_env)
             check_fsdp1(fsdp_env)
-        strategy = fsdp_strategy(fsdp_env, world, hybrid_replicas(world, cp), cp=cp, **pipeline)
+        strategy = fsdp_strategy(fsdp_env, world, hybrid_replicas(world, cp, tp), cp=cp, tp=tp, **pipeline)
         check_pipeline_with_fsdp(cfg, strategy)
         return strategy
     return replicated_strategy(world, pipeline)
 
 
-def hybrid_replicas(world: int, cp: int = 1) -> int:
+def hybrid_replicas(world: int, cp: int = 1, tp: int = 1) -> int:
     """Hybrid sharding: the copies of the model an accelerate parallelism_config keeps, each sharded over its
-    dp_shard x cp ranks (the shards replicated over the rest); 1 without the block or its dp_shard_size."""
+    dp_shard x cp ranks of tp-way split layers (the shards replicated over the rest); 1 without the block or its
+    dp_shard_size."""
     shard = block_degree("dp_shard_size", default=world)
-    return math.ceil(world / (shard * cp))
+    return math.ceil(world / (shard * cp * tp))
+
+
+def yaml_tensor_parallel_size() -> int:
+    """The accelerate YAML's parallelism_config_tp_size (1 without it): tensor parallelism under FSDP2."""
+    return block_degree("tp_size")
 
 
 def pipeline_fields(cfg: RunConfig) -> dict:
@@ -176,14 +183,19 @@ def launched_data_parallel_size(cfg: RunConfig) -> int:
     read before `RunConfig.resolve`, which fixes the accumulation that
     --global_batch_size gives from it (the DeepSpeed JSON's "auto" values are resolved afterwards, from the resolved
     config). The same count as `Strategy.data_parallel_size`, which the loader, DeepSpeed and the resume check use."""
-    return data_parallel_ranks(cfg, launched_world_size(), launched_deepspeed_config(cfg), yaml_context_parallel_size())
+    launched = launched_deepspeed_config(cfg)
+    return data_parallel_ranks(cfg, launched_world_size(), launched, yaml_context_parallel_size(),
+                               1 if launched else yaml_tensor_parallel_size())  # fmt: skip
 
 
-def data_parallel_ranks(cfg: RunConfig, world: int, launched: tuple[dict, str] | None, cp: int = 1) -> int:
+def data_parallel_ranks(cfg: RunConfig, world: int, launched: tuple[dict, str] | None, cp: int = 1,
+                        tp: int = 1) -> int:  # fmt: skip
     """`launched_data_parallel_size` for `world` ranks, the DeepSpeed config `launched` ((JSON, how messages
-    name it), or None) and `cp` ring-context-parallel ranks a sequence, as the doctor reads them from a launch's
-    files."""
-    mesh = Mesh.of_world(world, pp=cfg.pipeline_parallel_degree, cp=cp)  # refuses degrees that do not divide
+    name it), or None), `cp` ring-context-parallel ranks a sequence and `tp` tensor-parallel ranks a layer (the
+    YAML's, under FSDP2), as the doctor reads them from a launch's files."""
+    flags = {**FLAGS, "tp": "parallelism_config_tp_size"}
+    # refuses degrees that do not divide the world
+    mesh = Mesh.of_world(world, pp=cfg.pipeline_parallel_degree, cp=cp, tp=tp, flags=flags)
     if launched is None:
         return mesh.dp
     raw, source = launched

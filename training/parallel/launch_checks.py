@@ -66,36 +66,42 @@ def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
         )
 
 
-def check_parallelism_config_tp() -> None:
-    """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`, with or without FSDP2) is
-    refused before the process group. accelerate 1.15 applies it in `Accelerator._prepare_tp`, which skips a
-    model without DTensor parameters (accelerate/accelerator.py:1598-1603, a warning only: FSDP2 alone would then
-    shard it, and each tensor-parallel pair would hold the same shards), so the model must arrive already split
-    (DTensors on the mesh's `tp` dimension); then its FSDP2 branch (accelerate/accelerator.py:1618) runs
-    `from transformers.integrations.tensor_parallel import ReplicateParallel` for the parameters the plan leaves
-    whole (the norms), and transformers 5.23 has no such class (`accelerate_tp_importable`): the ImportError would
-    end every rank inside `prepare`, on GPUs as on CPUs. Without FSDP (`tp_size` = the world) it is refused too:
-    this script has no data-parallel gradient reduction for it. DeepSpeed AutoTP splits the same plan and trains;
-    torch's own FSDP2 x TP of this model's plan trains like one process (tests/model/test_tensor_parallel.py)."""
-    tp = block_degree("tp_size")
-    if tp > 1:
-        blocker = (
-            "accelerate/accelerator.py:1618 imports transformers' removed ReplicateParallel"
-            if not accelerate_tp_importable()
-            else "this script builds no DTensor model for accelerate's tensor-parallel preparation"
-        )
+def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg: RunConfig) -> None:
+    """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`) runs under FSDP2, with torch's
+    DTensor plan applied by this project (training/parallel/tensor.py: accelerate 1.15's own preparation cannot
+    import with transformers 5). Refused before the process group: under DeepSpeed (AutoTP is the JSON's
+    `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), without FSDP, with a pipeline,
+    ring context or CPU offload, and a degree that does not split every layer evenly."""
+    if tp == 1:
+        return
+    where = f"the accelerate config's parallelism_config_tp_size: {tp}"
+    if deepspeed:
         raise ValueError(
-            f"the accelerate config's parallelism_config sets tp_size: {tp}, which accelerate 1.15 cannot prepare with "
-            f"transformers 5.23 ({blocker}): for tensor parallelism launch accelerate_configs/autotp.yaml or "
-            "--deepspeed ds_configs/autotp.json (DeepSpeed AutoTP), or remove parallelism_config_tp_size"
+            f"{where} with DeepSpeed: DeepSpeed splits layers itself (AutoTP); set tensor_parallel.autotp_size: {tp} "
+            "in the DeepSpeed JSON (ds_configs/autotp.json) and remove parallelism_config_tp_size"
         )
+    if fsdp_version != 2:
+        what = "fsdp_version: 1 (its flat parameters hold no DTensor slices)" if fsdp_version else "no FSDP (DDP)"
+        raise ValueError(
+            f"{where} with {what}: tensor parallelism runs under FSDP2 here; set distributed_type: FSDP with "
+            "fsdp_version: 2 (accelerate_configs/fsdp_tp.yaml), or use DeepSpeed AutoTP "
+            "(accelerate_configs/autotp.yaml)"
+        )
+    unsupported = (
+        f"--pipeline_parallel_degree {cfg.pipeline_parallel_degree}" if cfg.pipeline_parallel_degree > 1
+        else "parallelism_config_cp_size" if block_degree("cp_size") > 1
+        else "parallelism_config_sp_size" if block_degree("sp_size") > 1
+        else "fsdp_offload_params: true" if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+        else None
+    )  # fmt: skip
+    if unsupported:
+        raise ValueError(
+            f"{where} with {unsupported}: tensor parallelism composes with FSDP2's sharding and hybrid replicas only "
+            "in this release; remove one of them"
+        )
+    from training.parallel.tensor import check_tensor_parallel
 
-
-def accelerate_tp_importable() -> bool:
-    """Whether the class accelerate's FSDP2 x TP preparation imports exists in the installed transformers."""
-    from transformers.integrations import tensor_parallel
-
-    return hasattr(tensor_parallel, "ReplicateParallel")
+    check_tensor_parallel(cfg.model_config(), tp)
 
 
 def parallelism_config() -> bool:

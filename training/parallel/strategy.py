@@ -95,6 +95,8 @@ class Strategy:
                 f"Strategy: {self.family} does not run on the mesh {self.mesh.shape} (ZeRO shards every "
                 "data-parallel rank, DDP replicates)"
             )
+        if self.family == "fsdp" and self.tp_size > 1 and self.fsdp_version != 2:
+            raise ValueError("Strategy: tensor parallelism under FSDP is FSDP2's (fully_shard of DTensor slices)")
         for name, kind in (("family", Family), ("offload_param", Device), ("offload_optimizer", Device),
                            ("fsdp_sharding", Sharding)):  # fmt: skip
             if getattr(self, name) not in get_args(kind):
@@ -104,7 +106,7 @@ class Strategy:
 
     @property
     def name(self) -> str:
-        """How people and records spell the strategy: single, ddp, fsdp[-hybrid][-shard-grad-op][-offload],
+        """How people and records spell the strategy: single, ddp, fsdp[-hybrid][-shard-grad-op][-offload][-tpN],
         fsdp1[-shard-grad-op|-no-shard][-offload], zero{0-3}[-offload-cpu|-offload-nvme][-autotp][-spN], each with
         -ppN under pipeline parallelism."""
         pipeline = f"-pp{self.pp_size}" if self.pp_size > 1 else ""
@@ -117,7 +119,8 @@ class Strategy:
             hybrid = "-hybrid" if self.replicas > 1 else ""
             offload = "-offload" if self.offloads else ""
             context = f"-cp{self.cp_size}" if self.cp_size > 1 else ""
-            return f"fsdp{version}{hybrid}{SHARDING_SUFFIX[self.fsdp_sharding]}{offload}{context}{pipeline}"
+            tensor = f"-tp{self.tp_size}" if self.tp_size > 1 else ""
+            return f"fsdp{version}{hybrid}{SHARDING_SUFFIX[self.fsdp_sharding]}{offload}{context}{tensor}{pipeline}"
         return self.family + pipeline
 
     @classmethod
@@ -139,7 +142,7 @@ class Strategy:
             raise ValueError(
                 f"strategy {name!r} is unknown: a strategy is spelled single, ddp, fsdp[-hybrid][-shard-grad-op]"
                 "[-offload], fsdp1[-shard-grad-op|-no-shard][-offload] or zero{0-3}[-offload-cpu|-offload-nvme]"
-                "[-autotp][-spN], fsdp[...][-cpN], with -ppN for a pipeline"
+                "[-autotp][-spN], fsdp[...][-cpN][-tpN], with -ppN for a pipeline"
             )
         return strategy
 
@@ -171,7 +174,7 @@ class Strategy:
     pp_size = property(lambda self: self.mesh.pp, doc="Pipeline ranks: the decoder's layers split over them.")
     cp_size = property(lambda self: self.mesh.cp, doc="Ranks each sequence is split over by ring attention.")
     sp_size = property(lambda self: self.mesh.sp, doc="Ranks each sequence is split over by Ulysses.")
-    tp_size = property(lambda self: self.mesh.tp, doc="Ranks each layer is split over (AutoTP).")
+    tp_size = property(lambda self: self.mesh.tp, doc="Ranks each layer is split over (AutoTP; the plan under FSDP2).")
     data_parallel_size = property(lambda self: self.mesh.dp, doc="Ranks that train on different data.")
 
     def data_parallel_rank(self, rank: int) -> int:
@@ -192,7 +195,7 @@ class Strategy:
 NAME = re.compile(
     r"(?P<family>single|ddp|fsdp|zero)(?P<number>[0-3])?(?P<hybrid>-hybrid)?(?P<sharding>-shard-grad-op|-no-shard)?"
     r"(?P<offload>-offload(?:-(?P<device>cpu|nvme))?)?(?P<autotp>-autotp)?(?:-sp(?P<sp>[2-9]|[1-9][0-9]+))?"
-    r"(?:-cp(?P<cp>[2-9]|[1-9][0-9]+))?"
+    r"(?:-cp(?P<cp>[2-9]|[1-9][0-9]+))?(?:-tp(?P<tp>[2-9]|[1-9][0-9]+))?"
     r"(?:-pp(?P<pp>[2-9]|[1-9][0-9]+))?"
 )
 
@@ -207,13 +210,15 @@ def spelled(match: re.Match, world: int) -> Strategy:
         return Strategy.of("deepspeed", world, zero_stage=stage, offload_param=device if stage == 3 else "none",
                            offload_optimizer=device, tp=2 if part["autotp"] else 1, pp=pp,
                            sp=int(part["sp"] or 1))  # fmt: skip
-    if part["sp"]:
-        return None  # Ulysses runs under DeepSpeed only (a -cpN the spelled strategy has not fails the read-back)
+    if part["sp"] or (part["tp"] and part["family"] != "fsdp"):
+        # Ulysses runs under DeepSpeed only, DTensor tensor parallelism under FSDP2 (a -cpN the spelled strategy has
+        # not fails the read-back)
+        return None
     if part["family"] == "fsdp":
         return Strategy.of(
             "fsdp", world, offload_param=device, offload_optimizer=device, fsdp_version=int(part["number"] or 2),
             fsdp_sharding=next(s for s, suffix in SHARDING_SUFFIX.items() if suffix == (part["sharding"] or "")),
-            replicas=2 if part["hybrid"] else 1, pp=pp, cp=int(part["cp"] or 1),
+            replicas=2 if part["hybrid"] else 1, pp=pp, cp=int(part["cp"] or 1), tp=int(part["tp"] or 1),
         )  # fmt: skip
     return Strategy.of(part["family"], world, pp=pp)
 

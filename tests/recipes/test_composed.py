@@ -1,0 +1,94 @@
+"""The axes composed, launched as users write them: an accelerate YAML of FSDP2 with a `parallelism_config` block
+(dp_shard 2 x tp 2, as accelerate documents it) on 4 CPU ranks trains the model of one process.
+
+The layers split by the model's plan over each pair of consecutive ranks (training/parallel/tensor.py), FSDP2 shards
+every slice over the two pairs; each pair trains on one micro batch of 4, so a step takes the reference's 8
+sequences. Losses and gradient norms (clipping active at every step) must equal one process's at the parity cells'
+tolerances (tests/recipes/test_strategies.py's docstring): a gradient off by the tensor-parallel degree, or a slice's
+squares missing from the norm or counted once per tensor-parallel rank, would miss them by far more (FSDP2's strided
+shards of a tensor-parallel slice are not `Shard` placements: a norm that read only those lost 2.5% at step 1).
+Its checkpoint resumes under one process exactly, and the export loads as the Hub loads it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launching import accelerate_with, launch, launcher_command
+from parity import STEPS, TRAIN, TWO_RANKS, assert_same_training, by_step, reference_run
+
+from model import ShardGPTConfig, ShardGPTForCausalLM
+
+# A user's YAML: FSDP2 and a parallelism_config block, nothing of this project's.
+FSDP_TP = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+parallelism_config:
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 2
+num_machines: 1
+num_processes: 4
+mixed_precision: "no"
+use_cpu: false
+"""
+SAVE_AT = 10
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    return reference_run(corpus, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp(corpus, tmp_path_factory):
+    """The 4-rank launch, saving a checkpoint halfway."""
+    root = tmp_path_factory.mktemp("fsdp-tp")
+    (root / "fsdp_tp.yaml").write_text(FSDP_TP)
+    args = [*corpus["flags"], *TRAIN, *TWO_RANKS, f"--save_steps={SAVE_AT}"]
+    return launch(accelerate_with(str(root / "fsdp_tp.yaml")), args, root / "out")
+
+
+def split_share(out) -> float:
+    """The share of the model's parameters a rank holds under dp_shard 2 x tp 2: a quarter of every matrix the plan
+    splits, half of the rest (embedding, norms)."""
+    config = ShardGPTConfig.from_pretrained(out)
+    with torch.device("meta"):
+        net = ShardGPTForCausalLM(config)
+    total = sum(p.numel() for p in net.parameters())
+    split = sum(m.weight.numel() for name, m in net.named_modules() if name.endswith("_proj"))
+    return (split / 4 + (total - split) / 2) / total
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(fsdp_tp, reference):
+    seen = fsdp_tp.strategy
+    assert seen["strategy"] == "fsdp-tp2" and seen["world_size"] == 4, seen
+    assert seen["engine"] == "FSDPShardGPTForCausalLM" and seen["optimizer_chain"][-1] == "AdamW", seen
+    # Each of the 2 layers' q, k, v, gate and up split by output rows, o and down by input columns.
+    assert seen["tensor_parallel"] == {"size": 2, "data_parallel_size": 2,
+                                       "split_modules": {"colwise": 10, "rowwise": 4}}  # fmt: skip
+    assert seen["local_parameter_fraction"] == pytest.approx(split_share(fsdp_tp.output_dir), abs=1e-4), seen
+    assert fsdp_tp.losses[STEPS] < fsdp_tp.losses[1] - 0.5
+    assert_same_training(fsdp_tp, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+def test_fsdp2_x_tensor_parallel_checkpoint_resumes_under_one_process(fsdp_tp, reference, corpus, tmp_path):
+    """The 4-rank checkpoint (each rank's slices of its shards, torch.distributed.checkpoint) read by one process:
+    the steps after it are the reference's."""
+    checkpoint = fsdp_tp.output_dir / f"checkpoint-{SAVE_AT}"
+    args = [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=8", f"--resume_from_checkpoint={checkpoint}"]
+    run = launch(launcher_command("python"), args, tmp_path / "out")
+    losses, norms = run.own_losses, by_step(run, "grad_norm")
+    assert sorted(losses) == list(range(SAVE_AT + 1, STEPS + 1))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference.losses[step], rel=1e-5), f"step {step}"
+        assert norms[step] == pytest.approx(by_step(reference, "grad_norm")[step], rel=1e-6), f"step {step}"

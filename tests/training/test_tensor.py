@@ -1,0 +1,95 @@
+"""Tensor parallelism from an accelerate YAML's parallelism_config (training/parallel/tensor.py): the launch checks
+that refuse what it cannot run, each in one line naming the setting and the fix, before any process group; the
+strategy's name read back; the plan as torch's styles."""
+
+from __future__ import annotations
+
+import pytest
+
+from model import ShardGPTConfig
+from training.config import RunConfig
+from training.parallel.launch_checks import check_parallelism_config_tp
+from training.parallel.strategy import Strategy
+from training.parallel.tensor import check_tensor_parallel, torch_plan
+
+CFG = {"output_dir": "/nonexistent/shardgpt-test", "preset": "debug"}
+
+
+@pytest.fixture
+def block(monkeypatch):
+    """Set the variables `accelerate launch` exports for a YAML's parallelism_config block."""
+
+    def set_block(**sizes):
+        monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+        for key, value in sizes.items():
+            monkeypatch.setenv(f"PARALLELISM_CONFIG_{key.upper()}", str(value))
+
+    monkeypatch.delenv("FSDP_OFFLOAD_PARAMS", raising=False)
+    return set_block
+
+
+def test_fsdp2_with_tp_passes(block):
+    block(dp_shard_size=2, tp_size=2)
+    check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG))  # no refusal
+
+
+@pytest.mark.parametrize(
+    ("deepspeed", "fsdp_version", "expected"),
+    [
+        (True, 0, r"with DeepSpeed: DeepSpeed splits layers itself \(AutoTP\); set tensor_parallel.autotp_size: 2"),
+        (False, 1, r"with fsdp_version: 1 .*set distributed_type: FSDP with fsdp_version: 2"),
+        (False, 0, r"with no FSDP \(DDP\): tensor parallelism runs under FSDP2 here"),
+    ],
+)
+def test_tp_outside_fsdp2_is_refused(block, deepspeed, fsdp_version, expected):
+    block(tp_size=2)
+    with pytest.raises(ValueError, match=r"parallelism_config_tp_size: 2 " + expected):
+        check_parallelism_config_tp(2, deepspeed=deepspeed, fsdp_version=fsdp_version, cfg=RunConfig(**CFG))
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"pipeline_parallel_degree": 2}, "--pipeline_parallel_degree 2"),
+        ({}, "fsdp_offload_params: true"),
+    ],
+)
+def test_tp_with_what_it_does_not_compose_with_is_refused(block, monkeypatch, extra, named):
+    block(tp_size=2)
+    if not extra:
+        monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(ValueError, match=f"parallelism_config_tp_size: 2 with {named}: "):
+        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG, **extra))
+
+
+@pytest.mark.parametrize(
+    ("tp", "what"), [(4, "num_key_value_heads \\(2\\)"), (3, "num_attention_heads \\(4\\)")]
+)  # fmt: skip
+def test_a_degree_that_does_not_split_every_layer_is_refused(tp, what):
+    config = ShardGPTConfig.from_preset("debug")  # 4 heads, 2 key-value heads, intermediate 176
+    with pytest.raises(ValueError, match=f"parallelism_config_tp_size = {tp} does not divide the model's {what}"):
+        check_tensor_parallel(config, tp)
+    check_tensor_parallel(config, 2)  # divides all three
+
+
+def test_the_strategy_spells_and_reads_back_tensor_parallelism():
+    strategy = Strategy.of("fsdp", 8, tp=2, replicas=2, fsdp_version=2)
+    assert strategy.name == "fsdp-hybrid-tp2"
+    assert Strategy.from_name(strategy.name, 8) == strategy
+    assert (strategy.mesh.dp_replicate, strategy.mesh.dp_shard, strategy.mesh.tp) == (2, 2, 2)
+    assert strategy.data_parallel_size == 4
+    with pytest.raises(ValueError, match="strategy 'zero1-tp2' is unknown"):
+        Strategy.from_name("zero1-tp2", 4)  # DeepSpeed's tensor parallelism is spelled -autotp
+    with pytest.raises(ValueError, match="FSDP2's"):
+        Strategy.of("fsdp", 4, tp=2, fsdp_version=1)
+
+
+def test_the_plan_is_the_models_own():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    config = ShardGPTConfig.from_preset("debug")
+    plan = torch_plan(config)
+    assert set(plan) == {f"model.{k}" for k in config.base_model_tp_plan}
+    kinds = {k: type(v) for k, v in plan.items()}
+    assert kinds["model.layers.*.self_attn.o_proj"] is RowwiseParallel
+    assert kinds["model.layers.*.mlp.up_proj"] is ColwiseParallel
