@@ -37,6 +37,8 @@ mixed_precision: "no"
 use_cpu: false
 """
 SAVE_AT = 10
+# The same with hybrid replicas instead of shards: 2 copies of the model, each split over 2 tensor-parallel ranks.
+HYBRID_TP = FSDP_TP.replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_replicate_size: 2")
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +94,18 @@ def test_fsdp2_x_tensor_parallel_checkpoint_resumes_under_one_process(fsdp_tp, r
     for step, loss in losses.items():
         assert loss == pytest.approx(reference.losses[step], rel=1e-5), f"step {step}"
         assert norms[step] == pytest.approx(by_step(reference, "grad_norm")[step], rel=1e-6), f"step {step}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+def test_hybrid_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(reference, corpus, tmp_path):
+    """dp_replicate 2 x tp 2: FSDP2's hybrid mesh (replicated over the copies, sharded over none) around the slices;
+    each rank holds half of every split matrix and all of the rest."""
+    (tmp_path / "hybrid_tp.yaml").write_text(HYBRID_TP)
+    run = launch(accelerate_with(str(tmp_path / "hybrid_tp.yaml")), [*corpus["flags"], *TRAIN, *TWO_RANKS],
+                 tmp_path / "out")  # fmt: skip
+    seen = run.strategy
+    assert seen["strategy"] == "fsdp-hybrid-tp2" and seen["tensor_parallel"]["data_parallel_size"] == 2, seen
+    assert seen["local_parameter_fraction"] == pytest.approx(2 * split_share(run.output_dir), abs=1e-4), seen
+    assert_same_training(run, reference)

@@ -39,6 +39,7 @@ SOURCES = {
     "zero3-offload-cpu@2": ("zero3_offload_cpu", 2),
     "pp2@2": ("ddp", 2, PIPELINE),
     "zero3-sp2@2": ("zero3_sp", 2, SEQUENCE),
+    "fsdp-tp2@4": ("fsdp_tp", 4),  # dp_shard 2 x tp 2: micro 4 on each of 2 data-parallel ranks, as the others
 }
 # (source, target config, target ranks, flags that keep the global batch)
 TRANSITIONS = [
@@ -79,6 +80,12 @@ TRANSITIONS = [
         id="fsdp@2->fsdp-pp2@4",
         marks=pytest.mark.matrix,
     ),  # fmt: skip
+    # FSDP2 x TP checkpoints (each rank's slice of its shard of every split matrix, torch.distributed.checkpoint):
+    # FSDP2's and ZeRO-2's resume under it, and it resumes under itself exactly and under ZeRO-3.
+    pytest.param("fsdp@2", "fsdp_tp", 4, [], id="fsdp@2->fsdp-tp2@4"),
+    pytest.param("zero2@2", "fsdp_tp", 4, [], id="zero2@2->fsdp-tp2@4", marks=pytest.mark.matrix),
+    pytest.param("fsdp-tp2@4", "fsdp_tp", 4, [], id="fsdp-tp2@4->fsdp-tp2@4", marks=pytest.mark.matrix),
+    pytest.param("fsdp-tp2@4", "zero3", 2, [], id="fsdp-tp2@4->zero3@2", marks=pytest.mark.matrix),
     # Sequence-parallel checkpoints (ZeRO-3's partitions over every rank of the sequence-and-data-parallel group).
     pytest.param("zero3-sp2@2", "fsdp", 2, [], id="zero3-sp2@2->fsdp@2"),
     pytest.param("fsdp@2", "zero3_sp", 2, SEQUENCE, id="fsdp@2->zero3-sp2@2"),

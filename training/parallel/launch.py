@@ -27,7 +27,7 @@ from training.parallel.launch_checks import (
     check_fsdp1_checkpoints,
     check_parallelism_config_tp,
 )
-from training.parallel.mesh import FLAGS, Mesh, block_degree
+from training.parallel.mesh import FLAGS, Mesh, block_degree, parallelism_block
 from training.parallel.schedules import ZERO_BUBBLE
 from training.parallel.sequence import (
     check_context_parallel,
@@ -97,6 +97,8 @@ def hybrid_replicas(world: int, cp: int = 1, tp: int = 1) -> int:
     """Hybrid sharding: the copies of the model an accelerate parallelism_config keeps, each sharded over its
     dp_shard x cp ranks of tp-way split layers (the shards replicated over the rest); 1 without the block or its
     dp_shard_size."""
+    if (parallelism_block() or {}).get("dp_replicate_size"):  # named: accelerate's own count of the copies
+        return block_degree("dp_replicate_size")
     shard = block_degree("dp_shard_size", default=world)
     return math.ceil(world / (shard * cp * tp))
 

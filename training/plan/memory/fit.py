@@ -83,6 +83,8 @@ def planner_strategy(strategy: Strategy) -> Strategy | None:
 
     if strategy.pp_size > 1:
         return strategy if models_pipeline(strategy) else None
+    if strategy.family == "fsdp" and strategy.tp_size > 1:
+        return None  # FSDP2 x TP: not modelled yet (AutoTP under ZeRO-1 is)
     if strategy.family == "single" or strategy.fsdp_sharding == "NO_SHARD":
         strategy = Strategy.of("ddp", strategy.world_size)
     elif strategy.family == "fsdp":
