@@ -106,6 +106,13 @@ class RunConfig(DataArguments):
         "Stages each pipeline rank holds under a multi-stage schedule (ZBVZeroBubble: 2). Default: 2 under those, "
         "1 under GPipe and 1F1B.",
     )
+    tensor_parallel_degree: int = flag(
+        1,
+        "Tensor parallelism for launches without an accelerate parallelism_config (torchrun, python, args.json): "
+        "split each decoder layer over this many consecutive ranks by the model's own plan (torch's DTensor), inside "
+        "each pipeline stage: needs --pipeline_parallel_degree 2 or more. Under FSDP2 set the YAML's "
+        "parallelism_config_tp_size instead; under DeepSpeed, the JSON's tensor_parallel.autotp_size.",
+    )
     logging_steps: int = flag(10, "Log loss, lr, grad norm, tokens/s, MFU and memory every N steps.")
     eval_steps: int = flag(100, "Evaluate on the validation blocks every N steps (0: only at the end).")
     max_eval_batches: int | None = flag(50, "Cap on evaluation batches per rank (None: every validation block).")
@@ -141,7 +148,7 @@ class RunConfig(DataArguments):
 
     def __post_init__(self):
         # The degrees first: the launch's data-parallel count divides by them before `validate` runs.
-        for name in ("pipeline_parallel_degree", "pipeline_parallel_virtual_stages"):
+        for name in ("pipeline_parallel_degree", "pipeline_parallel_virtual_stages", "tensor_parallel_degree"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name} {value} must be at least 1 (1: no {name.split('_')[0]} parallelism)")

@@ -1,5 +1,7 @@
 """The axes composed, launched as users write them: an accelerate YAML of FSDP2 with a `parallelism_config` block
-(dp_shard 2 x tp 2, as accelerate documents it) on 4 CPU ranks trains the model of one process.
+(dp_shard 2 x tp 2, as accelerate documents it) on 4 CPU ranks trains the model of one process; so does the same
+YAML on 8 ranks with a pipeline flag on top (FSDP2 x TP x PP, 2 x 2 x 2), and torchrun with
+--tensor_parallel_degree beside --pipeline_parallel_degree (TP x PP).
 
 The layers split by the model's plan over each pair of consecutive ranks (training/parallel/tensor.py), FSDP2 shards
 every slice over the two pairs; each pair trains on one micro batch of 4, so a step takes the reference's 8
@@ -108,4 +110,47 @@ def test_hybrid_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(reference, 
     seen = run.strategy
     assert seen["strategy"] == "fsdp-hybrid-tp2" and seen["tensor_parallel"]["data_parallel_size"] == 2, seen
     assert seen["local_parameter_fraction"] == pytest.approx(2 * split_share(run.output_dir), abs=1e-4), seen
+    assert_same_training(run, reference)
+
+
+# Two stages, each micro batch of the step one after another: the global batch of 8 as 2 micro batches a step.
+PIPELINE = ["--pipeline_parallel_degree=2", "--gradient_accumulation_steps=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp2_x_tensor_x_pipeline_parallel_trains_like_one_process(reference, corpus, tmp_path):
+    """8 ranks: the YAML's dp_shard 2 x tp 2 times --pipeline_parallel_degree 2. Pipeline rank p holds ranks 4p to
+    4p + 3, a stage each split over a pair and sharded over the two pairs; micro batches of 2 on 2 data-parallel
+    ranks, 2 a step."""
+    (tmp_path / "fsdp_tp.yaml").write_text(FSDP_TP)
+    cmd = [*accelerate_with(str(tmp_path / "fsdp_tp.yaml"))]
+    cmd[cmd.index("launch") + 1 : cmd.index("launch") + 1] = ["--num_processes", "8"]
+    args = [*corpus["flags"], *TRAIN, *PIPELINE, "--per_device_train_batch_size=2"]
+    run = launch(cmd, args, tmp_path / "out")
+    pipe = run.strategy["pipeline"]
+    assert run.strategy["strategy"] == "fsdp-tp2-pp2" and run.strategy["world_size"] == 8, run.strategy
+    assert (pipe["degree"], pipe["data_parallel"], pipe["data_parallel_size"], pipe["tensor_parallel_size"]) == (
+        2, "fsdp2", 2, 2,
+    ), pipe  # fmt: skip
+    assert pipe["split_modules"] == {"colwise": 5, "rowwise": 2}, pipe  # rank 0's stage: one of the 2 layers
+    assert_same_training(run, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_tensor_x_pipeline_parallel_under_torchrun_trains_like_one_process(schedule, reference, corpus, tmp_path):
+    """torchrun on 4 ranks, --tensor_parallel_degree 2 --pipeline_parallel_degree 2: one pipeline of two stages,
+    each split over a pair of ranks; the global batch of 8 as 2 micro batches of 4."""
+    cmd = launcher_command("torchrun", nproc=4)
+    args = [*corpus["flags"], *TRAIN, *PIPELINE, "--tensor_parallel_degree=2", "--per_device_train_batch_size=4",
+            f"--pipeline_parallel_schedule={schedule}"]  # fmt: skip
+    run = launch(cmd, args, tmp_path / "out")
+    pipe = run.strategy["pipeline"]
+    assert run.strategy["strategy"] == "single-tp2-pp2" and run.strategy["world_size"] == 4, run.strategy
+    assert (pipe["schedule"], pipe["data_parallel"], pipe["split_modules"]) == (
+        schedule, "none", {"colwise": 5, "rowwise": 2},
+    ), pipe  # fmt: skip
     assert_same_training(run, reference)

@@ -172,6 +172,7 @@ def test_global_batch_counts_the_pipelines_not_their_stages(monkeypatch):
     ({"degree": 4}, "degree 4 (asked: 2)"),
     ({"schedule": "GPipe"}, "schedule GPipe (asked: 1F1B)"),
     ({"data_parallel": "all-reduce"}, "data_parallel all-reduce (asked: fsdp2)"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 (asked: 1)"),
 ])  # fmt: skip
 def test_a_pipeline_built_otherwise_than_asked_is_refused(built, refusal):
     """Every engine's strategy is verified: the pipeline as built (`Pipeline.in_force`) against the strategy."""
@@ -180,7 +181,8 @@ def test_a_pipeline_built_otherwise_than_asked_is_refused(built, refusal):
     from training.parallel.inspection import verify_pipeline
 
     strategy = Strategy.of("fsdp", 4, pp=2)
-    layout = {"degree": 2, "schedule": "1F1B", "stages_per_rank": 1, "data_parallel_size": 2, "data_parallel": "fsdp2"}
+    layout = {"degree": 2, "schedule": "1F1B", "stages_per_rank": 1, "data_parallel_size": 2, "data_parallel": "fsdp2",
+              "tensor_parallel_size": 1, "split_modules": {}}  # fmt: skip
     layout = {"pipeline": layout | built}
     accelerator = SimpleNamespace(num_processes=4, mixed_precision="no", distributed_type="DistributedType.NO")
     with (

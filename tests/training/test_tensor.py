@@ -8,7 +8,7 @@ import pytest
 
 from model import ShardGPTConfig
 from training.config import RunConfig
-from training.parallel.launch_checks import check_parallelism_config_tp
+from training.parallel.launch_checks import check_parallelism_config_tp, check_tensor_parallel_flag
 from training.parallel.strategy import Strategy
 from training.parallel.tensor import check_tensor_parallel, torch_plan
 
@@ -50,16 +50,16 @@ def test_tp_outside_fsdp2_is_refused(block, deepspeed, fsdp_version, expected):
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"pipeline_parallel_degree": 2}, "--pipeline_parallel_degree 2"),
+        ({"cp_size": 2}, "parallelism_config_cp_size"),
         ({}, "fsdp_offload_params: true"),
     ],
 )
 def test_tp_with_what_it_does_not_compose_with_is_refused(block, monkeypatch, extra, named):
-    block(tp_size=2)
+    block(tp_size=2, **extra)
     if not extra:
         monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     with pytest.raises(ValueError, match=f"parallelism_config_tp_size: 2 with {named}: "):
-        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG, **extra))
+        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG))
 
 
 @pytest.mark.parametrize(
@@ -93,3 +93,28 @@ def test_the_plan_is_the_models_own():
     kinds = {k: type(v) for k, v in plan.items()}
     assert kinds["model.layers.*.self_attn.o_proj"] is RowwiseParallel
     assert kinds["model.layers.*.mlp.up_proj"] is ColwiseParallel
+
+
+@pytest.mark.parametrize(
+    ("deepspeed", "fsdp", "pipeline", "expected"),
+    [
+        (True, False, 2, r"with a DeepSpeed config: DeepSpeed splits layers itself \(AutoTP\)"),
+        (False, True, 2, r"with an FSDP accelerate config: .*set parallelism_config_tp_size: 2"),
+        (False, False, 1, r"without a pipeline: DDP cannot reduce DTensor slices; add --pipeline_parallel_degree 2"),
+    ],
+)
+def test_the_tensor_parallel_flag_is_refused_where_another_setting_owns_it(deepspeed, fsdp, pipeline, expected):
+    cfg = RunConfig(**CFG, tensor_parallel_degree=2, pipeline_parallel_degree=pipeline)
+    with pytest.raises(ValueError, match=r"--tensor_parallel_degree 2 " + expected):
+        check_tensor_parallel_flag(cfg, deepspeed=deepspeed, fsdp=fsdp, yaml_tp=1)
+
+
+def test_the_tensor_parallel_flag_with_a_pipeline_passes_and_checks_the_heads():
+    check_tensor_parallel_flag(RunConfig(**CFG, tensor_parallel_degree=2, pipeline_parallel_degree=2), False, False, 1)
+    cfg = RunConfig(**CFG, tensor_parallel_degree=4, pipeline_parallel_degree=2)
+    with pytest.raises(
+        ValueError, match=r"--tensor_parallel_degree = 4 does not divide the model's num_key_value_heads"
+    ):
+        check_tensor_parallel_flag(cfg, False, False, 1)
+    with pytest.raises(ValueError, match=r"--tensor_parallel_degree 0 must be at least 1"):
+        RunConfig(**CFG, tensor_parallel_degree=0)

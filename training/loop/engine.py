@@ -152,7 +152,9 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     # weights for a seed. --torch_compile compiles each decoder layer, after checkpointing, before any sharding.
     # Under tensor parallelism (FSDP2 x TP) every rank builds the whole model, as one process would, and keeps its
     # slices and shards of it (training/parallel/tensor.py).
-    tensor_parallel = strategy.family == "fsdp" and strategy.tp_size > 1
+    tensor_parallel = (
+        strategy.family == "fsdp" and strategy.tp_size > 1 and not pipelined
+    )  # a pipeline splits its stages
     net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path,
                       None if pipelined or tensor_parallel else accelerator, cfg.torch_compile)  # fmt: skip
     if tensor_parallel:  # collective: the device mesh; the plan's slices over tp, FSDP2 over the data-parallel ranks

@@ -100,11 +100,14 @@ def verify_pipeline(accelerator: Accelerator, layout: dict, strategy: Strategy) 
         "stages_per_rank": strategy.pp_stages_per_rank,
         "data_parallel_size": dp,
         "data_parallel": "fsdp2" if strategy.family == "fsdp" else "all-reduce" if dp > 1 else "none",
+        "tensor_parallel_size": strategy.tp_size,
     }
     built = {key: pipe[key] for key in expected}
     if built != expected:
         wrong = ", ".join(f"{k} {built[k]} (asked: {v})" for k, v in expected.items() if built[k] != v)
         raise RuntimeError(f"asked for {strategy.name} on {world} ranks, but the pipeline runs {wrong}; seen: {layout}")
+    if strategy.tp_size > 1 and not pipe["split_modules"]:
+        raise RuntimeError(f"asked for {strategy.name}, but no matrix of this rank's stages is split; seen: {layout}")
     return {
         "strategy": strategy.name,
         "distributed_type": "PIPELINE",

@@ -26,6 +26,7 @@ from training.parallel.launch_checks import (
     check_fsdp1,
     check_fsdp1_checkpoints,
     check_parallelism_config_tp,
+    check_tensor_parallel_flag,
 )
 from training.parallel.mesh import FLAGS, Mesh, block_degree, parallelism_block
 from training.parallel.schedules import ZERO_BUBBLE
@@ -71,6 +72,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
     fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
     tp = yaml_tensor_parallel_size()
     check_parallelism_config_tp(tp, launched is not None, fsdp_version(fsdp_env) if use_fsdp else 0, cfg)
+    check_tensor_parallel_flag(cfg, launched is not None, use_fsdp, tp)
     # The data-parallel wrapper, for the axes table's checks (training/parallel/axes.py).
     held_by = wrapper("deepspeed", zero_stage(launched[0])) if launched else "fsdp" if use_fsdp else "ddp"
     sp = sequence_parallel_size(launched[0]) if launched else yaml_sequence_parallel_size()
@@ -90,7 +92,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         strategy = fsdp_strategy(fsdp_env, world, hybrid_replicas(world, cp, tp), cp=cp, tp=tp, **pipeline)
         check_pipeline_with_fsdp(cfg, strategy)
         return strategy
-    return replicated_strategy(world, pipeline)
+    return replicated_strategy(world, pipeline, cfg.tensor_parallel_degree)
 
 
 def hybrid_replicas(world: int, cp: int = 1, tp: int = 1) -> int:
@@ -114,9 +116,10 @@ def pipeline_fields(cfg: RunConfig) -> dict:
             "pp_stages_per_rank": cfg.pipeline_stages_per_rank}  # fmt: skip
 
 
-def replicated_strategy(world: int, pipeline: dict) -> Strategy:
-    """DDP, or one process; the ranks of a pipeline train one batch, so there is no DDP among them."""
-    strategy = Strategy.of("ddp", world, **pipeline)
+def replicated_strategy(world: int, pipeline: dict, tp: int = 1) -> Strategy:
+    """DDP, or one process; the ranks of a pipeline train one batch, so there is no DDP among them, nor among the
+    `tp` ranks that split each of its stages' layers."""
+    strategy = Strategy.of("ddp", world, tp=tp, **pipeline)
     return strategy if strategy.data_parallel_size > 1 else replace(strategy, family="single")
 
 
@@ -186,8 +189,8 @@ def launched_data_parallel_size(cfg: RunConfig) -> int:
     --global_batch_size gives from it (the DeepSpeed JSON's "auto" values are resolved afterwards, from the resolved
     config). The same count as `Strategy.data_parallel_size`, which the loader, DeepSpeed and the resume check use."""
     launched = launched_deepspeed_config(cfg)
-    return data_parallel_ranks(cfg, launched_world_size(), launched, yaml_context_parallel_size(),
-                               1 if launched else yaml_tensor_parallel_size())  # fmt: skip
+    tp = 1 if launched else max(yaml_tensor_parallel_size(), cfg.tensor_parallel_degree)
+    return data_parallel_ranks(cfg, launched_world_size(), launched, yaml_context_parallel_size(), tp)
 
 
 def data_parallel_ranks(cfg: RunConfig, world: int, launched: tuple[dict, str] | None, cp: int = 1,
@@ -195,7 +198,8 @@ def data_parallel_ranks(cfg: RunConfig, world: int, launched: tuple[dict, str] |
     """`launched_data_parallel_size` for `world` ranks, the DeepSpeed config `launched` ((JSON, how messages
     name it), or None), `cp` ring-context-parallel ranks a sequence and `tp` tensor-parallel ranks a layer (the
     YAML's, under FSDP2), as the doctor reads them from a launch's files."""
-    flags = {**FLAGS, "tp": "parallelism_config_tp_size"}
+    named = "--tensor_parallel_degree" if cfg.tensor_parallel_degree > 1 else "parallelism_config_tp_size"
+    flags = {**FLAGS, "tp": named}
     # refuses degrees that do not divide the world
     mesh = Mesh.of_world(world, pp=cfg.pipeline_parallel_degree, cp=cp, tp=tp, flags=flags)
     if launched is None:

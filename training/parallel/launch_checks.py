@@ -70,8 +70,8 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
     """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`) runs under FSDP2, with torch's
     DTensor plan applied by this project (training/parallel/tensor.py: accelerate 1.15's own preparation cannot
     import with transformers 5). Refused before the process group: under DeepSpeed (AutoTP is the JSON's
-    `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), without FSDP, with a pipeline,
-    ring context or CPU offload, and a degree that does not split every layer evenly."""
+    `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), without FSDP, with ring context,
+    Ulysses or CPU offload, and a degree that does not split every layer evenly."""
     if tp == 1:
         return
     where = f"the accelerate config's parallelism_config_tp_size: {tp}"
@@ -88,8 +88,7 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
             "(accelerate_configs/autotp.yaml)"
         )
     unsupported = (
-        f"--pipeline_parallel_degree {cfg.pipeline_parallel_degree}" if cfg.pipeline_parallel_degree > 1
-        else "parallelism_config_cp_size" if block_degree("cp_size") > 1
+        "parallelism_config_cp_size" if block_degree("cp_size") > 1
         else "parallelism_config_sp_size" if block_degree("sp_size") > 1
         else "fsdp_offload_params: true" if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
         else None
@@ -102,6 +101,36 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
     from training.parallel.tensor import check_tensor_parallel
 
     check_tensor_parallel(cfg.model_config(), tp)
+
+
+def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml_tp: int) -> None:
+    """--tensor_parallel_degree: the model's plan inside each pipeline stage, with DDP's all-reduce across the
+    pipelines (training/parallel/pipeline.py). Refused before the process group where another setting owns the
+    degree (the DeepSpeed JSON, the FSDP YAML's block) or where no pipeline holds the slices (DDP's reducer takes no
+    DTensor), and for a degree that does not split every layer evenly."""
+    tp = cfg.tensor_parallel_degree
+    if tp == 1:
+        return
+    where = f"--tensor_parallel_degree {tp}"
+    if deepspeed:
+        raise ValueError(
+            f"{where} with a DeepSpeed config: DeepSpeed splits layers itself (AutoTP); set "
+            f"tensor_parallel.autotp_size: {tp} in the JSON (ds_configs/autotp.json) and drop the flag"
+        )
+    if fsdp or yaml_tp > 1:
+        raise ValueError(
+            f"{where} with an FSDP accelerate config: its degrees live in the YAML; set parallelism_config_tp_size: "
+            f"{tp} in its parallelism_config (accelerate_configs/fsdp_tp.yaml) and drop the flag"
+        )
+    if cfg.pipeline_parallel_degree == 1:
+        raise ValueError(
+            f"{where} without a pipeline: DDP cannot reduce DTensor slices; add --pipeline_parallel_degree 2 or more "
+            "(the stages' data-parallel copies are all-reduced by the pipeline), or launch FSDP2 with "
+            "accelerate_configs/fsdp_tp.yaml"
+        )
+    from training.parallel.tensor import check_tensor_parallel
+
+    check_tensor_parallel(cfg.model_config(), tp, flag="--tensor_parallel_degree")
 
 
 def parallelism_config() -> bool:

@@ -33,6 +33,7 @@ from training.parallel.gradnorm import clip_, grad_norm
 from training.parallel.groups import new_groups
 from training.parallel.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
 from training.parallel.strategy import Strategy
+from training.parallel.tensor import data_parallel_dims, device_mesh, split_modules, split_stage
 
 
 class Stage(nn.Module):
@@ -115,6 +116,7 @@ class Pipeline:
     parameters: int = 0  # the whole model's, counted before the stages were kept
     clock: BusyClock | None = None  # this rank's stages' compute time
     loss_scale: float = 1.0
+    tensor_parallel_size: int = 1  # ranks each of this rank's stages' layers is split over
 
     # ---------------------------------------------------------------- one optimizer step
 
@@ -152,8 +154,8 @@ class Pipeline:
         mine = torch.tensor([self.clock.busy_fraction(start, end)], device=self.device)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)  # collective: every rank
-        dp = self.data_parallel_size  # global rank r is pipeline rank r // dp
-        return [round(sum(t.item() for t in every[p * dp : (p + 1) * dp]) / dp, 4) for p in range(self.pp_size)]
+        n = len(every) // self.pp_size  # global rank r is pipeline rank r // n (n: data x tensor-parallel ranks)
+        return [round(sum(t.item() for t in every[p * n : (p + 1) * n]) / n, 4) for p in range(self.pp_size)]
 
     def average_replicated_gradients(self) -> None:
         """Without FSDP2, the data-parallel ranks of a stage hold whole copies of it: their gradients are averaged
@@ -162,7 +164,7 @@ class Pipeline:
         schedule runs several micro batches' backwards under it)."""
         if self.sharded or self.dp_group is None:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]  # a slice's: this rank's
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)  # collective: the stage's data-parallel ranks
         flat /= self.data_parallel_size
@@ -239,6 +241,11 @@ class Pipeline:
                 "data_parallel_size": self.data_parallel_size,
                 "data_parallel": "fsdp2" if self.sharded else "all-reduce" if self.dp_group is not None else "none",
                 "tied_embedding_synced": self.tie_group is not None,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                # this rank's split matrices by the plan's style, read off their placements
+                "split_modules": split_modules(self.model, self.tensor_parallel_size)
+                if self.tensor_parallel_size > 1
+                else {},
             },
         }
 
@@ -311,8 +318,8 @@ def build_pipeline(model: nn.Module, strategy: Strategy, rank: int, micro_batche
     `micro_batches` a step. Collective: creates the pipeline, data-parallel and tied-embedding process groups (every
     rank creates every group)."""
     mesh, schedule_name, per_rank = strategy.mesh, strategy.pp_schedule, strategy.pp_stages_per_rank
-    if mesh.world != mesh.pp * mesh.dp:
-        raise ValueError(f"a pipeline runs on pp x data-parallel ranks; the mesh is {mesh.shape}")
+    if mesh.world != mesh.pp * mesh.dp * mesh.tp:
+        raise ValueError(f"a pipeline runs on pp x data-parallel x tensor-parallel ranks; the mesh is {mesh.shape}")
     pp, dp, pp_rank = mesh.pp, mesh.dp, mesh.coordinates(rank)["pp"]
     owners = stage_ranks(schedule_name, pp, per_rank)
     num_stages = len(owners)
@@ -329,13 +336,19 @@ def build_pipeline(model: nn.Module, strategy: Strategy, rank: int, micro_batche
     # The busy clock's marks in the autograd graph break the zero-bubble schedules' split backward: not timed there.
     clock = None if schedule_name in ZERO_BUBBLE else BusyClock(device)
     stages = keep_stages(model, mine, num_stages, clock)
+    dp_mesh = dp_group
+    if mesh.tp > 1:  # each stage's layers split over its tensor-parallel ranks, then sharded around the slices
+        devices = device_mesh(mesh, device.type)  # collective: one DeviceMesh, so that FSDP2 composes with the slices
+        dp_mesh = devices[data_parallel_dims(mesh)]
+        for stage in stages:
+            split_stage(stage.to(device), devices["tp"])  # collective: the tensor-parallel ranks
     if shard is not None:
         for stage in stages:
-            shard(stage, dp_group)
+            shard(stage, dp_mesh)
     pipeline = Pipeline(
         model=model, stages=stages, schedule=None, pp_group=pp_group, dp_group=dp_group if dp > 1 else None,
         tie_group=tie_group, sharded=shard is not None, pp_rank=pp_rank, pp_size=pp, data_parallel_size=dp,
-        owners=owners, parameters=parameters, clock=clock,
+        owners=owners, parameters=parameters, clock=clock, tensor_parallel_size=mesh.tp,
     )  # fmt: skip
     pipeline_stages = [
         PipelineStage(module, index, num_stages, device, group=pipeline.pp_group)
@@ -356,8 +369,8 @@ def fsdp2_stages(policy, reshard: bool, device_type: str):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    def shard(stage: Stage, group: dist.ProcessGroup) -> None:
-        mesh = DeviceMesh.from_group(group, device_type)
+    def shard(stage: Stage, group: dist.ProcessGroup | DeviceMesh) -> None:
+        mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
         for layer in stage.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)

@@ -106,9 +106,9 @@ class Strategy:
 
     @property
     def name(self) -> str:
-        """How people and records spell the strategy: single, ddp, fsdp[-hybrid][-shard-grad-op][-offload][-tpN],
-        fsdp1[-shard-grad-op|-no-shard][-offload], zero{0-3}[-offload-cpu|-offload-nvme][-autotp][-spN], each with
-        -ppN under pipeline parallelism."""
+        """How people and records spell the strategy: single[-tpN], ddp[-tpN], fsdp[-hybrid][-shard-grad-op]
+        [-offload][-tpN], fsdp1[-shard-grad-op|-no-shard][-offload], zero{0-3}[-offload-cpu|-offload-nvme][-autotp]
+        [-spN], each with -ppN under pipeline parallelism."""
         pipeline = f"-pp{self.pp_size}" if self.pp_size > 1 else ""
         if self.family == "deepspeed":
             offload = f"-offload-{self.offload_device}" if self.offloads else ""
@@ -121,7 +121,7 @@ class Strategy:
             context = f"-cp{self.cp_size}" if self.cp_size > 1 else ""
             tensor = f"-tp{self.tp_size}" if self.tp_size > 1 else ""
             return f"fsdp{version}{hybrid}{SHARDING_SUFFIX[self.fsdp_sharding]}{offload}{context}{tensor}{pipeline}"
-        return self.family + pipeline
+        return self.family + (f"-tp{self.tp_size}" if self.tp_size > 1 else "") + pipeline
 
     @classmethod
     def from_name(cls, name: str, world_size: int = 1) -> Strategy:
@@ -210,7 +210,7 @@ def spelled(match: re.Match, world: int) -> Strategy:
         return Strategy.of("deepspeed", world, zero_stage=stage, offload_param=device if stage == 3 else "none",
                            offload_optimizer=device, tp=2 if part["autotp"] else 1, pp=pp,
                            sp=int(part["sp"] or 1))  # fmt: skip
-    if part["sp"] or (part["tp"] and part["family"] != "fsdp"):
+    if part["sp"] or (part["tp"] and part["family"] == "zero"):
         # Ulysses runs under DeepSpeed only, DTensor tensor parallelism under FSDP2 (a -cpN the spelled strategy has
         # not fails the read-back)
         return None
@@ -220,7 +220,7 @@ def spelled(match: re.Match, world: int) -> Strategy:
             fsdp_sharding=next(s for s, suffix in SHARDING_SUFFIX.items() if suffix == (part["sharding"] or "")),
             replicas=2 if part["hybrid"] else 1, pp=pp, cp=int(part["cp"] or 1), tp=int(part["tp"] or 1),
         )  # fmt: skip
-    return Strategy.of(part["family"], world, pp=pp)
+    return Strategy.of(part["family"], world, pp=pp, tp=int(part["tp"] or 1))
 
 
 def deepspeed_strategy(ds: dict, world: int, source: str | None = None) -> Strategy:

@@ -59,12 +59,22 @@ def data_parallel_dims(mesh) -> tuple[str, ...]:
 
 
 def device_mesh(mesh, device_type: str):
-    """torch's `DeviceMesh` of the launch's data-parallel and tensor-parallel axes, named as in the launch's mesh
-    (tp innermost: consecutive ranks split each layer). Collective: every rank creates every group."""
+    """torch's `DeviceMesh` of the launch's pipeline (when there is one), data-parallel and tensor-parallel axes,
+    named and ordered as in the launch's mesh (pp outermost, tp innermost: consecutive ranks split each layer).
+    Collective: every rank creates every group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    names = (*data_parallel_dims(mesh), "tp")
+    names = (*(("pp",) if mesh.pp > 1 else ()), *data_parallel_dims(mesh), "tp")
     return init_device_mesh(device_type, tuple(getattr(mesh, n) for n in names), mesh_dim_names=names)
+
+
+def split_stage(stage: nn.Module, tp_mesh) -> None:
+    """A pipeline stage's decoder layers (its `layers`, as the model's) split by the model's plan over `tp_mesh`.
+    Collective over the tensor-parallel ranks."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = {key.removeprefix("model."): style for key, style in torch_plan(stage.config).items()}
+    parallelize_module(stage, tp_mesh, plan)
 
 
 def shard_tensor_parallel(net: nn.Module, strategy, device: torch.device, mp_policy=None) -> nn.Module:
@@ -75,8 +85,10 @@ def shard_tensor_parallel(net: nn.Module, strategy, device: torch.device, mp_pol
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = strategy.mesh
-    if mesh.pp > 1 or mesh.cp > 1 or mesh.sp > 1:
-        raise ValueError(f"tensor parallelism with pipeline, ring-context or Ulysses ranks ({mesh.shape}): not here")
+    if mesh.pp > 1 or mesh.cp > 1 or mesh.sp > 1:  # a pipeline splits its stages itself (`split_stage`)
+        raise ValueError(
+            f"tensor parallelism of the whole model with pipeline, ring-context or Ulysses ranks ({mesh.shape})"
+        )
     devices = device_mesh(mesh, device.type)  # collective
     net = net.to(device)
     parallelize_module(net, devices["tp"], torch_plan(net.config))  # collective: each rank keeps its slices
