@@ -151,8 +151,9 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
         # training script counts them (a missing or broken JSON is reported under "DeepSpeed config" below).
         present = ds_file and find_file(ds_file).is_file()
         raw = with_sequence_parallel(load_json(find_file(ds_file)), repr(str(ds_file)), yaml_sp) if present else None
-        yaml_tp = block_degree("tp_size", environ=exported(launch))  # tensor parallelism under FSDP2
-        dp = data_parallel_ranks(cfg, world, (raw, repr(str(ds_file))) if present else None, tp=yaml_tp)
+        # tensor parallelism: the FSDP2 YAML's block, or the flag beside a pipeline
+        tp = max(block_degree("tp_size", environ=exported(launch)), cfg.tensor_parallel_degree)
+        dp = data_parallel_ranks(cfg, world, (raw, repr(str(ds_file))) if present else None, tp=1 if present else tp)
         cfg = cfg.resolve(dp)  # the accelerate config's precision is checked below, against the flags
     except Exception as e:
         report.add("training flags", FAIL, str(e))
