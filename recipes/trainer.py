@@ -68,6 +68,14 @@ def main(argv: list[str] | None = None) -> object:
             f"gives gradients {strategy.sp_size} times too large under ZeRO-1/2 (its clipping and logged norms "
             "with them); launch recipes/train.py with the same config and flags"
         )
+    if strategy.family != "deepspeed" and strategy.tp_size > 1:
+        # The Trainer prepares the model through accelerate, whose FSDP2 x TP preparation cannot import with
+        # transformers 5 (training/parallel/tensor.py); recipes/train.py applies the plan itself.
+        raise ValueError(
+            f"tensor parallelism of degree {strategy.tp_size} under {strategy.family.upper()} needs recipes/train.py: "
+            "the HF Trainer prepares it through accelerate, which cannot with transformers 5; launch recipes/train.py "
+            "with the same config and flags, or use DeepSpeed AutoTP (ds_configs/autotp.json) with the Trainer"
+        )
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     args = training_arguments(cfg, strategy)
     is_main = args.process_index == 0  # creating the arguments initialised the process group

@@ -118,3 +118,50 @@ def test_the_tensor_parallel_flag_with_a_pipeline_passes_and_checks_the_heads():
         check_tensor_parallel_flag(cfg, False, False, 1)
     with pytest.raises(ValueError, match=r"--tensor_parallel_degree 0 must be at least 1"):
         RunConfig(**CFG, tensor_parallel_degree=0)
+
+
+def launched(monkeypatch, world: int, **variables: str) -> None:
+    """What `accelerate launch` exports for an FSDP2 YAML with a parallelism_config block, on `world` ranks."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for key, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", **variables}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+
+
+@pytest.mark.parametrize(
+    ("world", "block", "flags", "name", "dp"),
+    [
+        (4, {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"}, {}, "fsdp-tp2", 2),
+        (4, {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"}, {}, "fsdp-hybrid-tp2", 2),
+        (8, {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"},
+         {"pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2}, "fsdp-tp2-pp2", 2),
+    ],
+)  # fmt: skip
+def test_the_launch_reads_its_degrees_from_the_yaml_and_the_pipeline_flag(monkeypatch, world, block, flags, name, dp):
+    from training.parallel.launch import launched_data_parallel_size, requested_strategy
+
+    launched(monkeypatch, world, **block)
+    cfg = RunConfig(**CFG, **flags)
+    assert launched_data_parallel_size(cfg) == dp
+    strategy = requested_strategy(cfg.resolve(dp), hidden_size=64)
+    assert (strategy.name, strategy.data_parallel_size, strategy.world_size) == (name, dp, world)
+
+
+def test_the_tensor_parallel_flag_under_torchrun_makes_a_tensor_x_pipeline_mesh(monkeypatch):
+    from training.parallel.launch import launched_data_parallel_size, requested_strategy
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = RunConfig(**CFG, tensor_parallel_degree=2, pipeline_parallel_degree=2, gradient_accumulation_steps=2)
+    assert launched_data_parallel_size(cfg) == 2
+    strategy = requested_strategy(cfg.resolve(2), hidden_size=64)
+    assert strategy.name == "ddp-tp2-pp2" and strategy.mesh.shape == {
+        "pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "sp": 1, "tp": 2,
+    }  # fmt: skip
+
+
+def test_the_hf_trainer_refuses_tensor_parallelism_outside_deepspeed(monkeypatch):
+    from recipes import trainer
+
+    launched(monkeypatch, 4, PARALLELISM_CONFIG_DP_SHARD_SIZE="2", PARALLELISM_CONFIG_TP_SIZE="2")
+    with pytest.raises(ValueError, match="tensor parallelism of degree 2 under FSDP needs recipes/train.py"):
+        trainer.main(["--preset", "debug", "--output_dir", "/nonexistent/shardgpt-test"])

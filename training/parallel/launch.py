@@ -89,20 +89,23 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         if fsdp_version(fsdp_env) == 1:
             check_fsdp1_checkpoints(cfg, fsdp_env)
             check_fsdp1(fsdp_env)
-        strategy = fsdp_strategy(fsdp_env, world, hybrid_replicas(world, cp, tp), cp=cp, tp=tp, **pipeline)
+        strategy = fsdp_strategy(
+            fsdp_env, world, hybrid_replicas(world, cp, tp, cfg.pipeline_parallel_degree), cp=cp, tp=tp, **pipeline
+        )
         check_pipeline_with_fsdp(cfg, strategy)
         return strategy
     return replicated_strategy(world, pipeline, cfg.tensor_parallel_degree)
 
 
-def hybrid_replicas(world: int, cp: int = 1, tp: int = 1) -> int:
+def hybrid_replicas(world: int, cp: int = 1, tp: int = 1, pp: int = 1) -> int:
     """Hybrid sharding: the copies of the model an accelerate parallelism_config keeps, each sharded over its
-    dp_shard x cp ranks of tp-way split layers (the shards replicated over the rest); 1 without the block or its
-    dp_shard_size."""
+    dp_shard x cp ranks of tp-way split layers in each of pp pipeline stages (the shards replicated over the rest);
+    1 without the block or its dp_shard_size. `accelerate launch` exports every size of the block, 1 where the YAML
+    has none; a block read from the YAML itself (the doctor) may lack dp_replicate_size."""
     if (parallelism_block() or {}).get("dp_replicate_size"):  # named: accelerate's own count of the copies
         return block_degree("dp_replicate_size")
     shard = block_degree("dp_shard_size", default=world)
-    return math.ceil(world / (shard * cp * tp))
+    return math.ceil(world / (shard * cp * tp * pp))
 
 
 def yaml_tensor_parallel_size() -> int:
