@@ -252,6 +252,25 @@ def test_autotp_with_two_data_parallel_ranks_trains_the_same_model(corpus, refer
     assert_same_training(run, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+@pytest.mark.parametrize("stage", [2, 3])
+def test_autotp_under_zero2_and_zero3_trains_the_same_model(stage, corpus, reference, tmp_path):
+    """ds_configs/autotp.json with its ZeRO stage changed, as a user would: DeepSpeed 0.19.8 runs AutoTP under every
+    stage. On the 2 ranks (one tensor-parallel pair, one data-parallel rank) the plan's modules are split as under
+    ZeRO-1 (under ZeRO-3 each slice is a partition's `ds_shape`), and the run is one process's."""
+    ds = json.loads((ROOT / "ds_configs" / "autotp.json").read_text())
+    ds["zero_optimization"]["stage"] = stage
+    (tmp_path / "autotp.json").write_text(json.dumps(ds))
+    args = [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=8", f"--deepspeed={tmp_path / 'autotp.json'}"]
+    run = launch(launcher_command("deepspeed"), args, tmp_path / "out")
+    seen = run.strategy
+    assert (seen["strategy"], seen["zero_stage"]) == (f"zero{stage}-autotp", stage), seen
+    assert seen["tensor_parallel"] == EXPECTED["zero1-autotp"]["tensor_parallel"], seen
+    assert_same_training(run, reference)
+
+
 # Pipeline parallelism through the training script (training/parallel/pipeline.py; every schedule's own proof is
 # tests/training/test_pipeline.py): (launcher, config, ranks, schedule, micro batch, strategy). The micro batches of a
 # step are the accumulation, 2 here: the reference's global batch of 8 is micro x 2 x the data-parallel ranks.

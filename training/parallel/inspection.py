@@ -143,7 +143,9 @@ def verify_autotp(engine, unwrapped: torch.nn.Module, strategy: Strategy, refuse
     counts: dict[str, int] = {}
     for name, style in tp_plan_styles(unwrapped).items():
         module = unwrapped.get_submodule(name)
-        whole, split = tuple(getattr(module, "_orig_weight_shape", ())), tuple(module.weight.shape)
+        # ZeRO-3 partitions the slice further: its `ds_shape` is the slice's shape, `shape` this rank's partition's
+        whole = tuple(getattr(module, "_orig_weight_shape", ()))
+        split = tuple(getattr(module.weight, "ds_shape", module.weight.shape))
         dim = 1 if style == "rowwise" else 0  # weights are (out, in); an embedding's (vocabulary, hidden)
         want = tuple(n // tp if d == dim else n for d, n in enumerate(whole))
         if not whole or split != want:
