@@ -165,3 +165,14 @@ def test_the_hf_trainer_refuses_tensor_parallelism_outside_deepspeed(monkeypatch
     launched(monkeypatch, 4, PARALLELISM_CONFIG_DP_SHARD_SIZE="2", PARALLELISM_CONFIG_TP_SIZE="2")
     with pytest.raises(ValueError, match="tensor parallelism of degree 2 under FSDP needs recipes/train.py"):
         trainer.main(["--preset", "debug", "--output_dir", "/nonexistent/shardgpt-test"])
+
+
+def test_degrees_that_do_not_multiply_to_the_launched_ranks_are_refused(block):
+    """As `accelerate launch` exports the block (every size, 1 where the YAML has none): dp_shard 2 x tp 2 on 8 ranks
+    without a pipeline leaves 4 ranks unplaced; with --pipeline_parallel_degree 2 they are the pipeline's."""
+    block(dp_replicate_size=1, dp_shard_size=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"gives dp_replicate_size 1 x dp_shard_size 2 x tp_size 2 = 4 ranks, but 8 "
+                                         r"were launched: set parallelism_config_dp_shard_size: 4"):  # fmt: skip
+        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG), world=8)
+    cfg = RunConfig(**CFG, pipeline_parallel_degree=2, gradient_accumulation_steps=2)
+    check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=cfg, world=8)  # 2 x 2 x 2

@@ -71,7 +71,7 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         )
     fsdp_env = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
     tp = yaml_tensor_parallel_size()
-    check_parallelism_config_tp(tp, launched is not None, fsdp_version(fsdp_env) if use_fsdp else 0, cfg)
+    check_parallelism_config_tp(tp, launched is not None, fsdp_version(fsdp_env) if use_fsdp else 0, cfg, world)
     check_tensor_parallel_flag(cfg, launched is not None, use_fsdp, tp)
     # The data-parallel wrapper, for the axes table's checks (training/parallel/axes.py).
     held_by = wrapper("deepspeed", zero_stage(launched[0])) if launched else "fsdp" if use_fsdp else "ddp"

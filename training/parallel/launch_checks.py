@@ -66,12 +66,13 @@ def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
         )
 
 
-def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg: RunConfig) -> None:
+def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg: RunConfig, world: int = 0) -> None:
     """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`) runs under FSDP2, with torch's
     DTensor plan applied by this project (training/parallel/tensor.py: accelerate 1.15's own preparation cannot
     import with transformers 5). Refused before the process group: under DeepSpeed (AutoTP is the JSON's
     `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), without FSDP, with ring context,
-    Ulysses or CPU offload, and a degree that does not split every layer evenly."""
+    Ulysses or CPU offload, a degree that does not split every layer evenly, and degrees that do not multiply to the
+    `world` launched ranks (0: not checked)."""
     if tp == 1:
         return
     where = f"the accelerate config's parallelism_config_tp_size: {tp}"
@@ -101,6 +102,28 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
     from training.parallel.tensor import check_tensor_parallel
 
     check_tensor_parallel(cfg.model_config(), tp)
+    if world:
+        check_block_covers_the_world(tp, cfg.pipeline_parallel_degree, world)
+
+
+def check_block_covers_the_world(tp: int, pp: int, world: int) -> None:
+    """The block's degrees times the pipeline's must be the launched ranks, as accelerate itself requires of a block
+    (which it is not shown here: training/parallel/accelerator.py). Read as `accelerate launch` exports it, every size
+    given (1 where the YAML has none); a block without its data-parallel sizes (read from a file) is not checked."""
+    block = parallelism_block() or {}
+    if not block.get("dp_shard_size") or not block.get("dp_replicate_size"):
+        return
+    replicate, shard = block_degree("dp_replicate_size"), block_degree("dp_shard_size")
+    if replicate * shard * tp * pp == world:
+        return
+    product = f"dp_replicate_size {replicate} x dp_shard_size {shard} x tp_size {tp}"
+    product += f" x --pipeline_parallel_degree {pp}" if pp > 1 else ""
+    fits = world // (replicate * tp * pp) if world % (replicate * tp * pp) == 0 else None
+    fix = f"set parallelism_config_dp_shard_size: {fits}" if fits else f"launch {replicate * shard * tp * pp} ranks"
+    raise ValueError(
+        f"the accelerate config's parallelism_config gives {product} = {replicate * shard * tp * pp} ranks, but "
+        f"{world} were launched: {fix} (accelerate requires the block's degrees to multiply to the launched ranks)"
+    )
 
 
 def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml_tp: int) -> None:
