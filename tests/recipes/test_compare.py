@@ -109,6 +109,11 @@ def test_tensor_parallel_rows_keep_the_global_batch():
     assert (specs["autotp"].tp, specs["autotp"].nproc) == (2, 2)
     assert micro == {n: "--per_device_train_batch_size=8" if n != "ddp" else "--per_device_train_batch_size=4"
                      for n in specs}  # fmt: skip
+    # On 4 ranks fsdp_tp runs by name (dp_shard 2 x tp 2): each pair shares a micro batch of twice the others'.
+    args, _ = compare.parse_args(["--strategies", "ddp,fsdp_tp", "--nproc", "4"])
+    specs = {s.name: s for s in compare.make_specs(args.strategies, 4, trainer=False)}
+    assert (specs["fsdp_tp"].tp, specs["fsdp_tp"].nproc, specs["fsdp_tp"].error) == (2, 4, None)
+    assert next(f for f in compare.train_flags(args, specs["fsdp_tp"], []) if "per_device" in f).endswith("=8")
 
 
 def test_pipeline_rows_keep_the_global_batch():
