@@ -90,15 +90,22 @@ def test_the_doctor_reads_the_table():
     axes(report, Strategy.of("fsdp", 4, pp=2), 2)
     axes(report, Strategy.of("deepspeed", 4, zero_stage=3, sp=2), 1)
     axes(report, Strategy.of("ddp", 4), 1)  # no model-parallel axis: no line
+    axes(report, Strategy.of("fsdp", 8, pp=2, tp=2, fsdp_version=2), 2)  # FSDP2 x TP x PP: composed (COMPOSED)
     lines = [(c.name, c.status, c.detail) for c in report.checks]
     assert lines == [
         ("parallel axes", "OK", "pipeline parallelism 2 under fsdp"),
         ("parallel axes", "OK", "sequence parallelism (Ulysses) 2 under zero3"),
+        (
+            "parallel axes",
+            "OK",
+            "pipeline parallelism 2 under fsdp, tensor parallelism (DeepSpeed AutoTP, or DTensor "
+            "under FSDP2) 2 under fsdp",
+        ),
     ]
     bad = Report()
     axes(bad, SimpleNamespace(family="ddp", zero_stage=None, tp_size=1, sp_size=2, cp_size=1), 2)
     (check,) = bad.checks
     assert check.status == "FAIL" and check.detail == (
         "sequence parallelism (Ulysses) does not train under ddp (it trains under zero1, zero2, zero3); "
-        "pipeline parallelism with sequence parallelism (Ulysses): each axis trains alone here"
+        "pipeline parallelism with sequence parallelism (Ulysses): these axes do not train together under ddp"
     )

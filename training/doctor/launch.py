@@ -235,8 +235,8 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
 
 def axes(report: Report, strategy: Strategy, pp: int) -> None:
     """The model-parallel axes the launch asks for, against the axes table (training/parallel/axes.py): each under a
-    wrapper that trains it, and alone."""
-    from training.parallel.axes import AXES, composes, wrapper
+    wrapper that trains it, and alone or with the axes it composes with (COMPOSED)."""
+    from training.parallel.axes import AXES, composes, composes_with, wrapper
 
     held_by = wrapper(strategy.family, strategy.zero_stage)
     degrees = {"pp": pp, "tp": strategy.tp_size, "sp": strategy.sp_size, "cp": strategy.cp_size}
@@ -245,8 +245,9 @@ def axes(report: Report, strategy: Strategy, pp: int) -> None:
         return
     wrong = [f"{AXES[a].name} does not train under {held_by} (it trains under {', '.join(AXES[a].trains_under)})"
              for a in asked if not composes(a, held_by)]  # fmt: skip
-    if len(asked) > 1 and any(AXES[a].alone for a in asked):
-        wrong.append(f"{' with '.join(AXES[a].name for a in asked)}: each axis trains alone here")
+    pairs = [(a, b) for a in asked for b in asked if a < b]
+    if any(AXES[a].alone or AXES[b].alone or not composes_with(a, b, held_by) for a, b in pairs):
+        wrong.append(f"{' with '.join(AXES[a].name for a in asked)}: these axes do not train together under {held_by}")
     seen = ", ".join(f"{AXES[a].name} {d} under {held_by}" for a, d in asked.items())
     report.add("parallel axes", FAIL if wrong else OK, "; ".join(wrong) if wrong else seen)
 

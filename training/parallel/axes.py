@@ -23,19 +23,22 @@ class Axis:
     trains_under: tuple[str, ...]  # the wrappers recipes/train.py trains it under; its launch checks refuse the rest
     published_under: tuple[str, ...] = ()  # beside those, what published runs used it under (Megatron-LM's DDP,
     # DeepSpeed's ZeRO-1 under its own pipeline): the step-time planner's `any_layout`, never launched here
-    alone: bool = True  # trains with no other model-parallel axis (each axis runs alone this round)
+    alone: bool = True  # trains with no other model-parallel axis, except as COMPOSED says
 
 
 AXES = {
     # torch.distributed.pipelining's stages, with one process's optimizer, DDP's all-reduce or FSDP2 per stage
     # (training/parallel/pipeline.py); a DeepSpeed engine wraps and steps the whole model.
     # DeepSpeed's own pipeline engine runs ZeRO-0/1 only, on a model rewritten as its PipelineModule.
-    "pp": Axis("pipeline parallelism", ("single", "ddp", "fsdp"), published_under=("zero1",)),
+    "pp": Axis("pipeline parallelism", ("single", "ddp", "fsdp"), published_under=("zero1",), alone=False),
     # DeepSpeed AutoTP, built by the engine (`tensor_parallel.autotp_size`), or the model's plan with torch's
     # DTensor APIs under FSDP2 (an accelerate YAML's parallelism_config_tp_size: training/parallel/tensor.py).
     # Megatron-LM's runs split layers under DDP.
     "tp": Axis(
-        "tensor parallelism (DeepSpeed AutoTP, or DTensor under FSDP2)", (*DEEPSPEED, "fsdp"), published_under=("ddp",)
+        "tensor parallelism (DeepSpeed AutoTP, or DTensor under FSDP2)",
+        (*DEEPSPEED, "fsdp"),
+        published_under=("ddp",),
+        alone=False,
     ),
     # DeepSpeed's Ulysses: the engine reduces the gradients over the sequence-parallel ranks
     # (training/parallel/sequence.py).
@@ -43,6 +46,12 @@ AXES = {
     # torch's ring attention through accelerate, over FSDP2's dp_shard x cp mesh (CUDA only).
     "cp": Axis("context parallelism (ring attention)", ("fsdp",)),
 }
+
+
+# Axes that train together, and the wrappers that hold them: DTensor tensor parallelism inside pipeline stages, the
+# stages under one process's optimizer, DDP (torchrun's --tensor_parallel_degree) or FSDP2 (a YAML's
+# parallelism_config with --pipeline_parallel_degree): training/parallel/pipeline.py, tensor.py.
+COMPOSED = {frozenset(("tp", "pp")): ("single", "ddp", "fsdp")}
 
 
 def wrapper(family: str, zero_stage: int | None = None) -> str:
@@ -53,3 +62,8 @@ def wrapper(family: str, zero_stage: int | None = None) -> str:
 def composes(axis: str, wrapper_name: str) -> bool:
     """Whether recipes/train.py trains `axis` under the data-parallel wrapper `wrapper_name` (`wrapper`)."""
     return wrapper_name in AXES[axis].trains_under
+
+
+def composes_with(axis: str, other: str, wrapper_name: str) -> bool:
+    """Whether recipes/train.py trains `axis` and `other` together under `wrapper_name` (COMPOSED)."""
+    return wrapper_name in COMPOSED.get(frozenset((axis, other)), ())

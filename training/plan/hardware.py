@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from training.flops import PEAK_FLOPS
 
 GB = 1e9
+H100_NVL_PEAK = 835e12  # H100 NVL's dense bf16 (its data sheet: 1,671 with sparsity), at 350-400 W
+H100_500W_PEAK = H100_NVL_PEAK + (PEAK_FLOPS["H100"] - H100_NVL_PEAK) * (500 - 400) / (700 - 400)
 # `training/plan/published.calibrate()`'s solution (module docstring); the memory-bound count beside them is
 # step_time.ELEMENTWISE_ACCESSES.
 H100_EFFICIENCY = 0.5708
@@ -39,8 +41,9 @@ class GPUKind:
 
     peak_flops: float
     """Dense bf16 FLOP/s."""
-    memory_gb: float
-    """Memory in GB (1e9 bytes), as the vendor counts it."""
+    memory_gib: float
+    """Memory in GiB, as the driver reports its total (nvidia-smi's MiB / 1024): what the memory check compares the
+    planners' bytes with."""
     intra_node_gbps: float
     """GB/s per GPU per direction inside a node (NVLink)."""
     inter_node_gbps: float
@@ -53,11 +56,17 @@ class GPUKind:
     """The matrix multiplies' share of peak (module docstring)."""
 
 
+# Memory totals as nvidia-smi reports them: H100 SXM 81,559 MiB (this project's lent H100: docs/benchmarks.md), H200
+# 143,771 MiB, A100 80GB 81,920 MiB, A100 40GB 40,960 MiB.
 GPU_KINDS = {
-    "h100": GPUKind(PEAK_FLOPS["H100"], 80, 450, 50, 54.9, 3350, H100_EFFICIENCY),
-    "h200": GPUKind(PEAK_FLOPS["H200"], 141, 450, 50, 54.9, 4800, H100_EFFICIENCY),
+    "h100": GPUKind(PEAK_FLOPS["H100"], 81559 / 1024, 450, 50, 54.9, 3350, H100_EFFICIENCY),
+    "h200": GPUKind(PEAK_FLOPS["H200"], 143771 / 1024, 450, 50, 54.9, 4800, H100_EFFICIENCY),
     "a100-80gb": GPUKind(PEAK_FLOPS["A100"], 80, 300, 25, 25, 2039, A100_EFFICIENCY),
     "a100-40gb": GPUKind(PEAK_FLOPS["A100"], 40, 300, 25, 25, 1555, A100_EFFICIENCY),
+    # Meta's Grand Teton H100s (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md): 96 GB of HBM2e at 2.4
+    # TB/s, 400 Gb/s RDMA a GPU, run at a 500 W power limit; "the actual peak TFLOPs number is between SXM and NVL"
+    # (989 and 835 dense bf16 TFLOP/s at 700 and 400 W), taken linear in the power between them: 886.
+    "h100-hbm2e": GPUKind(H100_500W_PEAK, 96e9 / 2**30, 450, 50, 54.9, 2400, H100_EFFICIENCY),
 }
 
 
@@ -92,7 +101,7 @@ class Cluster:
 
 
 def cluster(kind: str, num_gpus: int, gpus_per_node: int = 8, *, peak_tflops: float | None = None,
-            memory_gb: float | None = None, intra_node_gbps: float | None = None,
+            memory_gib: float | None = None, intra_node_gbps: float | None = None,
             inter_node_gbps: float | None = None, pcie_gbps: float | None = None, hbm_gbps: float | None = None,
             efficiency: float | None = None) -> Cluster:  # fmt: skip
     """The cluster of `num_gpus` GPUs of `kind` (a key of GPU_KINDS), any figure replaced by the one given."""
@@ -107,7 +116,7 @@ def cluster(kind: str, num_gpus: int, gpus_per_node: int = 8, *, peak_tflops: fl
 
     return Cluster(
         kind, num_gpus, min(gpus_per_node, num_gpus), pick(peak_tflops and peak_tflops * 1e12, g.peak_flops),
-        pick(memory_gb, g.memory_gb) * GB, pick(intra_node_gbps, g.intra_node_gbps) * GB,
+        pick(memory_gib, g.memory_gib) * 2**30, pick(intra_node_gbps, g.intra_node_gbps) * GB,
         pick(inter_node_gbps, g.inter_node_gbps) * GB, pick(pcie_gbps, g.pcie_gbps) * GB,
         pick(hbm_gbps, g.hbm_gbps) * GB, pick(efficiency, g.efficiency),
     )  # fmt: skip

@@ -15,15 +15,19 @@ from training.parallel.mesh import Mesh
 from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape
 from training.plan.hardware import Cluster
-from training.plan.memory.activations import activation_bytes, layer_activation_bytes, logits_bytes
+from training.plan.memory.activations import (
+    activation_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    selective_layer_bytes,
+)
 from training.plan.memory.layout import repo_json
 from training.plan.memory.planner import predict, zero_paper
-from training.plan.memory.stages import in_flight
+from training.plan.memory.stages import PIPELINE_SCHEDULES, in_flight
 from training.plan.ring import ACTIVATION_BYTES
 from training.plan.step_time import (
     DP_STRATEGIES,
     MICRO_BATCHES,
-    SCHEDULES,
     WITH_PIPELINE,
     WITH_SEQUENCE_PARALLEL,
     WITH_TENSOR_PARALLEL,
@@ -56,11 +60,12 @@ class Memory:
         c, world = self.config, layout.world
         strategy = Strategy.from_name(layout.strategy, world).with_degrees(sp=layout.sp)
         ds = None
-        if layout.tp > 1 and layout.sharding == "zero1" and layout.pp == 1:
+        if layout.tp > 1 and layout.sharding == "zero1" and layout.pp == 1 and layout.runs_here:
             strategy, ds = strategy.with_degrees(tp=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
             ds["tensor_parallel"]["autotp_size"] = layout.tp
         planned = layout.tp == 1 and layout.pp == 1 or ds is not None
         planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")
+        planned &= not layout.selective  # the memory planner plans the script's recomputation: all or none
         if layout.pp > 1:
             strategy = replace(strategy.with_degrees(pp=layout.pp), pp_schedule=layout.memory_schedule)
         if planned:
@@ -74,15 +79,21 @@ class Memory:
         stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
-        layers = layout.stage_layers(c)
-        if layout.pp == 1:
-            activations = activation_bytes(c, layout.micro_batch, self.seq_len, e, layout.checkpointing, layout.tp)
+        layers, tp, sequence = layout.stage_layers(c), layout.tp, layout.sequence_parallel
+        if layout.pp == 1 and not layout.selective:
+            activations = activation_bytes(c, layout.micro_batch, self.seq_len, e, layout.checkpointing, tp,
+                                           sequence_parallel=sequence)  # fmt: skip
         else:
-            per_layer = e * c.hidden_size if layout.checkpointing else layer_activation_bytes(c, e, layout.tp)
-            held = in_flight(layout.memory_schedule, layout.pp, layout.micro_batches, 0)
+            layer = layer_activation_bytes(c, e, tp, sequence)
+            per_layer = e * c.hidden_size // (tp if sequence else 1) if layout.checkpointing else layer
+            per_layer = selective_layer_bytes(c, e, tp, sequence) if layout.selective else per_layer
+            held = in_flight(layout.memory_schedule, layout.pp, layout.micro_batches, 0) if layout.pp > 1 else 1
+            # Interleaving holds more on the first rank: its layers' activations of 1 + (P - 1) / (P v) times as
+            # many micro batches (Korthikanti et al. 2022, section 4.2.3).
+            held *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages) if layout.virtual_stages > 1 else 1
             activations = held * layers * per_layer * tokens
-            activations += layer_activation_bytes(c, e, layout.tp) * tokens if layout.checkpointing else 0
-        return states + activations + logits_bytes(c, layout.micro_batch, self.seq_len, e) / layout.tp, "composed"
+            activations += layer * tokens if layout.checkpointing else 0
+        return states + activations + logits_bytes(c, layout.micro_batch, self.seq_len, e) / tp, "composed"
 
 
 # ---------------------------------------------------------------------------------------------- enumeration
@@ -151,12 +162,39 @@ def check_batch(global_batch: int, seq_len: int, options: list[tuple[int, int, i
         )
 
 
+def schedules(config: ShardGPTConfig, pp: int, pinned: int | None) -> list[tuple[str, int]]:
+    """The pipeline schedules tried at `pp` stages, with the stages each rank holds: GPipe and 1F1B, and interleaved
+    1F1B at every number of stages a rank up to a layer a stage (or the one `pinned`); `layouts` keeps the uneven
+    splits for the runtimes that run them (Megatron-LM's, Llama 3's)."""
+    if pp == 1:
+        return [("1F1B", 1)]
+    found = list(range(2, config.num_hidden_layers // pp + 1))
+    if pinned is not None:
+        found = [pinned] if pinned > 1 else []
+    return [(s, 1) for s in PIPELINE_SCHEDULES if not pinned or pinned == 1] + [("Interleaved1F1B", v) for v in found]
+
+
+def runtimes(lay: Layout) -> list[Layout]:
+    """The layout under the runtimes that run it: this project's where it runs here (and, for FSDP2 x TP,
+    torchtitan's with Megatron's sequence parallelism beside it); DDP and ZeRO-1 (Megatron's distributed optimizer)
+    without Ulysses under Megatron-Core's too, with sequence parallelism under tensor
+    parallelism (STACKS). Options this project's runtime lacks make a layout not run here."""
+    tensor = lay.tp > 1
+    lay = replace(lay, tp_overlap=lay.tp_overlap and tensor)
+    megatron = replace(lay, stack="megatron-core", sequence_parallel=tensor)
+    if lay.strategy in ("ddp", "zero1") and lay.sp == 1:
+        here = replace(lay, tp_overlap=False, fp8=False).runs_here
+        return [lay, megatron] if here else [megatron]
+    return [lay, replace(lay, sequence_parallel=True)] if tensor and lay.strategy == "fsdp" else [lay]
+
+
 def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int,
             fixed: dict | None = None, any_layout: bool = False) -> list[Layout]:  # fmt: skip
     """Every layout of the cluster for `global_batch` sequences a step (before the memory check) that recipes/train.py
     runs (`Layout.runs_here`), or with `any_layout` Megatron-LM's too. `fixed`: any of tp, pp, sp, dp (degrees),
     strategy, schedule, micro_batch, checkpointing pinned to a value."""
     fixed = fixed or {}
+    flags = {k: bool(fixed.get(k)) for k in ("tp_overlap", "fp8", "compiled")}
     degrees = {k: fixed.get(k) for k in ("tp", "pp", "sp", "dp")}
     check_degrees(cluster.num_gpus, degrees)
     options = degree_options(config, cluster.num_gpus, cluster.gpus_per_node, seq_len, degrees)
@@ -174,7 +212,7 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
         if tp > 1 and pp > 1:
             names = [n for n in names if n in WITH_TENSOR_PARALLEL]
         for name in names:
-            for schedule, v in SCHEDULES if pp > 1 else (("1F1B", 1),):
+            for schedule, v in schedules(config, pp, fixed.get("virtual_stages")):
                 for micro in MICRO_BATCHES:
                     if (global_batch // dp) % micro:
                         continue
@@ -182,20 +220,24 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
                     even = config.num_hidden_layers % (pp * v) == 0
                     if v > 1 and (m % pp or pp * v > config.num_hidden_layers):
                         continue  # interleaving takes micro batches in rounds of P (torch's and Megatron-LM's)
-                    for checkpointing in (False, True):
-                        lay = Layout(name, dp, tp, pp, sp, schedule, micro, m, checkpointing, v)
-                        if even or not lay.runs_here:  # recipes/train.py splits the layers evenly
-                            out.append(lay)
-    pinned = {k: v for k, v in fixed.items()
-              if k in ("strategy", "schedule", "micro_batch", "checkpointing", "virtual_stages")}  # fmt: skip
+                    for checkpointing, selective in ((False, False), (False, True), (True, False)):
+                        lay = Layout(name, dp, tp, pp, sp, schedule, micro, m, checkpointing, v, **flags,
+                                     selective=selective)  # fmt: skip
+                        for variant in runtimes(lay):
+                            if even or not variant.runs_here:  # recipes/train.py splits the layers evenly
+                                out.append(variant)
+    pins = ("strategy", "schedule", "micro_batch", "checkpointing", "virtual_stages", "selective", "stack",
+            "sequence_parallel")  # fmt: skip
+    pinned = {k: v for k, v in fixed.items() if k in pins}
     out = [lay for lay in out if all(getattr(lay, k) == v for k, v in pinned.items() if v is not None)]
     here = [lay for lay in out if lay.runs_here]
     if out and not here and not any_layout:
-        pins = ", ".join(f"{k} {v}" for k, v in fixed.items() if v is not None)
+        pins = ", ".join(f"{k} {v}" for k, v in fixed.items() if v is not None and v is not False)
         raise ValueError(
-            f"no layout with {pins} runs in recipes/train.py (tensor parallelism only as ZeRO-1 AutoTP, a pipeline "
-            "only under DDP or FSDP2 on stages of equal layers, Ulysses only under ZeRO, none of them combined): pin "
-            "another, or pass --any_layout to predict Megatron-LM's layouts too"
+            f"no layout with {pins} runs in recipes/train.py (tensor parallelism as AutoTP under ZeRO or under "
+            "FSDP2, a pipeline only under DDP or FSDP2 on stages of equal layers with tensor parallelism inside its "
+            "stages, Ulysses only under ZeRO; without Megatron's sequence parallelism, TP overlap or fp8): pin "
+            "another, or pass --any_layout to predict Megatron-LM's and torchtitan's layouts too"
         )
     return out if any_layout else here
 
@@ -219,9 +261,9 @@ def plan(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: i
             rejected += 1
             continue
         row = predict_step(config, cluster, lay, seq_len, attn_implementation)
-        row.update(memory_gb=needed / 1e9, memory_source=source, runs_here=lay.runs_here)
+        row.update(memory_gib=needed / 2**30, memory_source=source, runs_here=lay.runs_here)
         rows.append(row)
-    rows.sort(key=lambda r: (-r["tokens_per_second"], r["memory_gb"]))  # ties: the one that needs less memory
+    rows.sort(key=lambda r: (-r["tokens_per_second"], r["memory_gib"]))  # ties: the one that needs less memory
     inputs = dict(cluster=dataclasses.asdict(cluster), global_batch=global_batch, seq_len=seq_len,
                   any_layout=any_layout, attn_implementation=attn_implementation,
                   parameters=ModelShape.of(config).parameters,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from model import ShardGPTConfig
+from training.flops import PEAK_FLOPS
 from training.plan.hardware import cluster
 from training.plan.ring import ACTIVATION_BYTES
 from training.plan.step_time import VOCAB_ACCESSES, Layout, model_flops_per_token, predict_step
@@ -152,6 +153,153 @@ CALIBRATION = [
         ("h100", "7B", 32, 4096, 32, 8, 6, 1, False, 0.4644),
     )
 ]
+
+
+@dataclass(frozen=True)
+class TunedRun:
+    """A published run whose authors tuned what they do not state (the micro batch, the stages a rank holds,
+    recomputation): predicted as the fastest layout the planner finds under what they do state (`compare_tuned`)."""
+
+    source: str
+    parameters: str
+    config: ShardGPTConfig
+    gpu: str  # a GPU kind of training/plan/hardware.py
+    gpus: int
+    batch: int  # sequences a step
+    seq_len: int
+    tokens_per_second_per_gpu: float
+    stated: tuple[tuple[str, object], ...]  # the layout's pins (training/plan/layouts.layouts' `fixed`)
+
+    @property
+    def mfu(self) -> float:
+        """PaLM's MFU against the H100 SXM's dense bf16 peak, both sources' convention."""
+        return self.tokens_per_second_per_gpu * model_flops_per_token(self.config, self.seq_len) / PEAK_FLOPS["H100"]
+
+
+def megatron_gpt(heads: int, hidden: int, layers: int, vocab: int, seq_len: int) -> ShardGPTConfig:
+    """Megatron-LM's GPT as this project's model: GELU's two h x 4h matrices held by SwiGLU's three of h x 8h/3, a
+    head tied to the embedding (Megatron's default), key-value heads = heads."""
+    return ShardGPTConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=round(8 * hidden / 3),
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                          max_position_embeddings=seq_len)  # fmt: skip
+
+
+# Megatron-Core's weak scaling on H100s (NVIDIA/Megatron-LM README, "Training Speed and Scalability", its model
+# table, 2024): GPT models, vocabulary 131,072, sequence 4096, data parallelism 48 throughout, per-GPU teraFLOP/s as
+# published (PaLM's count: 408.8 is the 1.7B's 41% of 989). Stated: `--overlap-grad-reduce --overlap-param-gather`
+# (the distributed optimizer: `zero1` under Megatron-Core's runtime), `--tp-comm-overlap` (which needs sequence
+# parallelism), pipeline communication overlapped; not stated: the micro batch, the interleaving, recomputation.
+MEGATRON_CORE_H100 = [
+    TunedRun(
+        "Megatron-Core H100 (README)",
+        name,
+        config,
+        "h100",
+        tp * pp * 48,
+        batch,
+        4096,
+        tflops * 1e12 / model_flops_per_token(config, 4096),
+        (("tp", tp), ("pp", pp), ("dp", 48), ("strategy", "zero1"), ("stack", "megatron-core"), ("tp_overlap", tp > 1)),
+    )  # fmt: skip
+    for name, heads, hidden, layers, tp, pp, batch, tflops in (
+        ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8),
+        ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
+        ("16B", 48, 6144, 32, 4, 1, 192, 489.1),
+        ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
+        ("70B", 64, 8192, 84, 8, 2, 384, 419.7),
+        ("119B", 80, 10240, 92, 8, 4, 768, 420.5),
+        ("177B", 96, 12288, 96, 8, 6, 1152, 432.8),
+        ("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
+        ("462B", 144, 18432, 112, 8, 16, 3072, 459.9),
+    )
+    for config in [megatron_gpt(heads, hidden, layers, 131072, 4096)]
+]
+
+
+def llama(name: str) -> ShardGPTConfig:
+    """A Llama 3 shape of model/configs/ (Llama 3.1's are the same matrices)."""
+    from training.paths import ROOT
+    from training.plan.layouts import llama_config
+
+    return llama_config(str(ROOT / "model" / "configs" / f"{name}.json"))
+
+
+# torchtitan on H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1, 3, 4 and 5): Llama
+# 3.1 at sequence 8192 on Meta's 96 GB HBM2e H100s ("h100-hbm2e"), tokens/s per GPU as published, turned into MFU by
+# PaLM's count against the SXM peak (the page's own convention: 8B at 33-39%). FSDP2 (with TP: torchtitan's
+# SequenceParallel on the norms, Megatron's sequence parallelism); "selective" activation checkpointing as none (it
+# recomputes little), "full" as full; torch.compile, fp8 (torchao's float8 linears) and async TP where stated; its
+# pipelines' micro batches of one sequence, interleaving at two stages a rank (torchtitan's default).
+TORCHTITAN_H100 = []
+for _name, _model, _gpus, _batch, _degrees, _full, _options, _tps in (
+    ("8B", "llama-3-8b", 8, 16, (("dp", 8), ("micro_batch", 2)), False, (), 5762),
+    ("8B", "llama-3-8b", 8, 16, (("dp", 8), ("micro_batch", 2)), False, ("compiled",), 6667),
+    ("8B", "llama-3-8b", 8, 16, (("dp", 8), ("micro_batch", 2)), False, ("compiled", "fp8"), 8532),
+    ("8B", "llama-3-8b", 128, 256, (("dp", 128), ("micro_batch", 2)), False, (), 5605),
+    ("8B", "llama-3-8b", 128, 256, (("dp", 128), ("micro_batch", 2)), False, ("compiled",), 6514),
+    ("8B", "llama-3-8b", 128, 256, (("dp", 128), ("micro_batch", 2)), False, ("compiled", "fp8"), 8380),
+    ("70B", "llama-3-70b", 256, 512, (("dp", 32), ("tp", 8), ("micro_batch", 16)), True, ("compiled", "fp8"), 829),
+    ("70B", "llama-3-70b", 256, 512, (("dp", 32), ("tp", 8), ("micro_batch", 16)), True,
+     ("compiled", "fp8", "tp_overlap"), 876),
+    ("405B", "llama-3.1-405b", 512, 256, (("dp", 8), ("tp", 8), ("pp", 8), ("micro_batch", 1), ("schedule", "1F1B")),
+     True, ("compiled", "fp8", "tp_overlap"), 100),
+    ("405B", "llama-3.1-405b", 512, 256, (("dp", 8), ("tp", 8), ("pp", 8), ("micro_batch", 1),
+     ("schedule", "Interleaved1F1B"), ("virtual_stages", 2)), True, ("compiled", "fp8", "tp_overlap"), 128),
+):  # fmt: skip
+    _config = llama(_model)
+    _sp = (("sequence_parallel", True),) if dict(_degrees).get("tp", 1) > 1 else ()
+    TORCHTITAN_H100.append(TunedRun(
+        "torchtitan H100 (benchmarks)", _name, _config, "h100-hbm2e", _gpus, _batch, 8192,
+        _tps,
+        (("strategy", "fsdp"), ("checkpointing", _full), *_degrees, *_sp, *((o, True) for o in _options)),
+    ))  # fmt: skip
+
+
+# Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4): H100s, tp 8 x pp 16, sequence 8192, 16M
+# tokens a step, BF16 TFLOP/s per GPU as published; gradients and optimizer states sharded over the data-parallel
+# ranks with the parameters whole (the distributed optimizer), an interleaved schedule they tuned, communication
+# overlapped (Megatron-Core's runtime, the nearest modelled). Recomputation is left to the planner: its memory model
+# does not fit these runs without it (each rank's 16 micro batches in flight of 8 layers whole come to ~100 GB). The
+# context-parallel row (sequence 131,072) is left out: the planner has no context parallelism.
+LLAMA3_405B = [
+    TunedRun(
+        "Llama 3 405B (Table 4)",
+        "405B",
+        config,
+        "h100",
+        gpus,
+        2048,
+        8192,
+        tflops * 1e12 / model_flops_per_token(config, 8192),
+        (
+            ("tp", 8),
+            ("pp", 16),
+            ("dp", gpus // 128),
+            ("strategy", "zero1"),
+            ("stack", "megatron-core"),
+        ),
+    )  # fmt: skip
+    for gpus, tflops in ((8192, 430), (16384, 400))
+    for config in [llama("llama-3.1-405b")]
+]
+
+
+def compare_tuned(runs: list[TunedRun]) -> list[dict]:
+    """Each run's predicted MFU: the fastest layout that fits its GPUs under what it states, beside the published."""
+    from training.plan.layouts import plan
+
+    out = []
+    for run in runs:
+        result = plan(run.config, cluster(run.gpu, run.gpus), run.batch, run.seq_len, dict(run.stated), True)
+        if not result["layouts"]:
+            raise ValueError(f"{run.source} {run.parameters}: no layout under {dict(run.stated)} fits its GPUs")
+        best = result["layouts"][0]
+        seconds = {k: best[k] for k in ("step_seconds", "bubble_seconds", "communication_seconds")}
+        error = best["tokens_per_second_per_gpu"] / run.tokens_per_second_per_gpu - 1
+        out.append(dict(source=run.source, parameters=run.parameters, layout=best["layout"], gpus=run.gpus,
+                        gpu=run.gpu, published_mfu=run.mfu, predicted_mfu=run.mfu * (1 + error), error=error,
+                        memory_gib=best["memory_gib"], **seconds))  # fmt: skip
+    return out
 
 
 def calibrate() -> dict[str, float]:

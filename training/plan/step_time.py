@@ -51,11 +51,10 @@ from dataclasses import dataclass, replace
 
 from model import ShardGPTConfig
 from training.flops import flops_per_token
-from training.parallel.axes import AXES, composes, wrapper
+from training.parallel.axes import AXES, composes, composes_with, wrapper
 from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape, expected_payloads, ulysses_payloads
 from training.plan.hardware import Cluster
-from training.plan.memory.stages import PIPELINE_SCHEDULES
 from training.plan.ring import (
     ACTIVATION_BYTES,
     all_reduce_seconds,
@@ -74,13 +73,12 @@ WRAPPER = {name: wrapper(s.family, s.zero_stage) for name in DP_STRATEGIES for s
 # planners model ZeRO-1 (the memory planner's `zero1-autotp`). Each axis runs alone here (`Axis.alone`).
 PIPELINE_HERE = tuple(n for n in DP_STRATEGIES if composes("pp", WRAPPER[n]))
 WITH_PIPELINE = tuple(n for n in DP_STRATEGIES if n in PIPELINE_HERE or n in AXES["pp"].published_under)
-TENSOR_PARALLEL_HERE = tuple(n for n in ("zero1",) if composes("tp", WRAPPER[n]))
+ONLOADED = tuple(n for n in DP_STRATEGIES if not Strategy.from_name(n).offloads)
+TENSOR_PARALLEL_HERE = tuple(n for n in ONLOADED if composes("tp", WRAPPER[n]))
 WITH_TENSOR_PARALLEL = tuple(n for n in DP_STRATEGIES if n in TENSOR_PARALLEL_HERE or n in AXES["tp"].published_under)
+TP_WITH_PIPELINE_HERE = tuple(n for n in PIPELINE_HERE if composes_with("tp", "pp", WRAPPER[n]))
 WITH_SEQUENCE_PARALLEL = tuple(n for n in DP_STRATEGIES if composes("sp", WRAPPER[n]))
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro batch sizes tried, in sequences
-# Pipeline schedules tried, with the stages each rank holds: the memory planner's two, and interleaved 1F1B at 2
-# stages a rank (training/parallel/pipeline.py's default; more divide the bubble further and send more).
-SCHEDULES = tuple((s, 1) for s in PIPELINE_SCHEDULES) + (("Interleaved1F1B", 2),)
 
 # Memory-bound work, counted in reads and writes of 2-byte elements per token over a forward and a backward, at the
 # GPU's HBM bandwidth (a forward is a third of them; activation checkpointing runs it twice):
@@ -96,6 +94,12 @@ SCHEDULES = tuple((s, 1) for s in PIPELINE_SCHEDULES) + (("Interleaved1F1B", 2),
 #   writes one (3), the two matmuls read it (2). Dropout on the probabilities adds a read, a write and a one-byte mask
 #   each way (2.5 + 2.5). FlashAttention (sdpa on GPUs) keeps scores on chip: none.
 ELEMENTWISE_ACCESSES = 218.8
+# Counted from the eager kernels of this model's layer, the same accesses come to 219 (forward 73: each RMSNorm's
+# upcast, square, mean, scale, downcast and weight 18 x 2, rotary on q and k 18, SwiGLU on 8h/3 13.3, two residual adds
+# 6; a backward twice that): the calibration's figure. torch.compile fuses each chain into one kernel that reads its
+# inputs and writes its outputs once: forward 20 (each norm with the residual add before it 4 x 2, rotary 4, SwiGLU
+# 3 x 8/3), backward 25.3 (norms 4 x 2, rotary 4, SwiGLU 5 x 8/3): 45.3, counted, not fitted.
+COMPILED_ELEMENTWISE_ACCESSES = 45.3
 VOCAB_ACCESSES = 15
 # Of ELEMENTWISE_ACCESSES, the share on hidden-wide tensors, which tensor parallelism does not split: a layer's
 # forward reads and writes its two norms' (2 x 2) and its two residual adds' (2 x 3) per hidden unit, 10, against the
@@ -124,6 +128,33 @@ OVERLAP = {
     "fsdp": {"all_gather": "forward+backward", "reduce_scatter": "backward"},
 }
 PER_MICRO_BATCH = {"zero2", "zero3", "fsdp"}  # reduce (and gather) every micro batch, not once per step
+
+# Whose runtime overlaps the communication: this project's (OVERLAP above; under a pipeline the data-parallel
+# reduction waits for the flush, training/parallel/pipeline.py: Megatron-LM 2021's and BLOOM's Megatron-DeepSpeed
+# did the same, and are modelled so), or Megatron-Core's as its H100 runs launch it (README, "Training Speed and
+# Scalability": `--overlap-grad-reduce --overlap-param-gather`, `--tp-comm-overlap`, pipeline communication
+# overlapped): its gradient buckets reduced as they are ready in each stage's last micro batch's backward, the
+# distributed optimizer (`zero1` here: a reduce-scatter of the gradients and an all-gather of the updated
+# parameters, Megatron-Core's docs/distrib_optimizer.md) gathering them during the next step's first forward, the
+# interleaved schedule's sends and receives beside its compute (`overlap_p2p_comm`), its reductions in the gradients'
+# bf16 (`DistributedDataParallelConfig.grad_reduce_in_fp32 = False`).
+STACKS = ("shardgpt", "megatron-core")
+# Tensor-parallel overlap (Megatron's `--tp-comm-overlap` through Transformer Engine's userbuffers; torchtitan's
+# async TP): each GEMM beside a collective is cut into tp chunks and each chunk's transfer runs beside another
+# chunk's GEMM (Wang et al. 2022, "Overlap Communication with Dependent Computation via Decomposition"); one chunk's
+# transfer in tp stays exposed, and the rest hides up to the layer's matrix compute.
+# fp8: the decoder layers' linear layers at the GPU's dense fp8 peak (FP8_SPEEDUP x bf16's on H100/H200: 1979 and
+# 989 TFLOP/s in the data sheet), at the same share of it; attention and the head stay bf16 (torchtitan's float8
+# converts the layers' nn.Linear, not the output head; FlashAttention in bf16). Dynamic tensorwise scaling casts each
+# GEMM's operands per token (`fp8_cast_accesses`): a linear layer's input in the forward and its output's gradient in
+# the backward, each read for its amax and read again and written in fp8 (2.5 two-byte accesses an element), and
+# both again in the transposed layout the weight's gradient GEMM takes (1.5); q, k and v each cast their (shared)
+# input, as gate and up do.
+# Selective recomputation as torch's selective activation checkpointing runs it (torchtitan's "op" policy): the
+# outputs of every other linear layer's GEMM and of attention are kept, the rest of the layer's forward (every
+# memory-bound kernel, and half the linear layers' GEMMs) runs again in the backward.
+SELECTIVE_RECOMPUTED_GEMMS = 0.5
+FP8_SPEEDUP = 2.0
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 
 
@@ -141,10 +172,17 @@ class Layout:
     micro_batches: int = 1  # M: micro batches per step (gradient accumulation, or the pipeline's)
     checkpointing: bool = False
     virtual_stages: int = 1  # stages each pipeline rank holds (Interleaved1F1B: 2 or more)
+    sequence_parallel: bool = False  # Megatron's: norms and residuals on sequence shards between the tp regions
+    stack: str = "shardgpt"  # whose runtime overlaps the communication (STACKS)
+    tp_overlap: bool = False  # tensor-parallel collectives overlapped with their GEMMs (TP_OVERLAP)
+    fp8: bool = False  # the decoder layers' linear layers in fp8 (FP8)
+    compiled: bool = False  # torch.compile fuses the memory-bound kernels (COMPILED_ELEMENTWISE_ACCESSES)
+    selective: bool = False  # selective recomputation (SELECTIVE_RECOMPUTED_GEMMS)
 
     def stage_layers(self, config: ShardGPTConfig) -> int:
-        """Decoder layers on the largest pipeline stage: an equal share, rounded up where they do not split evenly."""
-        return math.ceil(config.num_hidden_layers / self.pp)
+        """Decoder layers on the busiest pipeline rank: its `virtual_stages` stages of an equal share of the layers
+        each, rounded up where they do not split evenly."""
+        return math.ceil(config.num_hidden_layers / (self.pp * self.virtual_stages)) * self.virtual_stages
 
     @property
     def memory_schedule(self) -> str:
@@ -169,10 +207,15 @@ class Layout:
 
     @property
     def runs_here(self) -> bool:
-        """Whether recipes/train.py runs this layout (the module's PIPELINE_HERE, TENSOR_PARALLEL_HERE); Megatron-LM's
-        layouts (tensor parallelism with DDP, tensor x pipeline, ZeRO under a pipeline) do not."""
+        """Whether recipes/train.py runs this layout (the axes table: PIPELINE_HERE, TENSOR_PARALLEL_HERE,
+        TP_WITH_PIPELINE_HERE): with this project's runtime, none of the options it lacks (Megatron's sequence
+        parallelism, tensor-parallel overlap, fp8); Megatron-LM's layouts (tensor parallelism with DDP, ZeRO-1 under a
+        pipeline) do not."""
+        if self.stack != "shardgpt" or self.sequence_parallel or self.tp_overlap or self.fp8 or self.selective:
+            return False
         if self.pp > 1:
-            return self.strategy in PIPELINE_HERE and self.tp == self.sp == 1
+            tensor = self.tp == 1 or self.strategy in TP_WITH_PIPELINE_HERE
+            return self.strategy in PIPELINE_HERE and self.sp == 1 and tensor
         if self.tp > 1:
             return self.strategy in TENSOR_PARALLEL_HERE and self.sp == 1
         return self.sp == 1 or self.strategy in WITH_SEQUENCE_PARALLEL
@@ -184,7 +227,10 @@ class Layout:
             parts.append(f"pp{self.pp} {self.schedule}")
             parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts.append(f"micro {self.micro_batch} x{self.micro_batches}")
-        return " ".join(parts) + (" ckpt" if self.checkpointing else "")
+        options = [("SP", self.sequence_parallel), ("TP overlap", self.tp_overlap), ("fp8", self.fp8),
+                   ("compiled", self.compiled), ("ckpt", self.checkpointing), ("selective", self.selective),
+                   (self.stack, self.stack != "shardgpt")]  # fmt: skip
+        return " ".join(parts + [word for word, on in options if on])
 
 
 # ---------------------------------------------------------------------------------------------- the ring
@@ -197,13 +243,14 @@ def model_flops_per_token(config: ShardGPTConfig, seq_len: int) -> float:
 
 
 def memory_bound_bytes_per_token(config: ShardGPTConfig, seq_len: int, checkpointing: bool,
-                                 attn_implementation: str = "sdpa") -> float:  # fmt: skip
-    """HBM bytes per token of a step's memory-bound kernels (ELEMENTWISE_ACCESSES and its neighbours)."""
+                                 attn_implementation: str = "sdpa", compiled: bool = False) -> float:  # fmt: skip
+    """HBM bytes per token of a step's memory-bound kernels (ELEMENTWISE_ACCESSES, or compiled its fused count, and
+    its neighbours)."""
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         known = ", ".join(ATTN_IMPLEMENTATIONS)
         raise ValueError(f"attn_implementation {attn_implementation!r}: choose one of {known}")
     forwards = 2 if checkpointing else 1  # the recomputed forward
-    layer = ELEMENTWISE_ACCESSES * config.hidden_size * (forwards + 2) / 3
+    layer = elementwise_accesses(compiled) * config.hidden_size * (forwards + 2) / 3
     if attn_implementation == "eager":
         dropout = getattr(config, "attention_dropout", 0.0) > 0  # a Llama config.json field; this model has none
         passes = {k: v + (DROPOUT_ACCESSES[k] if dropout else 0) for k, v in SCORE_ACCESSES.items()}
@@ -211,27 +258,58 @@ def memory_bound_bytes_per_token(config: ShardGPTConfig, seq_len: int, checkpoin
     return ACTIVATION_BYTES * (config.num_hidden_layers * layer + VOCAB_ACCESSES * config.vocab_size)
 
 
+def elementwise_accesses(compiled: bool) -> float:
+    """Memory-bound accesses per hidden unit and layer over a forward and a backward, eager or compiled."""
+    return COMPILED_ELEMENTWISE_ACCESSES if compiled else ELEMENTWISE_ACCESSES
+
+
 def compute_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_len: int,
                     attn_implementation: str = "sdpa") -> float:  # fmt: skip
     """One step's compute on the busiest GPU: the matrix multiplies' FLOPs (PaLM's, one more forward with
     checkpointing) at the efficiency, and the memory-bound kernels' bytes at HBM bandwidth. Each GPU runs its stage's
-    layers over its replica's tokens, split over tp (but the hidden-wide kernels, REPLICATED_SHARE) and sp; under a
-    pipeline the busiest stage is the last, whose share of the layers is rounded up and which also runs the head and
-    the loss (its step sets the pipeline's pace)."""
+    layers over its replica's tokens, split over tp (but the hidden-wide kernels, REPLICATED_SHARE, unless Megatron's
+    sequence parallelism splits them over the sequence) and sp; under a pipeline the busiest stage is the last, whose
+    share of the layers is rounded up and which also runs the head and the loss (its step sets the pipeline's pace).
+    With fp8 the layers' linear layers run at FP8_SPEEDUP x the peak, plus their casts."""
     tokens = layout.micro_batch * layout.micro_batches * seq_len / layout.sp  # a GPU's, of its replica's batch
     forwards = 2 if layout.checkpointing else 1
+    passes = (forwards + 2) / 3
+    recomputed = layout.checkpointing or layout.selective  # the memory-bound kernels' forward runs twice
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     head_flops = 6 * vocab * h  # the head's matmul (tied to the embedding or not, it is one)
     layer_flops = (model_flops_per_token(config, seq_len) - head_flops) / layers
+    linear_flops = 6 * layer_parameters(config) if layout.fp8 else 0.0  # what fp8 speeds up
     head_bytes = ACTIVATION_BYTES * VOCAB_ACCESSES * vocab
-    layer_bytes = (memory_bound_bytes_per_token(config, seq_len, layout.checkpointing, attn_implementation)
-                   - head_bytes) / layers  # fmt: skip
-    replicated = ACTIVATION_BYTES * REPLICATED_SHARE * ELEMENTWISE_ACCESSES * h * (forwards + 2) / 3
+    layer_bytes = (memory_bound_bytes_per_token(config, seq_len, recomputed, attn_implementation,
+                                                layout.compiled) - head_bytes) / layers  # fmt: skip
+    replicated = ACTIVATION_BYTES * REPLICATED_SHARE * elementwise_accesses(layout.compiled) * h * (3 + recomputed) / 3
+    if layout.fp8:
+        layer_bytes += ACTIVATION_BYTES * fp8_cast_accesses(config)
     stage = layout.stage_layers(config)
-    flops = (stage * layer_flops + head_flops) * (forwards + 2) / 3 / layout.tp
-    memory = stage * (layer_bytes / layout.tp + replicated * (1 - 1 / layout.tp))
+    linear = linear_flops / FP8_SPEEDUP + (6 * layer_parameters(config) - linear_flops)  # the layer's GEMMs
+    flops = (stage * (layer_flops - 6 * layer_parameters(config) + linear) + head_flops) * passes
+    if layout.selective:  # half the linear layers' forward GEMMs again
+        flops += stage * SELECTIVE_RECOMPUTED_GEMMS * linear / 3
+    flops /= layout.tp
+    split = layout.tp if layout.sequence_parallel else 1  # what the hidden-wide kernels split over
+    memory = stage * (layer_bytes / layout.tp + replicated * (1 / split - 1 / layout.tp))
     memory += head_bytes / layout.tp
     return tokens * (flops / (cluster.peak_flops * cluster.efficiency) + memory / cluster.hbm_bw)
+
+
+def fp8_cast_accesses(config: ShardGPTConfig) -> float:
+    """Two-byte accesses per token and layer of fp8's casts (FP8_SPEEDUP above): the linear layers' inputs (q, k, v
+    each of h, o of h, gate and up each of h, down of f: 6h + f) and their outputs' gradients (q and o of h, k and v
+    of g, gate and up of f, down of h: 3h + 2g + 2f), 2.5 + 1.5 accesses an element each."""
+    h, f = config.hidden_size, config.intermediate_size
+    g = config.num_key_value_heads * (getattr(config, "head_dim", None) or h // config.num_attention_heads)
+    return (2.5 + 1.5) * ((6 * h + f) + (3 * h + 2 * g + 2 * f))
+
+
+def layer_parameters(config: ShardGPTConfig) -> int:
+    """One decoder layer's matrix elements (its linear layers'; the norms apart)."""
+    shape = ModelShape.of(config)
+    return (shape.parameters - shape.outside_layers - shape.norms + config.hidden_size) // config.num_hidden_layers
 
 
 def rank_shape(config: ShardGPTConfig, layout: Layout) -> ModelShape:
@@ -266,16 +344,21 @@ def data_parallel_seconds(
         zero = {"stage3_max_live_parameters": limit, "stage3_max_reuse_distance": limit}
         strategy = replace(strategy, deepspeed={"zero_optimization": zero})
     m = layout.micro_batches
+    megatron = layout.stack == "megatron-core"
 
     def payloads(element: int, micro_batches: int) -> dict[str, int]:
         # The step's closed form; where there is none over several micro batches (ZeRO-3 re-gathering, past its
-        # live-parameter limits), each micro batch's repeated.
+        # live-parameter limits), each micro batch's repeated. Megatron-Core's distributed optimizer: a
+        # reduce-scatter of the gradients and an all-gather of the parameters, Psi each, once a step.
+        if megatron and family == "zero1":
+            return {"reduce_scatter": element * shape.parameters, "all_gather": element * shape.parameters}
         found = expected_payloads(strategy, shape, element, micro_batches)
         if found is None:
             found = {k: micro_batches * v for k, v in expected_payloads(strategy, shape, element).items()}
         return found
 
-    reduction = ACTIVATION_BYTES if family == "fsdp" else 4  # gradients: FSDP2 reduces in bf16, the rest in fp32
+    # Gradients: FSDP2 and Megatron-Core reduce in bf16, the rest in fp32.
+    reduction = ACTIVATION_BYTES if family == "fsdp" or megatron else 4
     gathered, reduced = payloads(ACTIVATION_BYTES, m), payloads(reduction, m)  # parameters are gathered in bf16
     once = {**payloads(ACTIVATION_BYTES, 1), **{k: v for k, v in payloads(reduction, 1).items() if k in REDUCTIONS}}
     # The group spans a pipeline stage's ranks, tp x sp apart (tensor- and sequence-parallel ranks are innermost).
@@ -289,6 +372,8 @@ def data_parallel_seconds(
         calls = repeats * calls_per_step(family, kind, once[kind], shape, layers)
         seconds = collective_seconds(kind, nbytes, layout.dp, bandwidth) + calls * ring_latency(kind, layout.dp, nodes)
         window = OVERLAP[family].get(kind) if layout.pp == 1 else None
+        if megatron:  # each bucket reduced as it is ready; the parameters gathered during the first forward
+            window = "backward" if kind in REDUCTIONS else "forward"
         if window == "forward+backward":
             forward = min(1.0, repeats * ACTIVATION_BYTES * shape.parameters / nbytes)
             out += [(kind, forward * seconds, "forward"), (kind, (1 - forward) * seconds, "backward")]
@@ -343,9 +428,14 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         for window, seconds in exposed(by_window, scale * forward, scale * backward).items():
             comm[f"dp_{window}"] = seconds
     if layout.tp > 1:
+        # Four all-reduces a layer and micro batch (two with each recomputed forward); under sequence parallelism
+        # each is an all-gather and a reduce-scatter of the same ring bytes (Korthikanti et al. 2022, section 4.2.2).
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
         calls = (6 if layout.checkpointing else 4) * layout.stage_layers(config) * layout.micro_batches
-        comm["tp_all_reduce"] = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
+        seconds = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
+        if layout.tp_overlap:  # one chunk in tp exposed, the rest hidden up to the compute (TP_OVERLAP above)
+            seconds = seconds / layout.tp + max(0.0, seconds * (1 - 1 / layout.tp) - compute)
+        comm["tp_gather_scatter" if layout.sequence_parallel else "tp_all_reduce"] = seconds
     if layout.sp > 1:
         strategy = Strategy.of("ddp", layout.world, sp=layout.sp)
         sent = ulysses_payloads(strategy, ModelShape.of(config), config, micro_tokens, 1, ACTIVATION_BYTES)
@@ -358,7 +448,10 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         hop = cluster.link_bandwidth(layout.world, layout.world)
         # Interleaving sends each micro batch's activations v times as far round the ranks (Narayanan et al. 2021).
         sends = layout.virtual_stages * layout.micro_batches + layout.pp - 1
-        comm["pp_send_recv"] = 2 * sends * size / hop
+        seconds = 2 * sends * size / hop
+        if layout.stack == "megatron-core" and layout.virtual_stages > 1:  # overlap_p2p_comm: beside the compute
+            seconds = max(0.0, seconds - compute)
+        comm["pp_send_recv"] = seconds
     offload = offload_seconds(config, cluster, layout, backward)
     communication = sum(comm.values())
     step = compute + bubble + communication + offload
