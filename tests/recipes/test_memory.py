@@ -168,3 +168,24 @@ def test_sharded_states_fall_as_one_over_n_on_4_ranks(config, tmp_path):
         assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]
         assert deviations(record) == pytest.approx(expected_deviations(record), abs=1e-6)
         assert record["model_states"] < 6 * record["psi"]  # against 16Ψ to 20Ψ unsharded
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix  # 4 ranks oversubscribed on 2 cores: only bytes are measured
+def test_fsdp2_x_tp_states_match_planner_on_4_ranks(tmp_path):
+    """FSDP2 x TP from accelerate_configs/fsdp_tp.yaml (dp_shard 2 x tp 2): each rank holds half of every split
+    matrix (its tensor-parallel slice), FSDP2 holds half of that slice, and of what stays whole across the
+    tensor-parallel ranks (embedding, norms) half; weights, gradients and Adam's moments of that share in fp32, a step
+    counter per tensor. The planner counts the same, category by category, to the byte."""
+    c = ShardGPTConfig.from_preset("tiny")
+    for record in measure("fsdp_tp", TINY, tmp_path / "out", nproc=4):
+        embedding = record["vocab_size"] * c.hidden_size
+        norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
+        split = record["psi"] - embedding - norms  # the decoder's matrices: split over tp, then sharded over dp
+        local = split // 4 + (embedding + norms) // 2
+        assert record["model_states"] == (4 + 4 + 8) * local + 4 * record["param_tensors"], record["bytes"]
+        predicted = bytes_by_category(planned(record))
+        assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]
+        for name, snap in record["snapshots"].items():
+            assert snap["unattributed"]["bytes"] < 64 * 1024, (name, snap["unattributed"])

@@ -492,3 +492,18 @@ def test_megatron_cores_h100_runs_are_predicted_within_their_band():
     assert max(errors) < 0.16 and sum(errors) / len(errors) < 0.07
     # Tensor parallelism at tp 2 to 8 without a pipeline: sequence parallelism and TP overlap keep it within 6%.
     assert all(abs(r["error"]) < 0.06 for r in rows[1:4])
+
+
+def test_fsdp2_x_tp_memory_is_the_memory_planners_which_counts_what_ranks_measure():
+    """The step-time planner's memory of an FSDP2 x TP layout is the memory planner's prediction for the same
+    launch (tests/recipes/test_memory.py measures its model states to the byte on 4 ranks)."""
+    from training.parallel.strategy import Strategy
+    from training.plan.memory.planner import predict
+
+    layout = Layout("fsdp", 4, tp=2, micro_batch=2)
+    needed, source = lay.Memory(CONFIG, SEQ)(layout)
+    strategy = Strategy.of("fsdp", 8, tp=2, fsdp_version=2)
+    assert source == "planner" and needed == predict(CONFIG, strategy, "bf16", 2, SEQ)["total"]
+    # The decoder's matrices split over tp, the embedding and norms whole on each tp rank: under ZeRO-3's whole share
+    whole = predict(CONFIG, Strategy.of("fsdp", 4, fsdp_version=2), "bf16", 2, SEQ)
+    assert predict(CONFIG, strategy, "bf16", 2, SEQ)["model_states"] < whole["model_states"]

@@ -138,6 +138,25 @@ class Pipelined(Engine):
             torch.save(self.scheduler.state_dict(), path / "scheduler.bin")
 
 
+def build_net(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config: ShardGPTConfig,
+              tokenizer) -> torch.nn.Module:  # fmt: skip
+    """The model as `prepare` builds it, before a pipeline keeps its stages and before `accelerator.prepare`: under
+    FSDP2 x TP already split and sharded (collective: the device mesh)."""
+    pipelined = strategy.pp_size > 1
+    tensor_parallel = (
+        strategy.family == "fsdp" and strategy.tp_size > 1 and not pipelined
+    )  # a pipeline splits its stages
+    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path,
+                      None if pipelined or tensor_parallel else accelerator, cfg.torch_compile)  # fmt: skip
+    if tensor_parallel:  # collective: the device mesh; the plan's slices over tp, FSDP2 over the data-parallel ranks
+        # accelerate's plugin finds the YAML's wrap classes by name in the model, which FSDP2 renames
+        # (FSDPShardGPTDecoderLayer): resolved before sharding, as accelerate's own FSDP2 preparation does.
+        accelerator.state.fsdp_plugin.set_auto_wrap_policy(net)
+        policy = fsdp_precision(cfg) if cfg.mixed_precision != "no" else None
+        net = shard_tensor_parallel(net, strategy, accelerator.device, policy)
+    return net
+
+
 def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config: ShardGPTConfig,
             tokenizer) -> Engine:  # fmt: skip
     """The model (fresh from the seed, or --model_name_or_path's weights), AdamW and the schedule, prepared for
@@ -152,17 +171,7 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     # weights for a seed. --torch_compile compiles each decoder layer, after checkpointing, before any sharding.
     # Under tensor parallelism (FSDP2 x TP) every rank builds the whole model, as one process would, and keeps its
     # slices and shards of it (training/parallel/tensor.py).
-    tensor_parallel = (
-        strategy.family == "fsdp" and strategy.tp_size > 1 and not pipelined
-    )  # a pipeline splits its stages
-    net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path,
-                      None if pipelined or tensor_parallel else accelerator, cfg.torch_compile)  # fmt: skip
-    if tensor_parallel:  # collective: the device mesh; the plan's slices over tp, FSDP2 over the data-parallel ranks
-        # accelerate's plugin finds the YAML's wrap classes by name in the model, which FSDP2 renames
-        # (FSDPShardGPTDecoderLayer): resolved before sharding, as accelerate's own FSDP2 preparation does.
-        accelerator.state.fsdp_plugin.set_auto_wrap_policy(net)
-        policy = fsdp_precision(cfg) if cfg.mixed_precision != "no" else None
-        net = shard_tensor_parallel(net, strategy, accelerator.device, policy)
+    net = build_net(cfg, strategy, accelerator, config, tokenizer)
     pipeline = None
     if pipelined:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config
         shard = stage_sharder(cfg, strategy, accelerator.device) if strategy.family == "fsdp" else None

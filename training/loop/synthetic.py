@@ -16,6 +16,7 @@ from data import ShardedLoader
 from model import ShardGPTConfig
 from training.arguments import parse_run_config
 from training.config import RunConfig
+from training.loop.engine import build_net
 from training.loop.optim import make_optimizer, make_scheduler
 from training.loop.step import accumulated_loss_scale, train_step
 from training.parallel.accelerator import make_accelerator
@@ -89,8 +90,15 @@ def synthetic_run(argv: list[str] | None = None) -> SyntheticRun:
     """Parse train.py's flags, check them, pick the strategy, build and `prepare` model, AdamW and schedule,
     and feed a synthetic global batch (random tokens, the same on every rank) through the real loader."""
     cfg, world, config, strategy, accelerator = set_up(argv)
-    net = build_model(config, StandInTokenizer(cfg.tokenizer_vocab_size), cfg.gradient_checkpointing)
-    psi = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())  # ds_numel: a zero.Init partition
+    if strategy.pp_size > 1:
+        raise ValueError("the synthetic run measures one model per rank: launch it without a pipeline")
+    tokenizer = StandInTokenizer(cfg.tokenizer_vocab_size)
+    if strategy.tp_size > 1 and strategy.family == "fsdp":  # FSDP2 x TP: split and sharded as recipes/train.py does
+        net = build_net(cfg, strategy, accelerator, config, tokenizer)
+    else:  # built whole on every rank; `prepare` wraps, shards or partitions it
+        net = build_model(config, tokenizer, cfg.gradient_checkpointing)
+    # ds_numel: a zero.Init partition's whole size; a DTensor's numel is its whole size too
+    psi = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())
     tensors = sum(1 for _ in net.parameters())
     fused = accelerator.device.type == "cuda" and not strategy.offloads
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)

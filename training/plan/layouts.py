@@ -42,13 +42,15 @@ from training.plan.step_time import (
 
 class Memory:
     """Bytes one GPU of a layout needs at its peak, the memory planner's (`training/plan/memory/planner.predict`) where
-    it models the layout (data parallelism with Ulysses, AutoTP under ZeRO-1, DDP's and FSDP2's pipelines); otherwise
+    it models the layout (data parallelism with Ulysses, AutoTP under ZeRO-1, FSDP2 x TP, DDP's and FSDP2's
+    pipelines); otherwise
     its pieces composed: the ZeRO paper's model states of the rank's slice (`zero_paper`), the activations of the
     micro batches a stage holds (`layer_activation_bytes`, `in_flight`) and the chunked loss's logits."""
 
     def __init__(self, config: ShardGPTConfig, seq_len: int):
         self.config, self.seq_len = config, seq_len
         self.cache: dict[Layout, tuple[float, str]] = {}
+        self.planned: dict[tuple, float] = {}
 
     def __call__(self, layout: Layout) -> tuple[float, str]:
         """(bytes, "planner" or "composed")."""
@@ -63,18 +65,23 @@ class Memory:
         if layout.tp > 1 and layout.sharding == "zero1" and layout.pp == 1 and layout.runs_here:
             strategy, ds = strategy.with_degrees(tp=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
             ds["tensor_parallel"]["autotp_size"] = layout.tp
-        planned = layout.tp == 1 and layout.pp == 1 or ds is not None
+        if layout.tp > 1 and layout.sharding == "fsdp" and layout.pp == 1 and layout.runs_here:  # FSDP2 x TP
+            strategy = strategy.with_degrees(tp=layout.tp)
+        planned = layout.tp == 1 and layout.pp == 1 or ds is not None or strategy.tp_size > 1
         planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")
         planned &= not layout.selective  # the memory planner plans the script's recomputation: all or none
         if layout.pp > 1:
             strategy = replace(strategy.with_degrees(pp=layout.pp), pp_schedule=layout.memory_schedule)
-        if planned:
-            try:
-                row = predict(c, strategy, "bf16", layout.micro_batch, self.seq_len, layout.checkpointing,
-                              ds_config=ds, micro_batches=layout.micro_batches)  # fmt: skip
-                return float(row["total"]), "planner"
-            except ValueError:  # a pipeline torch's schedules refuse (1F1B with M < P, layers that do not split)
-                return math.inf, "planner"
+        if planned:  # the memory planner's figure, shared by the layouts it cannot tell apart (interleavings)
+            key = (strategy, layout.micro_batch, layout.checkpointing, layout.micro_batches, ds is not None)
+            if key not in self.planned:
+                try:
+                    row = predict(c, strategy, "bf16", layout.micro_batch, self.seq_len, layout.checkpointing,
+                                  ds_config=ds, micro_batches=layout.micro_batches)  # fmt: skip
+                    self.planned[key] = float(row["total"])
+                except ValueError:  # a pipeline torch's schedules refuse (1F1B with M < P, uneven layers)
+                    self.planned[key] = math.inf
+            return self.planned[key], "planner"
         shape = rank_shape(c, layout)
         stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")

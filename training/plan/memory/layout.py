@@ -65,22 +65,26 @@ class Layout:
 _LAYOUTS: dict[tuple[str, bool, int], Layout] = {}  # by the config's JSON: the step-time planner asks hundreds of times
 
 
-def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1) -> Layout:
-    """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight."""
-    key = (config.to_json_string(use_diff=False), decay_embeddings, tp)
+def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1, whole_head: bool = False) -> Layout:
+    """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight, under
+    AutoTP's plan (the model's `tp_plan`: the embedding and head split by vocabulary rows too) or, `whole_head`, the
+    decoder's `base_model_tp_plan` alone as DTensor tensor parallelism under FSDP2 applies it
+    (training/parallel/tensor.py: the embedding, the norms and the head whole)."""
+    key = (config.to_json_string(use_diff=False), decay_embeddings, tp, whole_head)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp)
+        _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp, whole_head)
     return copy.deepcopy(_LAYOUTS[key])
 
 
-def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int) -> Layout:
+def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int, whole_head: bool = False) -> Layout:
     with torch.device("meta"):  # shapes only: no memory, fast for any size
         net = ShardGPTForCausalLM(config)
     named = list(net.named_parameters())  # tied lm_head / embedding listed once, as DeepSpeed and DDP see them
     index = {id(p): i for i, (_, p) in enumerate(named)}
     groups = [[index[id(p)] for p in g["params"]] for g in param_groups(net, 0.1, decay_embeddings)]
     root = [i for i, (name, _) in enumerate(named) if ".layers." not in f".{name}"]
-    shapes = [tensor_parallel_shape(name, tuple(p.shape), net.tp_plan, tp) for name, p in named]
+    plan = {f"model.{k}": v for k, v in config.base_model_tp_plan.items()} if whole_head else net.tp_plan
+    shapes = [tensor_parallel_shape(name, tuple(p.shape), plan, tp) for name, p in named]
     layer = sum(math.prod(s) for (name, _), s in zip(named, shapes, strict=True) if name.startswith("model.layers.0."))
     by_module: dict[str, int] = {}
     for (name, _), shape in zip(named, shapes, strict=True):
@@ -107,9 +111,9 @@ def tensor_parallel_shape(name: str, shape: tuple[int, ...], plan: dict[str, str
 
 def tensor_parallel_size(strategy: Strategy, ds_config: dict | None = None) -> int:
     """Ranks each layer is split over: under AutoTP the DeepSpeed JSON's `tensor_parallel.autotp_size` (the repo's
-    for the strategy when `ds_config` is None); 1 for the data-parallel strategies."""
-    if strategy.tp_size == 1:
-        return 1
+    for the strategy when `ds_config` is None); under FSDP2 the mesh's tp; 1 for the data-parallel strategies."""
+    if strategy.tp_size == 1 or strategy.family == "fsdp":  # FSDP2 x TP: the mesh's degree
+        return strategy.tp_size
     return autotp_size(ds_config if ds_config is not None else repo_json(strategy))
 
 

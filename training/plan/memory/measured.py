@@ -47,8 +47,8 @@ def recorded_strategy(record: dict) -> Strategy:
 
 
 def planner_inputs(record: dict) -> tuple[Layout, Strategy, dict | None]:
-    """The planner's view of a measured launch: the layout of the model (of one tensor-parallel slice under
-    AutoTP), the strategy and the resolved ZeRO section."""
+    """The planner's view of a measured launch: the layout of the model (of one tensor-parallel slice under AutoTP
+    or FSDP2 x TP), the strategy and the resolved ZeRO section."""
     config = ShardGPTConfig.from_preset(record["preset"], vocab_size=record["vocab_size"])
     strategy = recorded_strategy(record)
     tp = tensor_parallel_size(strategy, record["ds_config"])
@@ -56,12 +56,12 @@ def planner_inputs(record: dict) -> tuple[Layout, Strategy, dict | None]:
     if strategy.family == "deepspeed":
         zero = zero_config(strategy, config, record["world_size"] // tp, record["precision"],
                               record["micro_batch"], record["ds_config"])  # fmt: skip
-    return layout(config, tp=tp), strategy, zero
+    return layout(config, tp=tp, whole_head=strategy.family == "fsdp"), strategy, zero
 
 
 def planned(record: dict) -> list[Item]:
     """The planner's model-state items for the rank, precision and DeepSpeed config that `record` measured
-    (under AutoTP: the rank's slice, over the data-parallel ranks)."""
+    (under tensor parallelism: the rank's slice, over the data-parallel ranks; tp is the mesh's inner dimension)."""
     lay, strategy, zero = planner_inputs(record)
     tp = tensor_parallel_size(strategy, record["ds_config"])
     world, rank = record["world_size"] // tp, record["rank"] // tp

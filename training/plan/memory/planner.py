@@ -18,6 +18,9 @@ the model states (`states.py`), the activations and temporaries (`activations.py
 Tensor parallelism (DeepSpeed AutoTP, `zero1-autotp`): every module of the model's tp plan holds 1/tp of its
 weight on each rank (q, k, v, gate, up and the vocabulary-parallel embedding and tied head by rows, o and down by
 columns), the norms stay whole; ZeRO-1 then partitions that local model over the world / tp data-parallel ranks.
+Under FSDP2 x TP (a YAML's parallelism_config, training/parallel/tensor.py) the decoder's modules split the same way
+and the embedding, norms and head stay whole; FSDP2 shards each rank's slice on its dim 0 over the data-parallel
+ranks.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         return {**max(stages, key=lambda stage: stage["total"]), "stages": stages}
     sp, asked = strategy.sp_size, strategy.name  # Ulysses: ZeRO partitions over every rank, each holds T / sp
     strategy = strategy.with_degrees(sp=1)
-    if strategy.name not in STRATEGIES:
+    dtensor = strategy.family == "fsdp" and strategy.tp_size > 1  # FSDP2 x TP: the head whole, the chunked loss
+    if (strategy.with_degrees(tp=1) if dtensor else strategy).name not in STRATEGIES:
         raise ValueError(f"the planner does not model {strategy.name}; choose one of {', '.join(STRATEGIES)} or all")
     if seq_len % sp:
         raise ValueError(f"seq_len {seq_len} is not divisible by sequence-parallel size {sp}")
@@ -84,7 +88,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         raise ValueError("world_size, micro_batch and seq_len must be at least 1")
     tp = tensor_parallel_size(strategy, ds_config)
     Mesh.of_world(world_size, tp=tp)  # refuses a tensor-parallel size that does not divide the ranks
-    whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp)
+    whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp, whole_head=dtensor)
     dp = world_size // tp  # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks
     zero = None
     if strategy.family == "deepspeed":
@@ -103,7 +107,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
         "activations": activation_bytes(config, micro_batch, seq_len, e, activation_checkpointing, tp, sp),
         "logits": logits_bytes(config, micro_batch, seq_len // sp, e)
-        if tp == 1
+        if tp == 1 or dtensor
         else whole_logits_bytes(config, micro_batch, seq_len, e),
         "temporary": sum(it.nbytes for it in temps if it.where == "gpu"),
     }
