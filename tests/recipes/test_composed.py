@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from communication import assert_closed_form
 from launching import accelerate_with, launch, launcher_command
 from parity import STEPS, TRAIN, TWO_RANKS, assert_same_training, by_step, reference_run
 
@@ -80,6 +81,10 @@ def test_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(fsdp_tp, reference
     assert seen["local_parameter_fraction"] == pytest.approx(split_share(fsdp_tp.output_dir), abs=1e-4), seen
     assert fsdp_tp.losses[STEPS] < fsdp_tp.losses[1] - 0.5
     assert_same_training(fsdp_tp, reference)
+    # What each rank sent in step 3, to the byte: 7 all-reduces a layer of a micro batch's activations, FSDP2's
+    # gathers and reduce-scatter of the rank's slice (training/plan/communication.dtensor_payloads).
+    want = assert_closed_form(fsdp_tp)
+    assert set(want) == {"all_reduce", "all_gather", "reduce_scatter"}
 
 
 @pytest.mark.slow

@@ -120,6 +120,35 @@ def autotp_payloads(strategy, shape: ModelShape, split_modules: dict[str, int], 
     return payloads
 
 
+def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int], micro_tokens: int,
+                     micro_batches: int, hidden_size: int,
+                     bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
+    """The payload bytes per rank and step under FSDP2 x TP (the model's plan with torch's DTensor styles,
+    training/parallel/tensor.py), measured to the byte on 4 CPU ranks (dp_shard 2 x tp 2) with one micro batch a step;
+    None under hybrid replicas.
+
+    - Each micro batch: in the forward the partial outputs of every row-split module (o_proj, down_proj) are
+      all-reduced; in the backward the partial input gradients of every column-split module, each on its own (torch's
+      ColwiseParallel: q, k and v each all-reduce theirs, as gate and up do, where Megatron-LM sums them first: 7 a
+      layer against its 4). Each is micro_tokens x hidden.
+    - FSDP2 over the data-parallel ranks, on this rank's slice (1/tp of the split matrices, the embedding, norms and
+      head whole), as plain FSDP2 on the whole model (`expected_payloads`): each decoder layer gathered in the forward
+      and again in the backward, the group outside the layers (embedding, final norm, head) once, kept gathered:
+      2 x the slice - the outside, each micro batch; the gradients reduce-scattered once a step.
+    """
+    if strategy.replicas > 1:
+        return None
+    split = shape.parameters - shape.outside_layers - shape.norms + hidden_size  # the decoder's matrices
+    local = shape.parameters - split + split // strategy.tp_size
+    activations = split_modules.get("rowwise", 0) + split_modules.get("colwise", 0)
+    payloads = {
+        "all_reduce": micro_batches * activations * micro_tokens * hidden_size,
+        "all_gather": micro_batches * (2 * local - shape.outside_layers),
+        "reduce_scatter": local,
+    }
+    return {kind: n * bytes_per_element for kind, n in payloads.items()}
+
+
 def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
                      bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
     """The payload bytes per rank and step under DeepSpeed's Ulysses sequence parallelism
@@ -148,11 +177,12 @@ def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mic
 def step_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
                   split_modules: dict[str, int] | None = None,
                   bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
-    """The closed form for any launch the training script runs: AutoTP's (`split_modules`: the count of each style the
-    model's plan splits), Ulysses', or the data-parallel strategy's; None where there is none."""
+    """The closed form for any launch the training script runs: AutoTP's or FSDP2 x TP's (`split_modules`: the count of
+    each style the model's plan splits), Ulysses', or the data-parallel strategy's; None where there is none."""
     if strategy.tp_size > 1:
         hidden = config.hidden_size
-        return autotp_payloads(strategy, shape, split_modules, micro_tokens, micro_batches, hidden, bytes_per_element)
+        payloads = dtensor_payloads if strategy.family == "fsdp" else autotp_payloads
+        return payloads(strategy, shape, split_modules, micro_tokens, micro_batches, hidden, bytes_per_element)
     if strategy.sp_size > 1:
         return ulysses_payloads(strategy, shape, config, micro_tokens, micro_batches, bytes_per_element)
     return expected_payloads(strategy, shape, bytes_per_element, micro_batches)

@@ -337,10 +337,13 @@ def megatron_flops(run: PublishedRun) -> float:
 
 def run_layout(run: PublishedRun) -> Layout:
     """The run's layout: its degrees, its micro batch under a pipeline (one sequence where the table is silent; the
-    whole share of the batch otherwise, one micro batch a step), activation checkpointing on."""
+    whole share of the batch otherwise, one micro batch a step), activation checkpointing on, under the runtime of
+    2021 (Megatron-LM's and Megatron-DeepSpeed's: step_time.STACKS)."""
     dp = run.gpus // (run.tp * run.pp)
     micro = run.micro_batch if run.pp > 1 else run.batch // dp
-    return Layout(run.strategy, dp, run.tp, run.pp, 1, "1F1B", micro, run.batch // (dp * micro), True)
+    return Layout(
+        run.strategy, dp, run.tp, run.pp, 1, "1F1B", micro, run.batch // (dp * micro), True, stack="megatron-lm-2021"
+    )
 
 
 def compare(runs: list[PublishedRun]) -> list[dict]:

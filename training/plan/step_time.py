@@ -129,16 +129,19 @@ OVERLAP = {
 }
 PER_MICRO_BATCH = {"zero2", "zero3", "fsdp"}  # reduce (and gather) every micro batch, not once per step
 
-# Whose runtime overlaps the communication: this project's (OVERLAP above; under a pipeline the data-parallel
-# reduction waits for the flush, training/parallel/pipeline.py: Megatron-LM 2021's and BLOOM's Megatron-DeepSpeed
-# did the same, and are modelled so), or Megatron-Core's as its H100 runs launch it (README, "Training Speed and
+# Whose runtime runs the layout (STACKS): this project's ("shardgpt": OVERLAP above; under a pipeline the
+# data-parallel reduction waits for the flush, training/parallel/pipeline.py; tensor parallelism with torch's DTensor
+# styles or DeepSpeed's AutoTP, which all-reduce each column-split module's input gradient on its own, 7 all-reduces a
+# layer, measured: training/plan/communication.dtensor_payloads); Megatron-LM 2021's and BLOOM's Megatron-DeepSpeed
+# ("megatron-lm-2021": the same overlap, 4 all-reduces a layer: Shoeybi et al. 2019, section 3); or Megatron-Core's as
+# its H100 runs launch it (README, "Training Speed and
 # Scalability": `--overlap-grad-reduce --overlap-param-gather`, `--tp-comm-overlap`, pipeline communication
 # overlapped): its gradient buckets reduced as they are ready in each stage's last micro batch's backward, the
 # distributed optimizer (`zero1` here: a reduce-scatter of the gradients and an all-gather of the updated
 # parameters, Megatron-Core's docs/distrib_optimizer.md) gathering them during the next step's first forward, the
 # interleaved schedule's sends and receives beside its compute (`overlap_p2p_comm`), its reductions in the gradients'
 # bf16 (`DistributedDataParallelConfig.grad_reduce_in_fp32 = False`).
-STACKS = ("shardgpt", "megatron-core")
+STACKS = ("shardgpt", "megatron-core", "megatron-lm-2021")
 # Tensor-parallel overlap (Megatron's `--tp-comm-overlap` through Transformer Engine's userbuffers; torchtitan's
 # async TP): each GEMM beside a collective is cut into tp chunks and each chunk's transfer runs beside another
 # chunk's GEMM (Wang et al. 2022, "Overlap Communication with Dependent Computation via Decomposition"); one chunk's
@@ -428,10 +431,16 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         for window, seconds in exposed(by_window, scale * forward, scale * backward).items():
             comm[f"dp_{window}"] = seconds
     if layout.tp > 1:
-        # Four all-reduces a layer and micro batch (two with each recomputed forward); under sequence parallelism
-        # each is an all-gather and a reduce-scatter of the same ring bytes (Korthikanti et al. 2022, section 4.2.2).
+        # Two all-reduces a layer and micro batch in each forward (recomputed ones too); in the backward two, or one
+        # per column-split module in this project's runtime (STACKS); under sequence parallelism each is an
+        # all-gather and a reduce-scatter of the same ring bytes (Korthikanti et al. 2022, section 4.2.2), the
+        # column-split modules' input gathered once for all of them (torch's SequenceParallel does the same).
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
-        calls = (6 if layout.checkpointing else 4) * layout.stage_layers(config) * layout.micro_batches
+        styles = list(config.base_model_tp_plan.values())
+        per_module = layout.stack == "shardgpt" and not layout.sequence_parallel  # SP gathers each input once
+        backward = styles.count("colwise") if per_module else styles.count("rowwise")
+        per_layer = (2 if layout.checkpointing else 1) * styles.count("rowwise") + backward
+        calls = per_layer * layout.stage_layers(config) * layout.micro_batches
         seconds = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
         if layout.tp_overlap:  # one chunk in tp exposed, the rest hidden up to the compute (TP_OVERLAP above)
             seconds = seconds / layout.tp + max(0.0, seconds * (1 - 1 / layout.tp) - compute)
