@@ -4,9 +4,11 @@ the pipeline bubble and offload transfers, then tokens/s and MFU, ranked over ev
 A layout is a data-parallel strategy (DDP, FSDP, ZeRO-1/2/3, ZeRO with CPU offload) and explicit degrees whose
 product is the GPU count: tensor parallelism (tp, innermost), Ulysses sequence parallelism (sp), pipeline stages (pp,
 outermost, GPipe or 1F1B with M micro batches a step), data parallelism (dp); the mesh of
-`training/parallel/strategy.py`. Only the layouts recipes/train.py runs are enumerated (`Layout.runs_here`: tensor
-parallelism as ZeRO-1 AutoTP, a pipeline under DDP or FSDP2, Ulysses under ZeRO, none combined); `any_layout` adds
-Megatron-LM's (tensor parallelism with DDP, tensor x pipeline, ZeRO-1 under a pipeline), which published runs used.
+`training/parallel/strategy.py`. Only the layouts recipes/train.py runs are enumerated (`Layout.runs_here`, from the
+axes table: tensor parallelism as AutoTP under ZeRO or under FSDP2, a pipeline under DDP or FSDP2 with tensor
+parallelism inside its stages, Ulysses under ZeRO); `any_layout` adds what published runs used: Megatron-Core's
+runtime (its DDP and distributed optimizer with tensor and pipeline parallelism, Megatron's sequence parallelism) and
+torchtitan's FSDP2 x TP with sequence parallelism; selective recomputation, TP overlap and fp8 as options.
 
 The cost model, per step and GPU:
 
@@ -30,8 +32,9 @@ The cost model, per step and GPU:
   batch's activations per layer (two in the forward, two in the backward: Shoeybi et al. 2019, section 3; two more when
   checkpointing recomputes the forward); a pipeline's activations and their gradients, point to point between
   neighbouring stages, split over the tensor-parallel ranks (Narayanan et al. 2021, section 4.1's scatter/gather).
-- overlap, as each strategy overlaps (`OVERLAP`): what is hidden is at most the compute it runs beside; the rest is
-  exposed. Tensor- and sequence-parallel collectives and pipeline sends sit on the critical path (exposed).
+- overlap, as each strategy's runtime overlaps (`OVERLAP`, `STACKS`): what is hidden is at most the compute it runs
+  beside; the rest is exposed. Tensor- and sequence-parallel collectives and pipeline sends sit on the critical path
+  (exposed), but for TP overlap (one chunk in tp exposed) and Megatron-Core's overlapped sends.
 - the bubble of GPipe and 1F1B: (P - 1) / (M + P - 1) of the step, i.e. compute x (P - 1) / M; interleaving v stages
   on each rank divides it by v (Huang et al. 2019; Narayanan et al. 2021, sections 2.2 and 2.2.2).
 - offload over PCIe: ZeRO-Offload's gradients down and updated parameters up, a rank's partition each step, and with
