@@ -81,8 +81,9 @@ def test_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(fsdp_tp, reference
     assert seen["local_parameter_fraction"] == pytest.approx(split_share(fsdp_tp.output_dir), abs=1e-4), seen
     assert fsdp_tp.losses[STEPS] < fsdp_tp.losses[1] - 0.5
     assert_same_training(fsdp_tp, reference)
-    # What each rank sent in step 3, to the byte: 7 all-reduces a layer of a micro batch's activations, FSDP2's
-    # gathers and reduce-scatter of the rank's slice (training/plan/communication.dtensor_payloads).
+    # What each rank sent in step 3, to the byte: sequence parallelism's 4 all-gathers and 4 reduce-scatters a layer
+    # of a micro batch's activations, FSDP2's gathers and reduce-scatter of the rank's slice
+    # (training/plan/communication.dtensor_payloads).
     want = assert_closed_form(fsdp_tp)
     assert set(want) == {"all_reduce", "all_gather", "reduce_scatter"}
 

@@ -259,9 +259,10 @@ def test_the_plan_ranks_layouts_that_fit_fastest_first():
 def refused_by_train_py(lay: Layout) -> str | None:
     """What training/parallel/strategy.py's checks say of a layout's degrees, spelled out from the script's rules."""
     deepspeed = lay.strategy.startswith("zero")
-    if lay.stack != "shardgpt" or lay.sequence_parallel or lay.tp_overlap or lay.fp8 or lay.selective:
-        return "Megatron-Core's runtime, Megatron's sequence parallelism, TP overlap, fp8 and selective recomputation "
-        "are not this project's"
+    if lay.stack != "shardgpt" or lay.tp_overlap or lay.fp8 or lay.selective:
+        return "Megatron-Core's runtime, TP overlap, fp8 and selective recomputation are not this project's"
+    if lay.sequence_parallel != (lay.strategy == "fsdp" and lay.tp > 1 and lay.pp == 1):
+        return "Megatron's sequence parallelism runs exactly under FSDP2 x TP without a pipeline"
     if lay.pp > 1 and (deepspeed or lay.sp > 1):
         return "a pipeline runs under one process's optimizer, DDP or FSDP2 only"
     if lay.tp > 1 and (lay.sp > 1 or "offload" in lay.strategy):
@@ -292,9 +293,10 @@ def test_the_default_enumeration_holds_only_layouts_train_py_runs_and_any_layout
         (s, tp, pp, "megatron-core")
         for s, tp, pp in (("ddp", True, False), ("ddp", True, True), ("zero1", False, True), ("zero1", True, True))
     } <= kinds
-    # Megatron's sequence parallelism on every tensor-parallel layout it runs; torchtitan's FSDP2 x TP with it.
+    # Megatron's sequence parallelism on every tensor-parallel layout it runs; torchtitan's FSDP2 x TP x PP with it.
     assert all(lay.sequence_parallel == (lay.tp > 1) for lay in megatron if lay.stack == "megatron-core")
-    assert any(lay.strategy == "fsdp" and lay.sequence_parallel for lay in megatron)
+    assert any(lay.strategy == "fsdp" and lay.sequence_parallel and lay.pp > 1 for lay in megatron)
+    assert all(lay.sequence_parallel for lay in here if lay.strategy == "fsdp" and lay.tp > 1 and lay.pp == 1)
     # Pinned to a layout only Megatron-LM runs: refused in one line that names the flag, unless asked for.
     with pytest.raises(ValueError, match=r"tp 2, pp 1, strategy ddp runs in recipes/train.py .* --any_layout"):
         lay.layouts(CONFIG, gpus, 512, SEQ, dict(tp=2, pp=1, strategy="ddp"))
@@ -509,7 +511,8 @@ def test_fsdp2_x_tp_memory_is_the_memory_planners_which_counts_what_ranks_measur
     from training.parallel.strategy import Strategy
     from training.plan.memory.planner import predict
 
-    layout = Layout("fsdp", 4, tp=2, micro_batch=2)
+    layout = Layout("fsdp", 4, tp=2, micro_batch=2, sequence_parallel=True)  # as recipes/train.py runs it
+    assert layout.runs_here and not replace(layout, sequence_parallel=False).runs_here
     needed, source = lay.Memory(CONFIG, SEQ)(layout)
     strategy = Strategy.of("fsdp", 8, tp=2, fsdp_version=2)
     assert source == "planner" and needed == predict(CONFIG, strategy, "bf16", 2, SEQ)["total"]

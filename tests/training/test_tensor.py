@@ -10,7 +10,7 @@ from model import ShardGPTConfig
 from training.config import RunConfig
 from training.parallel.launch_checks import check_parallelism_config_tp, check_tensor_parallel_flag
 from training.parallel.strategy import Strategy
-from training.parallel.tensor import check_tensor_parallel, torch_plan
+from training.parallel.tensor import check_tensor_parallel, sequence_parallel_plan, torch_plan
 
 CFG = {"output_dir": "/nonexistent/shardgpt-test", "preset": "debug"}
 
@@ -82,6 +82,32 @@ def test_the_strategy_spells_and_reads_back_tensor_parallelism():
         Strategy.from_name("zero1-tp2", 4)  # DeepSpeed's tensor parallelism is spelled -autotp
     with pytest.raises(ValueError, match="FSDP2's"):
         Strategy.of("fsdp", 4, tp=2, fsdp_version=1)
+
+
+def test_a_block_that_the_tensor_parallel_ranks_cannot_shard_is_refused(block):
+    """Without a pipeline, FSDP2 x TP shards each sequence over the tp ranks (sequence parallelism)."""
+    block(dp_shard_size=2, tp_size=2)
+    with pytest.raises(
+        ValueError, match=r"parallelism_config_tp_size: 2 does not divide --block_size 63: .*multiple of 2"
+    ):
+        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**{**CFG, "block_size": 63}))
+    piped = RunConfig(**{**CFG, "block_size": 63, "pipeline_parallel_degree": 2})  # a pipeline's stages: no sharding
+    check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=piped)
+
+
+def test_sequence_parallelism_shards_the_residual_stream_between_the_tensor_parallel_regions():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan = sequence_parallel_plan(ShardGPTConfig.from_preset("debug"))
+    assert set(torch_plan(ShardGPTConfig.from_preset("debug"))) < set(plan)
+    for key in ("model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj"):  # reduce-scatter onto the shards
+        assert isinstance(plan[key], RowwiseParallel) and plan[key].output_layouts == (Shard(1),)
+    for key in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"):
+        assert isinstance(plan[key], SequenceParallel)
+    for key in ("model.layers.*.self_attn", "model.layers.*.mlp", "model.norm"):  # gathered over the sequence
+        assert isinstance(plan[key], PrepareModuleInput) and plan[key].desired_input_layouts[0] == Replicate()
+    assert plan["model.layers.0"].desired_input_layouts == (Shard(1),)  # the first layer's shard of the embedding
 
 
 def test_the_plan_is_the_models_own():

@@ -71,8 +71,9 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
     DTensor plan applied by this project (training/parallel/tensor.py: accelerate 1.15's own preparation cannot
     import with transformers 5). Refused before the process group: under DeepSpeed (AutoTP is the JSON's
     `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), without FSDP, with ring context,
-    Ulysses or CPU offload, a degree that does not split every layer evenly, and degrees that do not multiply to the
-    `world` launched ranks (0: not checked)."""
+    Ulysses or CPU offload, a degree that does not split every layer evenly or (without a pipeline, where sequence
+    parallelism shards each sequence) the block, and degrees that do not multiply to the `world` launched ranks (0: not
+    checked)."""
     if tp == 1:
         return
     where = f"the accelerate config's parallelism_config_tp_size: {tp}"
@@ -102,6 +103,12 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
     from training.parallel.tensor import check_tensor_parallel
 
     check_tensor_parallel(cfg.model_config(), tp)
+    if cfg.pipeline_parallel_degree == 1 and cfg.block_size % tp:
+        raise ValueError(
+            f"{where} does not divide --block_size {cfg.block_size}: under FSDP2 x TP each sequence is sharded over "
+            f"the tensor-parallel ranks between their regions (Megatron's sequence parallelism); choose a --block_size "
+            f"that is a multiple of {tp}"
+        )
     if world:
         check_block_covers_the_world(tp, cfg.pipeline_parallel_degree, world)
 

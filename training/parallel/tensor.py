@@ -37,6 +37,37 @@ def torch_plan(config) -> dict:
     return {f"model.{pattern}": styles[style]() for pattern, style in config.base_model_tp_plan.items()}
 
 
+def sequence_parallel_plan(config) -> dict:
+    """`torch_plan` with Megatron's sequence parallelism (Korthikanti et al. 2022) between the tensor-parallel regions,
+    as torchtitan lays it out: the residual stream and the decoder layers' norms on sequence shards of the tp ranks
+    (the norms' weights replicated DTensors), each attention and MLP gathering its input over the sequence (an
+    all-gather) and its row-split projection scattering its output back (a reduce-scatter, in place of the all-reduce).
+    The first layer takes its shard of the embedding's whole output (a slice, no communication); the final norm, the
+    head and the chunked loss take the whole sequence again (an all-gather): they stay whole, as without it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan = torch_plan(config)
+    for key, style in list(plan.items()):
+        if isinstance(style, RowwiseParallel):  # o_proj, down_proj: reduce-scatter onto the sequence shards
+            plan[key] = RowwiseParallel(output_layouts=Shard(1))
+    sequence, whole = (Shard(1),), (Replicate(),)
+    plan["model.layers.0"] = PrepareModuleInput(
+        input_layouts=whole, desired_input_layouts=sequence, use_local_output=True
+    )
+    plan["model.layers.*.input_layernorm"] = SequenceParallel()
+    plan["model.layers.*.post_attention_layernorm"] = SequenceParallel()
+    # The attention's positional inputs: hidden states, rotary cos and sin, mask, cache; only the first is sharded.
+    # Their input stays a DTensor, so that q, k and v (gate and up) add their input gradients before one
+    # reduce-scatter, where a local input would make each all-reduce its own.
+    plan["model.layers.*.self_attn"] = PrepareModuleInput(
+        input_layouts=(*sequence, None, None, None), desired_input_layouts=(*whole, None, None, None)
+    )
+    plan["model.layers.*.mlp"] = PrepareModuleInput(input_layouts=sequence, desired_input_layouts=whole)
+    plan["model.norm"] = PrepareModuleInput(input_layouts=sequence, desired_input_layouts=whole, use_local_output=True)
+    return plan
+
+
 def check_tensor_parallel(config, tp: int, flag: str = "parallelism_config_tp_size") -> None:
     """Refuse a tensor-parallel degree that does not split every layer evenly: each rank holds heads / tp query
     heads, kv heads / tp key-value heads and intermediate / tp MLP columns. Before any process group."""
@@ -91,7 +122,8 @@ def shard_tensor_parallel(net: nn.Module, strategy, device: torch.device, mp_pol
         )
     devices = device_mesh(mesh, device.type)  # collective
     net = net.to(device)
-    parallelize_module(net, devices["tp"], torch_plan(net.config))  # collective: each rank keeps its slices
+    # collective: each rank keeps its slices; the residual stream between them on sequence shards
+    parallelize_module(net, devices["tp"], sequence_parallel_plan(net.config))
     dp = devices[data_parallel_dims(mesh)]
     kwargs = dict(mesh=dp, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   reshard_after_forward=strategy.fsdp_sharding == "FULL_SHARD")  # fmt: skip

@@ -123,14 +123,17 @@ def autotp_payloads(strategy, shape: ModelShape, split_modules: dict[str, int], 
 def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int], micro_tokens: int,
                      micro_batches: int, hidden_size: int,
                      bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
-    """The payload bytes per rank and step under FSDP2 x TP (the model's plan with torch's DTensor styles,
-    training/parallel/tensor.py), measured to the byte on 4 CPU ranks (dp_shard 2 x tp 2) with one micro batch a step;
-    None under hybrid replicas.
+    """The payload bytes per rank and step under FSDP2 x TP (the model's plan with torch's DTensor styles and
+    Megatron's sequence parallelism, training/parallel/tensor.sequence_parallel_plan), measured to the byte on 4 CPU
+    ranks (dp_shard 2 x tp 2) with one micro batch a step; None under hybrid replicas. `split_modules`: the count of
+    each style the plan split (2 row-split modules a layer); each activation collective carries micro_tokens x hidden.
 
-    - Each micro batch: in the forward the partial outputs of every row-split module (o_proj, down_proj) are
-      all-reduced; in the backward the partial input gradients of every column-split module, each on its own (torch's
-      ColwiseParallel: q, k and v each all-reduce theirs, as gate and up do, where Megatron-LM sums them first: 7 a
-      layer against its 4). Each is micro_tokens x hidden.
+    - Each micro batch and layer, in the forward: the attention's and the MLP's input gathered over the sequence (2
+      all-gathers), the row-split projections' partial outputs reduce-scattered onto it (2 reduce-scatters); in the
+      backward the transposes: 2 all-gathers, 2 reduce-scatters (the column-split modules' input gradients added
+      first). Besides, the final norm's input gathered in the forward and the first layer's input gradient in the
+      backward (2 all-gathers); the decoder norms' weight gradients, partial over the sequence shards, all-reduced
+      (hidden each, 2 a layer).
     - FSDP2 over the data-parallel ranks, on this rank's slice (1/tp of the split matrices, the embedding, norms and
       head whole), as plain FSDP2 on the whole model (`expected_payloads`): each decoder layer gathered in the forward
       and again in the backward, the group outside the layers (embedding, final norm, head) once, kept gathered:
@@ -140,11 +143,12 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
         return None
     split = shape.parameters - shape.outside_layers - shape.norms + hidden_size  # the decoder's matrices
     local = shape.parameters - split + split // strategy.tp_size
-    activations = split_modules.get("rowwise", 0) + split_modules.get("colwise", 0)
+    regions = 2 * split_modules.get("rowwise", 0)  # a gather and a scatter each way per row-split module
+    activation = micro_tokens * hidden_size
     payloads = {
-        "all_reduce": micro_batches * activations * micro_tokens * hidden_size,
-        "all_gather": micro_batches * (2 * local - shape.outside_layers),
-        "reduce_scatter": local,
+        "all_reduce": micro_batches * (shape.norms - hidden_size),
+        "all_gather": micro_batches * ((regions + 2) * activation + 2 * local - shape.outside_layers),
+        "reduce_scatter": micro_batches * regions * activation + local,
     }
     return {kind: n * bytes_per_element for kind, n in payloads.items()}
 

@@ -65,7 +65,7 @@ class Memory:
         if layout.tp > 1 and layout.sharding == "zero1" and layout.pp == 1 and layout.runs_here:
             strategy, ds = strategy.with_degrees(tp=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
             ds["tensor_parallel"]["autotp_size"] = layout.tp
-        if layout.tp > 1 and layout.sharding == "fsdp" and layout.pp == 1 and layout.runs_here:  # FSDP2 x TP
+        if layout.tp > 1 and layout.sharding == "fsdp" and layout.pp == 1 and layout.runs_here:  # FSDP2 x TP, SP
             strategy = strategy.with_degrees(tp=layout.tp)
         planned = layout.tp == 1 and layout.pp == 1 or ds is not None or strategy.tp_size > 1
         planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")

@@ -214,10 +214,13 @@ class Layout:
     @property
     def runs_here(self) -> bool:
         """Whether recipes/train.py runs this layout (the axes table: PIPELINE_HERE, TENSOR_PARALLEL_HERE,
-        TP_WITH_PIPELINE_HERE): with this project's runtime, none of the options it lacks (Megatron's sequence
-        parallelism, tensor-parallel overlap, fp8); Megatron-LM's layouts (tensor parallelism with DDP, ZeRO-1 under a
-        pipeline) do not."""
-        if self.stack != "shardgpt" or self.sequence_parallel or self.tp_overlap or self.fp8 or self.selective:
+        TP_WITH_PIPELINE_HERE): with this project's runtime (Megatron's sequence parallelism exactly under FSDP2 x TP
+        without a pipeline), none of the options it lacks (tensor-parallel overlap, fp8, selective recomputation);
+        Megatron-LM's layouts (tensor parallelism with DDP, ZeRO-1 under a pipeline) do not."""
+        if self.stack != "shardgpt" or self.tp_overlap or self.fp8 or self.selective:
+            return False
+        # Megatron's sequence parallelism runs here under FSDP2 x TP without a pipeline, always; nowhere else.
+        if self.sequence_parallel != (self.strategy == "fsdp" and self.tp > 1 and self.pp == 1):
             return False
         if self.pp > 1:
             tensor = self.tp == 1 or self.strategy in TP_WITH_PIPELINE_HERE

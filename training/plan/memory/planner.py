@@ -20,7 +20,7 @@ weight on each rank (q, k, v, gate, up and the vocabulary-parallel embedding and
 columns), the norms stay whole; ZeRO-1 then partitions that local model over the world / tp data-parallel ranks.
 Under FSDP2 x TP (a YAML's parallelism_config, training/parallel/tensor.py) the decoder's modules split the same way
 and the embedding, norms and head stay whole; FSDP2 shards each rank's slice on its dim 0 over the data-parallel
-ranks.
+ranks; Megatron's sequence parallelism keeps every saved tensor of a layer on sequence shards.
 """
 
 from __future__ import annotations
@@ -105,7 +105,9 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         "params": gpu["params"],
         "grads": gpu["grads"],
         "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
-        "activations": activation_bytes(config, micro_batch, seq_len, e, activation_checkpointing, tp, sp),
+        "activations": activation_bytes(
+            config, micro_batch, seq_len, e, activation_checkpointing, tp, sp, sequence_parallel=dtensor
+        ),
         "logits": logits_bytes(config, micro_batch, seq_len // sp, e)
         if tp == 1 or dtensor
         else whole_logits_bytes(config, micro_batch, seq_len, e),
