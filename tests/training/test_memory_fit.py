@@ -99,6 +99,8 @@ def test_planner_models_the_training_scripts_strategies():
     assert planned("fsdp1-no-shard", 2) == ("ddp", 2)
     assert planned("fsdp-hybrid", 8) == ("fsdp", 4)  # one of 2 replicas: FSDP over its 4 ranks
     assert planned("zero0", 2) is None  # not modelled: not checked
+    assert planned("fsdp-tp2", 4) == ("fsdp-tp2", 4)  # FSDP2 x TP: dp_shard 2 x tp 2
+    assert planned("fsdp-hybrid-tp2", 8) is None
 
 
 def test_skip_memory_check_starts_anyway():

@@ -76,15 +76,15 @@ class Capacity:
 def planner_strategy(strategy: Strategy) -> Strategy | None:
     """A launch's strategy as the planner models it: one process as DDP on one rank, FSDP1's flat parameters as
     FSDP2's shards (NO_SHARD as DDP), hybrid FSDP as FSDP over one shard group (the memory of a rank is that);
-    a pipeline stage by stage (`stages.models_pipeline`); Ulysses by each rank's share of the sequence; None for
-    what the planner does not model."""
+    a pipeline stage by stage (`stages.models_pipeline`); Ulysses by each rank's share of the sequence; FSDP2 x TP
+    as it is; None for what the planner does not model (hybrid FSDP2 x TP among them)."""
     from training.plan.memory.layout import STRATEGIES
     from training.plan.memory.stages import models_pipeline
 
     if strategy.pp_size > 1:
         return strategy if models_pipeline(strategy) else None
-    if strategy.family == "fsdp" and strategy.tp_size > 1:
-        return None  # FSDP2 x TP: not modelled yet (AutoTP under ZeRO-1 is)
+    if strategy.family == "fsdp" and strategy.tp_size > 1:  # FSDP2 x TP, its model states measured to the byte
+        return strategy if strategy.replicas == 1 and strategy.cp_size == 1 else None
     if strategy.family == "single" or strategy.fsdp_sharding == "NO_SHARD":
         strategy = Strategy.of("ddp", strategy.world_size)
     elif strategy.family == "fsdp":

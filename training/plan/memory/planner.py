@@ -119,7 +119,8 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     # Under DDP and ZeRO-1/2 every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves
     # it. Under ZeRO-3 (inside zero.Init) and FSDP2 (on the meta device, then sharded and initialised one tensor
     # at a time) a rank holds its partition and the one module or tensor being built (training/parallel/build.py).
-    partitioned = strategy.zero_stage == 3 or strategy.family == "fsdp"
+    # Under FSDP2 x TP every rank builds the whole model before it keeps its slices (training/parallel/tensor.py).
+    partitioned = strategy.zero_stage == 3 or strategy.family == "fsdp" and not dtensor
     out["host_ram_at_start"] = 4 * (
         math.ceil(whole.psi / world_size) + whole.largest_module if partitioned else whole.psi
     )
