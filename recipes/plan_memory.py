@@ -166,8 +166,8 @@ def step_time_arguments(p: argparse.ArgumentParser) -> None:
         "--runtime",
         default=None,
         choices=STACKS,
-        help="pin whose runtime overlaps the communication (default: each layout's; megatron-core is "
-        "Megatron-LM's layouts with --any_layout)",
+        help="pin whose runtime runs the layout (default: each layout's; megatron-core is Megatron-LM's layouts with "
+        "--any_layout; megatron-lm-2021 models the 2021 published runs)",
     )
     g.add_argument(
         "--megatron_sequence_parallel",
