@@ -21,6 +21,8 @@ class ModelShape:
     """Elements of parameters at most ZeRO-3's `stage3_param_persistence_threshold`, kept whole on every rank."""
     norms: int = 0
     """Elements of the RMSNorm weights, which tensor parallelism leaves whole on every rank."""
+    matrices: int = 0
+    """Elements of the decoder layers' matrices: what the model's tensor-parallel plan splits."""
 
     @classmethod
     def of(cls, config, persistence_threshold: int = 0) -> ModelShape:
@@ -34,7 +36,8 @@ class ModelShape:
         sizes = [embedding, head, h] + [h, h] * layers  # the norms: each layer's two and the final one
         persistent = sum(n for n in sizes if 0 < n <= persistence_threshold)
         return cls(layers * layer + embedding + head + h, embedding + head + h,
-                   embedding if config.tie_word_embeddings else 0, persistent, (2 * layers + 1) * h)  # fmt: skip
+                   embedding if config.tie_word_embeddings else 0, persistent, (2 * layers + 1) * h,
+                   layers * (layer - 2 * h))  # fmt: skip
 
 
 def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4,
@@ -141,8 +144,7 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
     """
     if strategy.replicas > 1:
         return None
-    split = shape.parameters - shape.outside_layers - shape.norms + hidden_size  # the decoder's matrices
-    local = shape.parameters - split + split // strategy.tp_size
+    local = shape.parameters - shape.matrices + shape.matrices // strategy.tp_size
     regions = 2 * split_modules.get("rowwise", 0)  # a gather and a scatter each way per row-split module
     activation = micro_tokens * hidden_size
     payloads = {

@@ -176,12 +176,13 @@ class TunedRun:
         return self.tokens_per_second_per_gpu * model_flops_per_token(self.config, self.seq_len) / PEAK_FLOPS["H100"]
 
 
-def megatron_gpt(heads: int, hidden: int, layers: int, vocab: int, seq_len: int) -> ShardGPTConfig:
-    """Megatron-LM's GPT as this project's model: GELU's two h x 4h matrices held by SwiGLU's three of h x 8h/3, a
-    head tied to the embedding (Megatron's default), key-value heads = heads."""
+def megatron_gpt(heads: int, hidden: int, layers: int, vocab: int, seq_len: int,
+                 attention_dropout: float = 0.0) -> ShardGPTConfig:  # fmt: skip
+    """Megatron-LM's GPT (or MosaicML's MPT) as this project's model, the same matrices: GELU's two h x 4h matrices
+    held by SwiGLU's three of h x 8h/3, a head tied to the embedding (Megatron's default), key-value heads = heads."""
     return ShardGPTConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=round(8 * hidden / 3),
                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                          max_position_embeddings=seq_len)  # fmt: skip
+                          max_position_embeddings=seq_len, attention_dropout=attention_dropout)  # fmt: skip
 
 
 # Megatron-Core's weak scaling on H100s (NVIDIA/Megatron-LM README, "Training Speed and Scalability", its model
@@ -230,29 +231,37 @@ def llama(name: str) -> ShardGPTConfig:
 # SequenceParallel on the norms, Megatron's sequence parallelism); "selective" activation checkpointing as none (it
 # recomputes little), "full" as full; torch.compile, fp8 (torchao's float8 linears) and async TP where stated; its
 # pipelines' micro batches of one sequence, interleaving at two stages a rank (torchtitan's default).
-TORCHTITAN_H100 = []
-for _name, _model, _gpus, _batch, _degrees, _full, _options, _tps in (
-    ("8B", "llama-3-8b", 8, 16, (("dp", 8), ("micro_batch", 2)), False, (), 5762),
-    ("8B", "llama-3-8b", 8, 16, (("dp", 8), ("micro_batch", 2)), False, ("compiled",), 6667),
-    ("8B", "llama-3-8b", 8, 16, (("dp", 8), ("micro_batch", 2)), False, ("compiled", "fp8"), 8532),
-    ("8B", "llama-3-8b", 128, 256, (("dp", 128), ("micro_batch", 2)), False, (), 5605),
-    ("8B", "llama-3-8b", 128, 256, (("dp", 128), ("micro_batch", 2)), False, ("compiled",), 6514),
-    ("8B", "llama-3-8b", 128, 256, (("dp", 128), ("micro_batch", 2)), False, ("compiled", "fp8"), 8380),
-    ("70B", "llama-3-70b", 256, 512, (("dp", 32), ("tp", 8), ("micro_batch", 16)), True, ("compiled", "fp8"), 829),
-    ("70B", "llama-3-70b", 256, 512, (("dp", 32), ("tp", 8), ("micro_batch", 16)), True,
-     ("compiled", "fp8", "tp_overlap"), 876),
-    ("405B", "llama-3.1-405b", 512, 256, (("dp", 8), ("tp", 8), ("pp", 8), ("micro_batch", 1), ("schedule", "1F1B")),
-     True, ("compiled", "fp8", "tp_overlap"), 100),
-    ("405B", "llama-3.1-405b", 512, 256, (("dp", 8), ("tp", 8), ("pp", 8), ("micro_batch", 1),
-     ("schedule", "Interleaved1F1B"), ("virtual_stages", 2)), True, ("compiled", "fp8", "tp_overlap"), 128),
-):  # fmt: skip
-    _config = llama(_model)
-    _sp = (("sequence_parallel", True),) if dict(_degrees).get("tp", 1) > 1 else ()
-    TORCHTITAN_H100.append(TunedRun(
-        "torchtitan H100 (benchmarks)", _name, _config, "h100-hbm2e", _gpus, _batch, 8192,
-        _tps,
-        (("strategy", "fsdp"), ("checkpointing", _full), *_degrees, *_sp, *((o, True) for o in _options)),
-    ))  # fmt: skip
+def torchtitan_run(parameters: str, model: str, gpus: int, batch: int, degrees: dict, full: bool,
+                   options: tuple[str, ...], tokens_per_second: float) -> TunedRun:  # fmt: skip
+    """One of torchtitan's H100 runs: FSDP2 with the stated degrees and options, Megatron's sequence parallelism with
+    its tensor parallelism, full or selective (as none) recomputation."""
+    sequence = {"sequence_parallel": True} if degrees.get("tp", 1) > 1 else {}
+    stated = {"strategy": "fsdp", "checkpointing": full, **degrees, **sequence, **dict.fromkeys(options, True)}
+    return TunedRun("torchtitan H100 (benchmarks)", parameters, llama(model), "h100-hbm2e", gpus, batch, 8192,
+                    tokens_per_second, tuple(stated.items()))  # fmt: skip
+
+
+EIGHT_B = {"dp": 8, "micro_batch": 2}
+EIGHT_B_128 = {"dp": 128, "micro_batch": 2}
+SEVENTY_B = {"dp": 32, "tp": 8, "micro_batch": 16}
+FOUR_OH_FIVE_B = {"dp": 8, "tp": 8, "pp": 8, "micro_batch": 1}
+TORCHTITAN_H100 = [
+    torchtitan_run(*row)
+    for row in (
+        ("8B", "llama-3-8b", 8, 16, EIGHT_B, False, (), 5762),
+        ("8B", "llama-3-8b", 8, 16, EIGHT_B, False, ("compiled",), 6667),
+        ("8B", "llama-3-8b", 8, 16, EIGHT_B, False, ("compiled", "fp8"), 8532),
+        ("8B", "llama-3-8b", 128, 256, EIGHT_B_128, False, (), 5605),
+        ("8B", "llama-3-8b", 128, 256, EIGHT_B_128, False, ("compiled",), 6514),
+        ("8B", "llama-3-8b", 128, 256, EIGHT_B_128, False, ("compiled", "fp8"), 8380),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "fp8"), 829),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "fp8", "tp_overlap"), 876),
+        ("405B", "llama-3.1-405b", 512, 256, {**FOUR_OH_FIVE_B, "schedule": "1F1B"}, True,
+         ("compiled", "fp8", "tp_overlap"), 100),
+        ("405B", "llama-3.1-405b", 512, 256, {**FOUR_OH_FIVE_B, "schedule": "Interleaved1F1B", "virtual_stages": 2},
+         True, ("compiled", "fp8", "tp_overlap"), 128),
+    )
+]  # fmt: skip
 
 
 # Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4): H100s, tp 8 x pp 16, sequence 8192, 16M
@@ -321,12 +330,8 @@ def calibrate() -> dict[str, float]:
 
 
 def gpt_config(run: PublishedRun | FSDPRun, vocab: int = VOCAB, attention_dropout: float = 0.0) -> ShardGPTConfig:
-    """The run's GPT (or MPT) as this project's model: the same matrices (module docstring)."""
-    return ShardGPTConfig(
-        vocab_size=vocab, hidden_size=run.hidden, intermediate_size=round(8 * run.hidden / 3),
-        num_hidden_layers=run.layers, num_attention_heads=run.heads, num_key_value_heads=run.heads,
-        max_position_embeddings=SEQ_LEN, attention_dropout=attention_dropout,
-    )  # fmt: skip
+    """The run's GPT (or MPT) as this project's model: the same matrices (module docstring, `megatron_gpt`)."""
+    return megatron_gpt(run.heads, run.hidden, run.layers, vocab, SEQ_LEN, attention_dropout)
 
 
 def megatron_flops(run: PublishedRun) -> float:

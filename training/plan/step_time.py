@@ -287,7 +287,6 @@ def compute_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, se
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     head_flops = 6 * vocab * h  # the head's matmul (tied to the embedding or not, it is one)
     layer_flops = (model_flops_per_token(config, seq_len) - head_flops) / layers
-    linear_flops = 6 * layer_parameters(config) if layout.fp8 else 0.0  # what fp8 speeds up
     head_bytes = ACTIVATION_BYTES * VOCAB_ACCESSES * vocab
     layer_bytes = (memory_bound_bytes_per_token(config, seq_len, recomputed, attn_implementation,
                                                 layout.compiled) - head_bytes) / layers  # fmt: skip
@@ -295,8 +294,9 @@ def compute_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, se
     if layout.fp8:
         layer_bytes += ACTIVATION_BYTES * fp8_cast_accesses(config)
     stage = layout.stage_layers(config)
-    linear = linear_flops / FP8_SPEEDUP + (6 * layer_parameters(config) - linear_flops)  # the layer's GEMMs
-    flops = (stage * (layer_flops - 6 * layer_parameters(config) + linear) + head_flops) * passes
+    gemms = 6 * layer_parameters(config)  # a layer's linear layers, what fp8 speeds up
+    linear = gemms / FP8_SPEEDUP if layout.fp8 else gemms
+    flops = (stage * (layer_flops - gemms + linear) + head_flops) * passes
     if layout.selective:  # half the linear layers' forward GEMMs again
         flops += stage * SELECTIVE_RECOMPUTED_GEMMS * linear / 3
     flops /= layout.tp
@@ -317,8 +317,7 @@ def fp8_cast_accesses(config: ShardGPTConfig) -> float:
 
 def layer_parameters(config: ShardGPTConfig) -> int:
     """One decoder layer's matrix elements (its linear layers'; the norms apart)."""
-    shape = ModelShape.of(config)
-    return (shape.parameters - shape.outside_layers - shape.norms + config.hidden_size) // config.num_hidden_layers
+    return ModelShape.of(config).matrices // config.num_hidden_layers
 
 
 def rank_shape(config: ShardGPTConfig, layout: Layout) -> ModelShape:
