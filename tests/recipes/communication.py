@@ -22,6 +22,9 @@ def launched(run) -> tuple[Strategy, ModelShape]:
     ds_file = run.output_dir / "ds_config.json"
     ds = json.loads(ds_file.read_text()) if ds_file.exists() else None
     strategy = replace(Strategy.from_name(seen["strategy"], seen["world_size"]), deepspeed=ds)
+    if seen.get("pipeline"):  # the schedule in force, which the name does not spell
+        pipe = seen["pipeline"]
+        strategy = replace(strategy, pp_schedule=pipe["schedule"], pp_stages_per_rank=pipe["stages_per_rank"])
     zero = (ds or {}).get("zero_optimization", {})
     threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if strategy.zero_stage == 3 else 0
     shape = ModelShape.of(ShardGPTConfig.from_pretrained(run.output_dir), threshold)
@@ -29,16 +32,16 @@ def launched(run) -> tuple[Strategy, ModelShape]:
     return strategy, shape
 
 
-def closed_form(run, strategy: Strategy, shape: ModelShape) -> dict[str, int]:
-    """training/plan/communication.py's closed form for the launch: AutoTP's from the split modules strategy.json lists,
-    AutoTP's and Ulysses' from the micro batches run_config.json holds, the data-parallel strategies' from the strategy
-    alone."""
+def closed_form(run, strategy: Strategy, shape: ModelShape, rank: int = 0) -> dict[str, int]:
+    """training/plan/communication.py's closed form for the launch's global rank `rank`: AutoTP's from the split
+    modules strategy.json lists, AutoTP's, Ulysses' and a pipeline's from the micro batches run_config.json holds, the
+    data-parallel strategies' from the strategy alone."""
     flags = json.loads((run.output_dir / "run_config.json").read_text())
     tokens = flags["per_device_train_batch_size"] * flags["block_size"]  # a micro batch's, whole sequences
     micro_batches = flags["gradient_accumulation_steps"]
     config = ShardGPTConfig.from_pretrained(run.output_dir)
     split = (run.strategy.get("tensor_parallel") or {}).get("split_modules")  # under AutoTP
-    want = step_payloads(strategy, shape, config, tokens, micro_batches, split)
+    want = step_payloads(strategy, shape, config, tokens, micro_batches, split, rank=rank)
     assert want is not None, f"no closed form for {strategy.name}"
     return want
 
@@ -50,8 +53,8 @@ def assert_closed_form(run, step: int = 3) -> dict[str, int]:
     comm = seen["communication"]
     assert (comm["step"], comm["world_size"], len(comm["per_rank"])) == (step, seen["world_size"], seen["world_size"])
     strategy, shape = launched(run)
-    want = closed_form(run, strategy, shape)
     for rank, record in enumerate(comm["per_rank"]):
+        want = closed_form(run, strategy, shape, rank)  # a pipeline's ranks differ by their stages
         got = {kind: count["payload_bytes"] for kind, count in record["kinds"].items()}
         extra = {kind: got.get(kind, 0) - want.get(kind, 0) for kind in got.keys() | want.keys()}
         scalars = extra.pop("all_reduce", 0)

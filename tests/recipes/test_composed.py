@@ -141,22 +141,31 @@ def test_fsdp2_x_tensor_x_pipeline_parallel_trains_like_one_process(reference, c
     ), pipe  # fmt: skip
     assert pipe["split_modules"] == {"colwise": 5, "rowwise": 2}, pipe  # rank 0's stage: one of the 2 layers
     assert_same_training(run, reference)
+    # What each rank sent in step 3, to the byte, stage by stage: 7 all-reduces a layer and micro batch inside the
+    # stages, the sends between them, the tied embedding's shard summed, FSDP2's gathers and reduce-scatter of the
+    # rank's slice (training/plan/communication.pipeline_payloads).
+    assert_closed_form(run)
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.matrix
-@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
-def test_tensor_x_pipeline_parallel_under_torchrun_trains_like_one_process(schedule, reference, corpus, tmp_path):
-    """torchrun on 4 ranks, --tensor_parallel_degree 2 --pipeline_parallel_degree 2: one pipeline of two stages,
-    each split over a pair of ranks; the global batch of 8 as 2 micro batches of 4."""
-    cmd = launcher_command("torchrun", nproc=4)
-    args = [*corpus["flags"], *TRAIN, *PIPELINE, "--tensor_parallel_degree=2", "--per_device_train_batch_size=4",
+@pytest.mark.parametrize(("schedule", "nproc"), [("1F1B", 4), ("GPipe", 8)])
+def test_tensor_x_pipeline_parallel_under_torchrun_trains_like_one_process(schedule, nproc, reference, corpus,
+                                                                           tmp_path):  # fmt: skip
+    """torchrun with --tensor_parallel_degree 2 --pipeline_parallel_degree 2: on 4 ranks one pipeline of two stages,
+    each split over a pair of ranks, the global batch of 8 as 2 micro batches of 4; on 8 ranks two such pipelines,
+    DDP's average across them (DDP x TP x PP), 2 micro batches of 2 each."""
+    cmd = launcher_command("torchrun", nproc=nproc)
+    micro = 16 // nproc
+    args = [*corpus["flags"], *TRAIN, *PIPELINE, "--tensor_parallel_degree=2", f"--per_device_train_batch_size={micro}",
             f"--pipeline_parallel_schedule={schedule}"]  # fmt: skip
     run = launch(cmd, args, tmp_path / "out")
     pipe = run.strategy["pipeline"]
-    assert run.strategy["strategy"] == "single-tp2-pp2" and run.strategy["world_size"] == 4, run.strategy
+    name = "single-tp2-pp2" if nproc == 4 else "ddp-tp2-pp2"
+    assert run.strategy["strategy"] == name and run.strategy["world_size"] == nproc, run.strategy
     assert (pipe["schedule"], pipe["data_parallel"], pipe["split_modules"]) == (
-        schedule, "none", {"colwise": 5, "rowwise": 2},
+        schedule, "none" if nproc == 4 else "all-reduce", {"colwise": 5, "rowwise": 2},
     ), pipe  # fmt: skip
     assert_same_training(run, reference)
+    assert_closed_form(run)  # the stages' all-reduces and sends, the tie, DDP's average of the slices

@@ -314,11 +314,12 @@ def test_pipeline_trains_the_same_model(launcher, config, nproc, schedule, micro
     assert quiet_console_problems(run.stdout + run.stderr, launcher) == []
     assert_same_training(run, reference)
     # Each rank sends its stage's output (activations forward, gradients backward) once per micro batch: micro x
-    # block x hidden fp32 values, 2 micro batches per step; what it receives is as large.
+    # block x hidden fp32 values, 2 micro batches per step; what it receives is as large. Every other kind to the
+    # byte too (training/plan/communication.pipeline_payloads): the tie, DDP's average or FSDP2's gathers.
     sent = 2 * micro * 64 * 64 * 4  # the corpus's block of 64 tokens, the debug preset's hidden size of 64
     for record in seen["communication"]["per_rank"]:
         assert record["kinds"]["point_to_point"]["volume_bytes"] == sent, record
-        assert record["kinds"]["point_to_point"]["payload_bytes"] == 2 * sent, record
+    assert_closed_form(run)
     # Each pipeline rank's share of the schedule spent in its stages, logged with every record; the rest is bubble
     # (at most 1 - 1/(M + P - 1) = 2/3 busy here, less the time the schedule itself and the sends take).
     busy = [[r[f"pp_rank{p}_busy"] for p in range(2)] for r in run.records if "loss" in r]

@@ -155,6 +155,69 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
     return {kind: n * bytes_per_element for kind, n in payloads.items()}
 
 
+def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int, rank: int,
+                      bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
+    """The payload bytes of global rank `rank` per step under pipeline parallelism (training/parallel/pipeline.py),
+    with tensor parallelism inside its stages or not, and one process, DDP's average or FSDP2 across the pipelines;
+    measured to the byte under GPipe and 1F1B on 2 to 8 CPU ranks (2 stages of one layer; tp 1 and 2; one process,
+    DDP and FSDP2). Ranks differ: the first stage holds the embedding, the last the final norm and the head. None
+    under a schedule with several stages a rank (not measured here). Each activation message carries micro_tokens x
+    hidden values; FSDP2's shards as even splits (each weight's rows dividing by the data-parallel ranks).
+
+    - Point-to-point, each micro batch, at each boundary of the rank's stage with a neighbour's: the activations
+      forward and their gradient backward, sent or received (a message each way, counted on both of its ranks).
+    - Tensor parallelism inside the stage (the model's plan with torch's DTensor styles, no sequence parallelism):
+      each micro batch and layer, an all-reduce of each row-split module's partial output in the forward and of
+      each column-split module's partial input gradient in the backward: 7 a layer (5 column-split, 2 row-split).
+    - The tied embedding's two gradients (first and last stage) summed once a step: an all-reduce of the embedding,
+      whole, or its FSDP2 shard (the same rows on both).
+    - Across the pipelines, on the rank's slice of its stage (1/tp of each decoder matrix, the rest whole): DDP's
+      average, an all-reduce once a step, after the schedule. FSDP2: each unit (the layers, the stage's root)
+      gathered once more than there are micro batches: a forward reshards it (FULL_SHARD), a backward keeps it until
+      the last (torch's schedules), so of the step's alternating forwards and backwards each forward's successor and
+      the first event gather; SHARD_GRAD_OP gathers once. The gradients reduce-scattered in the last backward.
+    - The schedule's own bookkeeping, 4 bytes each: the step's loss broadcast from the last stage, and each rank's
+      busy share of the schedule gathered from every rank (not under the zero-bubble schedules).
+    The loss's and the gradient norm's all-reduces (a few scalars) are not in it.
+    """
+    from training.parallel.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
+
+    if strategy.pp_stages_per_rank != 1 or strategy.cp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:
+        return None
+    pp, tp, m, h = strategy.pp_size, strategy.tp_size, micro_batches, config.hidden_size
+    owners = stage_ranks(strategy.pp_schedule, pp, strategy.pp_stages_per_rank)
+    me, last = strategy.pipeline_rank(rank), len(owners) - 1
+    mine = [s for s, owner in enumerate(owners) if owner == me]
+    layers = sum(len(stage_layers(config.num_hidden_layers, len(owners), s)) for s in mine)
+    embedding = shape.tied_embedding or (shape.outside_layers - h) // 2
+    head = 0 if shape.tied_embedding else embedding
+    per_layer = shape.matrices // config.num_hidden_layers
+    local = layers * (per_layer // tp + 2 * h)
+    local += (embedding if 0 in mine else 0) + (h + head if last in mine else 0)
+    if shape.tied_embedding and last in mine and 0 not in mine:
+        local += embedding  # the head's copy of the tied embedding
+    styles = list(config.base_model_tp_plan.values()) if tp > 1 else []
+    boundaries = sum((s > 0 and owners[s - 1] != me) + (s < last and owners[s + 1] != me) for s in mine)
+    sharded = strategy.family == "fsdp"
+    dp = strategy.data_parallel_size
+    elements = {
+        "point_to_point": m * 2 * boundaries * micro_tokens * h,
+        "all_reduce": m * len(styles) * layers * micro_tokens * h,
+    }
+    if shape.tied_embedding and owners[0] != owners[-1] and (0 in mine or last in mine):
+        elements["all_reduce"] += embedding // (dp if sharded else 1)
+    if dp > 1 and sharded:
+        gathers = m + 1 if strategy.fsdp_sharding == "FULL_SHARD" else 1
+        elements |= {"all_gather": gathers * local, "reduce_scatter": local}
+    elif dp > 1:
+        elements["all_reduce"] += local
+    payloads = {kind: n * bytes_per_element for kind, n in elements.items() if n}
+    payloads["broadcast"] = 4
+    if strategy.pp_schedule not in ZERO_BUBBLE:
+        payloads["all_gather"] = payloads.get("all_gather", 0) + 4 * strategy.world_size
+    return payloads
+
+
 def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
                      bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
     """The payload bytes per rank and step under DeepSpeed's Ulysses sequence parallelism
@@ -181,10 +244,13 @@ def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mic
 
 
 def step_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
-                  split_modules: dict[str, int] | None = None,
-                  bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
-    """The closed form for any launch the training script runs: AutoTP's or FSDP2 x TP's (`split_modules`: the count of
-    each style the model's plan splits), Ulysses', or the data-parallel strategy's; None where there is none."""
+                  split_modules: dict[str, int] | None = None, bytes_per_element: int = 4,
+                  rank: int = 0) -> dict[str, int] | None:  # fmt: skip
+    """The closed form for any launch the training script runs, for global rank `rank`: a pipeline's (with tensor
+    parallelism in its stages or not), AutoTP's or FSDP2 x TP's (`split_modules`: the count of each style the model's
+    plan splits), Ulysses', or the data-parallel strategy's; None where there is none."""
+    if strategy.pp_size > 1:
+        return pipeline_payloads(strategy, shape, config, micro_tokens, micro_batches, rank, bytes_per_element)
     if strategy.tp_size > 1:
         hidden = config.hidden_size
         payloads = dtensor_payloads if strategy.family == "fsdp" else autotp_payloads
