@@ -20,8 +20,9 @@ import random
 import sys
 from pathlib import Path
 
-from recipes.measure.memory_scaling import report, run_launch, save_against_ranks, scaling_parser
+from recipes.measure.memory_scaling import report, run_launch, scaling_parser
 from training.paths import ROOT
+from training.report.figures import save_against_ranks
 
 # (label, accelerate config, changes to its DeepSpeed JSON's zero_optimization, the paper's volume in Psi)
 NO_MULTI_RANK = {"use_multi_rank_bucket_allreduce": False}

@@ -23,6 +23,7 @@ from pathlib import Path
 from training.paths import ROOT
 from training.plan.memory.measured import launch_command, load, paper, planned
 from training.plan.memory.states import bytes_by_category
+from training.report.figures import save_against_ranks
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 PRECISION = "fp32"  # DDP and FSDP keep fp32 states whatever the flag; fp32 compares all five on one footing
@@ -79,23 +80,6 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot(n, paper_bytes, "--", color=color, alpha=0.7, label=f"{' = '.join(configs)} paper")
     title = f"Model states per rank, fp32 Adam, Ψ = {rows[0]['psi']:,} (measured: solid, paper: dashed)"
     save_against_ranks(fig, ax, rows, "model-state bytes per parameter per rank", title, path)
-
-
-def save_against_ranks(fig, ax, rows: list[dict], ylabel: str, title: str, path: Path, legend_columns: int = 2) -> None:
-    """The figure of a per-rank quantity against the ranks (`rows`' "world"), on a log-2 axis, saved to `path`."""
-    worlds = sorted({r["world"] for r in rows})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(worlds, [str(w) for w in worlds])
-    ax.set_xlabel("ranks N")
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(bottom=0)
-    ax.set_title(title)
-    ax.title.set_fontsize(9)
-    ax.legend(ncol=legend_columns, fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
 
 
 def format_table(rows: list[dict]) -> str:

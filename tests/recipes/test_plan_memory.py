@@ -375,3 +375,22 @@ def test_ulysses_activations_are_what_each_rank_holds():
         assert abs(row["error"]) < 1e-5, row
     assert split["held_per_rank"][0] == split["held_per_rank"][1]
     assert 0.5 < split["held_bytes"] / one["held_bytes"] < 0.56, (split, one)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_activations_are_what_each_layer_saves(sequence_parallel):
+    """At tp 2 (the model's plan, and Megatron's sequence parallelism as FSDP2 x TP runs it) each decoder layer saves
+    what `layer_activation_bytes` says, to the byte, on both ranks; the most a rank holds for its backward is the
+    planner's activations and loss within the forward's scalars. Under sequence parallelism the column-split
+    projections keep their gathered input whole, so a layer saves more than Korthikanti et al.'s all-over-tp (which
+    Megatron-LM gets by gathering again in the backward): a planner that split it too would miss here."""
+    from training.plan.memory.tensor import measure
+
+    row = measure(2, sequence_parallel, "debug", 2, 64)
+    assert row["per_token"] == row["planned_per_token"], row
+    assert row["layer_bytes_per_rank"][0] == row["layer_bytes_per_rank"][1], row
+    assert 0 <= row["peak_bytes"] - row["planned_peak_bytes"] <= 64, row
+    assert (row["megatron_per_token"] < row["planned_per_token"]) == sequence_parallel, row

@@ -87,13 +87,14 @@ class Memory:
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
         layers, tp, sequence = layout.stage_layers(c), layout.tp, layout.sequence_parallel
+        gathered = layout.stack == "shardgpt"  # torch's DTensor styles keep the gathered inputs; Megatron re-gathers
         if layout.pp == 1 and not layout.selective:
             activations = activation_bytes(c, layout.micro_batch, self.seq_len, e, layout.checkpointing, tp,
-                                           sequence_parallel=sequence)  # fmt: skip
+                                           sequence_parallel=sequence, gathered=gathered)  # fmt: skip
         else:
-            layer = layer_activation_bytes(c, e, tp, sequence)
+            layer = layer_activation_bytes(c, e, tp, sequence, gathered)
             per_layer = e * c.hidden_size // (tp if sequence else 1) if layout.checkpointing else layer
-            per_layer = selective_layer_bytes(c, e, tp, sequence) if layout.selective else per_layer
+            per_layer = selective_layer_bytes(c, e, tp, sequence, gathered) if layout.selective else per_layer
             held = in_flight(layout.memory_schedule, layout.pp, layout.micro_batches, 0) if layout.pp > 1 else 1
             # Interleaving holds more on the first rank: its layers' activations of 1 + (P - 1) / (P v) times as
             # many micro batches (Korthikanti et al. 2022, section 4.2.3).

@@ -16,7 +16,8 @@ from training.plan.memory.states import Item, zero3_groups, zero12_partitions
 
 
 def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool,
-                     tp: int = 1, sp: int = 1, sequence_parallel: bool = False) -> int:  # fmt: skip
+                     tp: int = 1, sp: int = 1, sequence_parallel: bool = False,
+                     gathered: bool = True) -> int:  # fmt: skip
     """Tensors autograd saves for the backward (not the loss's: see `saved_loss_bytes`), at the start of the
     backward.
 
@@ -34,15 +35,16 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     is recomputed in the backward with all of its activations.
     Under tensor parallelism (`tp` ranks) each rank attends with a/tp heads and computes f/tp of the MLP, so
     q, the attention output, k, v, the log-sum-exp and the MLP's four tensors are 1/tp as large; the norms'
-    tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (the formula; not measured under TP).
-    Under Megatron's sequence parallelism (`sequence_parallel`) the norms' tensors and a layer's input are on
-    sequence shards of the tp ranks too (`layer_activation_bytes`).
+    tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (measured to the byte at tp 2 and 4:
+    training/plan/memory/tensor.py). Under Megatron's sequence parallelism (`sequence_parallel`) the norms' tensors
+    and a layer's input are on sequence shards of the tp ranks too; the column-split projections' gathered inputs
+    stay whole under torch's DTensor styles (`gathered`; Megatron-LM gathers them again: `layer_activation_bytes`).
     Under Ulysses sequence parallelism (`sp` ranks) a rank holds seq_len / sp positions of each sequence
     (`ulysses_layer_bytes`), and rotary's cos and sin are per sample (the loader passes each slice's positions).
     """
     c = config
     tokens = micro_batch * seq_len // sp
-    layer = layer_activation_bytes(c, e, tp, sequence_parallel) if sp == 1 else ulysses_layer_bytes(c, e, sp)
+    layer = layer_activation_bytes(c, e, tp, sequence_parallel, gathered) if sp == 1 else ulysses_layer_bytes(c, e, sp)
     once = 8 + final_norm_bytes(c, e)
     split = tp if sequence_parallel else 1  # a layer's input, on a sequence shard under sequence parallelism
     kept = e * c.hidden_size // split if checkpointing else layer  # per layer: its input only, or all it saves
@@ -62,26 +64,37 @@ def ulysses_layer_bytes(config: ShardGPTConfig, e: int, sp: int) -> int:
     return layer_activation_bytes(config, e) + replicated + e * config.hidden_size
 
 
-def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_parallel: bool = False) -> int:
-    """What one decoder layer saves per token: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (`activation_bytes`);
-    with Megatron's sequence parallelism the norms' tensors are on sequence shards too, all of it over tp
-    (Korthikanti et al. 2022, section 4.2.2: sbh (34 / t + 5as / ht) for their GPT)."""
+def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_parallel: bool = False,
+                           gathered: bool = True) -> int:  # fmt: skip
+    """What one decoder layer saves per token: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (`activation_bytes`).
+
+    With Megatron's sequence parallelism the norms' tensors are on sequence shards too. Each column-split projection
+    (q, k, v; gate, up) saves its input, the norm's output, which the region's all-gather made whole. torch's DTensor
+    styles save that gathered input (`gathered`, this project's runtime): e (2h + (4h + 2g + 4f) / tp) + (8h + 4a +
+    8) / tp, measured to the byte at tp 2 and 4 (training/plan/memory/tensor.py). Megatron-LM saves the shard and
+    gathers it again in the backward (Korthikanti et al. 2022, section 4.2.2): all of it over tp,
+    (e (6h + 2g + 4f) + 8h + 4a + 8) / tp, their sbh (34 / t + 5as / ht) for a GPT layer."""
     h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     g = config.num_key_value_heads * config.head_dim
+    if sequence_parallel and gathered:
+        return (e * (4 * h + 2 * g + 4 * f) + 8 * h + 4 * a + 8) // tp + 2 * e * h
     if sequence_parallel:
         return (e * (6 * h + 2 * g + 4 * f) + 8 * h + 4 * a + 8) // tp
     return e * (4 * h + (2 * h + 2 * g + 4 * f) // tp) + 8 * h + 4 * a // tp + 8
 
 
-def selective_layer_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+def selective_layer_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_parallel: bool = False,
+                          gathered: bool = True) -> int:  # fmt: skip
     """What one decoder layer keeps per token under selective recomputation (its GEMMs' inputs and attention's
     output kept, the memory-bound kernels between them recomputed): the layer's input and middle residual and the
-    two norms' outputs (4 e h, whole on each tensor-parallel rank unless sequence parallelism splits them), q, k, v
-    and the attention output with its fp32 log-sum-exp (e (2h + 2g) + 4a, over tp), the down projection's input
-    (e f, over tp)."""
+    two norms' outputs (4 e h, whole on each tensor-parallel rank unless sequence parallelism splits them; the norms'
+    outputs gathered whole under torch's DTensor styles, `gathered`, as in `layer_activation_bytes`), q, k, v and the
+    attention output with its fp32 log-sum-exp (e (2h + 2g) + 4a, over tp), the down projection's input (e f, over
+    tp)."""
     h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     g = config.num_key_value_heads * config.head_dim
-    hidden = 4 * e * h // (tp if sequence_parallel else 1)
+    norm_outputs = 2 * e * h // (tp if sequence_parallel and not gathered else 1)  # the GEMMs' inputs
+    hidden = 2 * e * h // (tp if sequence_parallel else 1) + norm_outputs  # the input and the middle residual
     return hidden + (e * (2 * h + 2 * g + f) + 4 * a) // tp
 
 

@@ -4,7 +4,8 @@ keeps besides (a pipeline stage's outputs), counted as they are taken and as the
 Each storage counts once, whole, while anything holds it (a saved view keeps its whole storage alive), and the
 parameters' storages not at all: the planner's activation formulas count the same (tests/recipes/test_plan_memory.py).
 `torch.autograd.graph.saved_tensors_hooks` sees every tensor a forward saves, the model's own autograd Functions'
-included; the tensor is handed back to the backward unchanged, and its count released when autograd drops it.
+included (a DTensor counted by its local shard); the tensor is handed back to the backward unchanged, and its count
+released when autograd drops it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,16 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (what it holds in memory), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 class _Saved:
@@ -32,12 +43,12 @@ class HeldBytes:
     """Live bytes held for the backward (`now`) and their most since the last `reset` (`peak`)."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self.skip = {p.untyped_storage().data_ptr() for p in parameters}
+        self.skip = {_local(p).untyped_storage().data_ptr() for p in parameters}
         self.storages: dict[int, list[int]] = {}  # storage address -> [holders, bytes]
         self.now = self.peak = 0
 
     def hold(self, tensor: torch.Tensor) -> int | None:
-        storage = tensor.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         key = storage.data_ptr()
         if key in self.skip or storage.nbytes() == 0:
             return None

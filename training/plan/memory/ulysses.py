@@ -10,20 +10,17 @@ process with the whole sequence. Collectives: the all-to-alls of each attention 
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.multiprocessing as mp
 
 from data.loader import _shard
-from model import ShardGPTConfig, ShardGPTForCausalLM
+from model import ShardGPTForCausalLM
 from training.plan.memory.activations import activation_bytes, saved_loss_bytes
 from training.plan.memory.saved import HeldBytes
+from training.plan.memory.spawned import config_for, join, run_ranks
 
 
-def _rank(rank: int, sp: int, port: int, preset: str, micro: int, block: int, dtype: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(sp), OMP_NUM_THREADS="1")  # fmt: skip
+def _rank(rank: int, sp: int, port: int, queue, preset: str, micro: int, block: int, dtype: str) -> None:
+    join(rank, sp, port)
     config = config_for(preset, block)
     torch.manual_seed(0)  # the same weights and batch on every rank
     net = ShardGPTForCausalLM(config).to(getattr(torch, dtype)).train()
@@ -45,30 +42,10 @@ def _rank(rank: int, sp: int, port: int, preset: str, micro: int, block: int, dt
         torch.distributed.destroy_process_group()
 
 
-def config_for(preset: str, block: int) -> ShardGPTConfig:
-    """The preset, with positions for `block` tokens."""
-    base = ShardGPTConfig.from_preset(preset)
-    return ShardGPTConfig.from_preset(preset, max_position_embeddings=max(block, base.max_position_embeddings))
-
-
 def measure(sp: int, preset: str, micro: int, block: int, dtype: str = "float32") -> dict:
     """One case: the most bytes any of the `sp` ranks held for its backward, beside the planner's figure for a rank
     that holds block / sp positions."""
-    import socket
-
-    with socket.socket() as s:  # a free port for this case's process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, sp, port, preset, micro, block, dtype, queue)) for r in range(sp)]
-    for p in procs:
-        p.start()
-    held = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode:
-            raise RuntimeError(f"sp={sp} block={block}: a rank exited with {p.exitcode}")
+    held = run_ranks(_rank, sp, preset, micro, block, dtype, what=f"sp={sp} block={block}")
     plan = predicted(preset, micro, block, sp, dtype)
     worst = max(held.values())
     return {"sp": sp, "preset": preset, "micro_batch": micro, "block_size": block, "dtype": dtype,
