@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from communication import assert_closed_form
+from communication import assert_closed_form, launched
 from launching import accelerate_with, launch, launcher_command
 from parity import STEPS, TRAIN, TWO_RANKS, assert_same_training, by_step, reference_run
 
@@ -119,6 +119,22 @@ def test_hybrid_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(reference, 
     assert_same_training(run, reference)
 
 
+def assert_planned_parameters(run) -> None:
+    """Rank 0's parameters (its stage's tensor-parallel slices, FSDP2's shards of them) are the memory planner's for
+    that stage, to the element (training/plan/memory/stages.py, the step-time planner's memory of these layouts)."""
+    import json
+
+    from training.plan.memory.planner import predict
+
+    strategy, _ = launched(run)
+    flags = json.loads((run.output_dir / "run_config.json").read_text())
+    config = ShardGPTConfig.from_pretrained(run.output_dir)
+    row = predict(config, strategy, "fp32", flags["per_device_train_batch_size"], flags["block_size"],
+                  micro_batches=flags["gradient_accumulation_steps"], cpu_ranks=True)  # fmt: skip
+    (stage,) = run.strategy["pipeline"]["this_rank_stages"]
+    assert row["stages"][stage]["params"] == 4 * run.strategy["local_parameters"], (row["stages"][stage], run.strategy)
+
+
 # Two stages, each micro batch of the step one after another: the global batch of 8 as 2 micro batches a step.
 PIPELINE = ["--pipeline_parallel_degree=2", "--gradient_accumulation_steps=2"]
 
@@ -145,6 +161,7 @@ def test_fsdp2_x_tensor_x_pipeline_parallel_trains_like_one_process(reference, c
     # stages, the sends between them, the tied embedding's shard summed, FSDP2's gathers and reduce-scatter of the
     # rank's slice (training/plan/communication.pipeline_payloads).
     assert_closed_form(run)
+    assert_planned_parameters(run)
 
 
 @pytest.mark.slow
@@ -169,3 +186,4 @@ def test_tensor_x_pipeline_parallel_under_torchrun_trains_like_one_process(sched
     ), pipe  # fmt: skip
     assert_same_training(run, reference)
     assert_closed_form(run)  # the stages' all-reduces and sends, the tie, DDP's average of the slices
+    assert_planned_parameters(run)

@@ -227,6 +227,7 @@ class Pipeline:
         held = sum(local(p).numel() for p in self.model.parameters())
         return {
             "parameters": self.parameters,
+            "local_parameters": held,  # this rank's elements: its stages' slices and shards
             "local_parameter_fraction": round(held / self.parameters, 4),
             "pipeline": {
                 "degree": self.pp_size,

@@ -43,7 +43,7 @@ from training.plan.step_time import (
 class Memory:
     """Bytes one GPU of a layout needs at its peak, the memory planner's (`training/plan/memory/planner.predict`) where
     it models the layout (data parallelism with Ulysses, AutoTP under ZeRO-1, FSDP2 x TP, DDP's and FSDP2's
-    pipelines); otherwise
+    pipelines, tensor parallelism inside their stages); otherwise
     its pieces composed: the ZeRO paper's model states of the rank's slice (`zero_paper`), the activations of the
     micro batches a stage holds (`layer_activation_bytes`, `in_flight`) and the chunked loss's logits."""
 
@@ -65,7 +65,7 @@ class Memory:
         if layout.tp > 1 and layout.sharding == "zero1" and layout.pp == 1 and layout.runs_here:
             strategy, ds = strategy.with_degrees(tp=layout.tp), repo_json(Strategy.from_name("zero1-autotp", 2))
             ds["tensor_parallel"]["autotp_size"] = layout.tp
-        if layout.tp > 1 and layout.sharding == "fsdp" and layout.pp == 1 and layout.runs_here:  # FSDP2 x TP, SP
+        if layout.tp > 1 and layout.sharding in ("ddp", "fsdp") and layout.runs_here:  # FSDP2 x TP (SP); in stages
             strategy = strategy.with_degrees(tp=layout.tp)
         planned = layout.tp == 1 and layout.pp == 1 or ds is not None or strategy.tp_size > 1
         planned |= layout.pp > 1 and layout.tp == 1 and layout.sharding in ("ddp", "fsdp")

@@ -5,7 +5,7 @@ it, and the model states and activations of each pipeline rank under DDP or FSDP
 from __future__ import annotations
 
 from model import ShardGPTConfig
-from training.parallel.axes import composes, wrapper
+from training.parallel.axes import composes, composes_with, wrapper
 from training.parallel.schedules import check_pipeline, stage_layers
 from training.parallel.strategy import Strategy
 from training.plan.memory.activations import (
@@ -67,7 +67,7 @@ def stage_layout(lay: Layout, num_stages: int, stage: int) -> Layout:
 
 
 def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool, schedule: str,
-               pp: int, micro_batches: int, stage: int, hidden: int = 4) -> tuple[int, int]:  # fmt: skip
+               pp: int, micro_batches: int, stage: int, hidden: int = 4, tp: int = 1) -> tuple[int, int]:  # fmt: skip
     """What stage `stage` holds for its backward at its peak: (activations, the chunked loss's saved gradients).
 
     Per micro batch in flight (`in_flight`): its layers' saved tensors (`layer_activation_bytes` per layer and
@@ -76,11 +76,13 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
     keeps until the micro batch's backward (h per token in the hidden states' dtype, `hidden` bytes). Once: the
     first stage's token ids, 8 bytes per token of the whole step (the schedule's micro batches are views of the
     step's ids, whose storage any of them keeps), and with checkpointing the one layer being recomputed.
-    Measured to the byte on the model's own stages (tests/training/test_bubble.py), fp32."""
+    Measured to the byte on the model's own stages (tests/training/test_bubble.py), fp32, without tensor
+    parallelism; with it (`tp` ranks a stage, the plan's plain styles) each layer saves `layer_activation_bytes`'
+    tp share, measured to the byte outside pipelines (training/plan/memory/tensor.py)."""
     c = config
     tokens = micro_batch * seq_len
     first, last = stage == 0, stage == pp - 1
-    layer = layer_activation_bytes(c, e)
+    layer = layer_activation_bytes(c, e, tp)  # tensor parallelism inside a stage is plain (no sequence shards)
     per_layer = e * c.hidden_size if checkpointing else layer
     per_micro = len(stage_layers(c.num_hidden_layers, pp, stage)) * per_layer * tokens + rotary_bytes(c, seq_len, e)
     per_micro += (final_norm_bytes(c, e) if last else hidden * c.hidden_size) * tokens
@@ -91,11 +93,14 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
 
 def models_pipeline(strategy: Strategy) -> bool:
     """Whether `pipeline_stages` plans `strategy`: one stage per rank under GPipe or 1F1B, each stage one process,
-    DDP or FSDP2 (full shard or shard-grad-op), as training/parallel/pipeline.py runs them."""
+    DDP or FSDP2 (full shard or shard-grad-op), its layers split by the model's plan over tp ranks or not, as
+    training/parallel/pipeline.py runs them."""
     if strategy.family == "fsdp" and (strategy.fsdp_version != 2 or strategy.offloads or strategy.replicas > 1):
         return False
-    return (composes("pp", wrapper(strategy.family, strategy.zero_stage)) and strategy.tp_size == 1
-            and strategy.pp_stages_per_rank == 1 and strategy.pp_schedule in PIPELINE_SCHEDULES)  # fmt: skip
+    held_by = wrapper(strategy.family, strategy.zero_stage)
+    tensor = strategy.tp_size == 1 or composes_with("tp", "pp", held_by)  # the plan inside each stage
+    return (composes("pp", held_by) and tensor and strategy.pp_stages_per_rank == 1
+            and strategy.pp_schedule in PIPELINE_SCHEDULES)  # fmt: skip
 
 
 def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, micro_batch: int, seq_len: int,
@@ -104,7 +109,8 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     """Bytes one rank of each pipeline stage needs, by category as `predict`'s, for a pipeline of
     `strategy.pp_size` stages, one per rank, under GPipe or 1F1B (`strategy.pp_schedule`), `micro_batches` a step.
 
-    Model states as training/parallel/pipeline.py keeps them: a stage's parameters whole on each of its ranks, with one
+    Model states as training/parallel/pipeline.py keeps them: a stage's parameters (under tensor parallelism its
+    slices: 1/tp of each decoder matrix, the embedding, norms and head whole) on each of its ranks, with one
     all-reduce of a flat copy of its gradients where pipelines run side by side (ddp-pp: no DDP reducer, so no
     buckets), or FSDP2-sharded over the stage's data-parallel ranks (fsdp-pp: FSDP's shards, units and prefetch,
     the stage's embedding, norm and head its root unit). Activations: `stage_held`. Besides, torch's PipelineStage
@@ -119,23 +125,24 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
         raise ValueError(
             f"the planner does not model {strategy.name} ({schedule}): it plans pipelines of one stage per rank "
             f"under {' or '.join(PIPELINE_SCHEDULES)}, each stage one process, DDP or FSDP2 (single-pp, ddp-pp, "
-            "fsdp-pp, fsdp-shard-grad-op-pp)"
+            "fsdp-pp, fsdp-shard-grad-op-pp, each with -tpN)"
         )
     if precision not in BYTES or micro_batch < 1 or seq_len < 1:
         raise ValueError(f"precision {precision!r} (one of {', '.join(BYTES)}), micro_batch and seq_len at least 1")
     check_pipeline(schedule, pp, 1, micro_batches, config.num_hidden_layers)
-    e = BYTES[precision]
+    e, tp = BYTES[precision], strategy.tp_size
     hidden = e if sharded else 4  # FSDP2's bf16 parameters compute in bf16; autocast keeps the residual stream fp32
     whole = layout(config, decay_embeddings)
+    sliced = layout(config, decay_embeddings, tp, whole_head=True) if tp > 1 else whole  # a rank's slices
     tokens, v, h = micro_batch * seq_len, config.vocab_size, config.hidden_size
     stages = []
     for stage in range(pp):
-        lay = stage_layout(whole, pp, stage)
+        lay = stage_layout(sliced, pp, stage)
         states, temps = stage_states(lay, strategy, precision, cpu_ranks)
         boundaries = (stage > 0) + (stage < pp - 1)
         temps.append(Item("buffers", "pipeline_receive_buffers", boundaries * micro_batches * tokens * h * hidden))
         activations, loss = stage_held(config, micro_batch, seq_len, e, checkpointing, schedule, pp, micro_batches,
-                                       stage, hidden)  # fmt: skip
+                                       stage, hidden, tp)  # fmt: skip
         chunk = min(LOSS_CHUNK, tokens)
         gpu = bytes_by_category(states)
         row = {
@@ -154,7 +161,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
         row["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
         row["inputs"] = dict(
             strategy=strategy.name, world_size=strategy.world_size, precision=precision, micro_batch=micro_batch,
-            seq_len=seq_len, activation_checkpointing=checkpointing, psi=whole.psi, tensor_parallel_size=1,
+            seq_len=seq_len, activation_checkpointing=checkpointing, psi=whole.psi, tensor_parallel_size=tp,
             pipeline_schedule=schedule, micro_batches=micro_batches, stage=stage, stage_psi=lay.psi,
             layers=list(stage_layers(config.num_hidden_layers, pp, stage)),
             micro_batches_in_flight=in_flight(schedule, pp, micro_batches, stage),
