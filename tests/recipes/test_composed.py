@@ -42,6 +42,18 @@ use_cpu: false
 SAVE_AT = 10
 # The same with hybrid replicas instead of shards: 2 copies of the model, each split over 2 tensor-parallel ranks.
 HYBRID_TP = FSDP_TP.replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_replicate_size: 2")
+# DDP x TP: a user's DDP YAML with the same block (accelerate_configs/ddp.yaml's settings).
+DDP_TP = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_tp_size: 2
+num_machines: 1
+num_processes: 4
+mixed_precision: "no"
+use_cpu: false
+"""
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +119,19 @@ def test_fsdp2_x_tensor_parallel_checkpoint_resumes_under_one_process(fsdp_tp, r
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.matrix
-def test_hybrid_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(reference, corpus, tmp_path):
-    """dp_replicate 2 x tp 2: FSDP2's hybrid mesh (replicated over the copies, sharded over none) around the slices;
-    each rank holds half of every split matrix and all of the rest."""
-    (tmp_path / "hybrid_tp.yaml").write_text(HYBRID_TP)
-    run = launch(accelerate_with(str(tmp_path / "hybrid_tp.yaml")), [*corpus["flags"], *TRAIN, *TWO_RANKS],
+@pytest.mark.parametrize("yaml", [HYBRID_TP, DDP_TP], ids=["fsdp2-hybrid", "ddp"])
+def test_replicated_x_tensor_parallel_yaml_trains_like_one_process(yaml, reference, corpus, tmp_path):
+    """dp_replicate 2 x tp 2, from an FSDP2 YAML (hybrid) or a DDP YAML: FSDP2's mesh replicated over the copies,
+    sharded over none, around the slices (DDP's reducer takes no DTensor); each rank holds half of every split matrix
+    and all of the rest, and the copies all-reduce their slices' gradients, DDP's traffic."""
+    (tmp_path / "replicated_tp.yaml").write_text(yaml)
+    run = launch(accelerate_with(str(tmp_path / "replicated_tp.yaml")), [*corpus["flags"], *TRAIN, *TWO_RANKS],
                  tmp_path / "out")  # fmt: skip
     seen = run.strategy
     assert seen["strategy"] == "fsdp-hybrid-tp2" and seen["tensor_parallel"]["data_parallel_size"] == 2, seen
     assert seen["local_parameter_fraction"] == pytest.approx(2 * split_share(run.output_dir), abs=1e-4), seen
     assert_same_training(run, reference)
+    assert_closed_form(run)  # sequence parallelism's gathers and scatters, the slice's all-reduce across the copies
 
 
 def assert_planned_parameters(run) -> None:

@@ -37,14 +37,27 @@ def test_fsdp2_with_tp_passes(block):
     ("deepspeed", "fsdp_version", "expected"),
     [
         (True, 0, r"with DeepSpeed: DeepSpeed splits layers itself \(AutoTP\); set tensor_parallel.autotp_size: 2"),
-        (False, 1, r"with fsdp_version: 1 .*set distributed_type: FSDP with fsdp_version: 2"),
-        (False, 0, r"with no FSDP \(DDP\): tensor parallelism runs under FSDP2 here"),
+        (False, 1, r"with fsdp_version: 1 .*set fsdp_version: 2"),
     ],
 )
 def test_tp_outside_fsdp2_is_refused(block, deepspeed, fsdp_version, expected):
     block(tp_size=2)
     with pytest.raises(ValueError, match=r"parallelism_config_tp_size: 2 " + expected):
         check_parallelism_config_tp(2, deepspeed=deepspeed, fsdp_version=fsdp_version, cfg=RunConfig(**CFG))
+
+
+def test_a_ddp_config_replicates_the_split_model_and_refuses_shards(block):
+    """DDP x TP: a DDP YAML's dp_replicate x tp runs (as FSDP2 on a replicate-only mesh); its dp_shard cannot."""
+    from training.parallel.launch import replicated_tensor_parallel
+
+    block(dp_replicate_size=2, tp_size=2)
+    check_parallelism_config_tp(2, deepspeed=False, fsdp_version=0, cfg=RunConfig(**CFG))  # no refusal
+    strategy = replicated_tensor_parallel(4, 2)
+    assert strategy.name == "fsdp-hybrid-tp2" and strategy.mesh.shape["dp_shard"] == 1, strategy.mesh.shape
+    assert (strategy.replicas, strategy.shard_size, strategy.data_parallel_size) == (2, 1, 2)
+    block(dp_shard_size=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"dp_shard_size: 2 in a DDP config: DDP keeps whole copies"):
+        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=0, cfg=RunConfig(**CFG))
 
 
 @pytest.mark.parametrize(
@@ -126,7 +139,7 @@ def test_the_plan_is_the_models_own():
     [
         (True, False, 2, r"with a DeepSpeed config: DeepSpeed splits layers itself \(AutoTP\)"),
         (False, True, 2, r"with an FSDP accelerate config: .*set parallelism_config_tp_size: 2"),
-        (False, False, 1, r"without a pipeline: DDP cannot reduce DTensor slices; add --pipeline_parallel_degree 2"),
+        (False, False, 1, r"without a pipeline: the flag splits pipeline stages; add --pipeline_parallel_degree 2"),
     ],
 )
 def test_the_tensor_parallel_flag_is_refused_where_another_setting_owns_it(deepspeed, fsdp, pipeline, expected):

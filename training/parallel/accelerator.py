@@ -54,7 +54,10 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         kwargs["parallelism_config"] = accelerator_parallelism_config(strategy.mesh)
     elif on_cpu:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
-    fsdp_on_cpu = strategy.family == "fsdp" and on_cpu
+    # FSDP through accelerate's FSDP state on CPU ranks, and for DDP x TP (a DDP YAML's parallelism_config, held by
+    # FSDP2 on a replicate-only mesh: training/parallel/launch.replicated_tensor_parallel) on any device.
+    replicate_only = strategy.family == "fsdp" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true"
+    fsdp_on_cpu = strategy.family == "fsdp" and (on_cpu or replicate_only)
     if fsdp_on_cpu:
         # sync_module_states broadcasts rank 0's weights (cpu_ram_efficient_loading forces it on, for
         # transformers' from_pretrained on rank 0 alone, which this script does not use); torch's FSDP1 and
@@ -71,6 +74,8 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
     if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
+        for name, value in strategy.fsdp_env.items():  # DDP x TP: FSDP2, the plugin's defaults otherwise
+            os.environ.setdefault(name, value)
         enable_fsdp_on_cpu(accelerator)
     if hybrid_on_cpu and strategy.replicas > 1 and not tensor_parallel:
         apply_parallelism_config_on_cpu(accelerator)

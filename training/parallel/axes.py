@@ -32,7 +32,8 @@ AXES = {
     # DeepSpeed's own pipeline engine runs ZeRO-0/1 only, on a model rewritten as its PipelineModule.
     "pp": Axis("pipeline parallelism", ("single", "ddp", "fsdp"), published_under=("zero1",), alone=False),
     # DeepSpeed AutoTP, built by the engine (`tensor_parallel.autotp_size`), or the model's plan with torch's
-    # DTensor APIs under FSDP2 (an accelerate YAML's parallelism_config_tp_size: training/parallel/tensor.py).
+    # DTensor APIs under FSDP2 (an accelerate YAML's parallelism_config_tp_size: training/parallel/tensor.py; a DDP
+    # YAML's dp_replicate x tp is FSDP2 on a replicate-only mesh, as torch's DTensor-aware `replicate` is).
     # Megatron-LM's runs split layers under DDP.
     "tp": Axis(
         "tensor parallelism (DeepSpeed AutoTP, or DTensor under FSDP2)",

@@ -94,7 +94,18 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
         )
         check_pipeline_with_fsdp(cfg, strategy)
         return strategy
-    return replicated_strategy(world, pipeline, cfg.tensor_parallel_degree)
+    if tp > 1 and cfg.pipeline_parallel_degree == 1:
+        return replicated_tensor_parallel(world, tp)
+    return replicated_strategy(world, pipeline, max(tp, cfg.tensor_parallel_degree))
+
+
+def replicated_tensor_parallel(world: int, tp: int) -> Strategy:
+    """DDP x TP: a DDP YAML's parallelism_config (dp_replicate x tp). torch's DDP reducer takes no DTensor, so the
+    whole copies of the split model are held by FSDP2 on a replicate-only mesh (dp_replicate x a dp_shard of 1), which
+    is what torch's own DTensor-aware DDP (`torch.distributed._composable.replicate_with_fsdp.replicate`) builds: each
+    data-parallel rank keeps its slices whole, and their gradients are all-reduced across the copies, DDP's
+    traffic. The strategy is that hybrid FSDP2 x TP (`fsdp-hybrid-tpN`), trained and checked as such."""
+    return Strategy.of("fsdp", world, tp=tp, replicas=world // tp, fsdp_version=2, fsdp_env={"FSDP_VERSION": "2"})
 
 
 def hybrid_replicas(world: int, cp: int = 1, tp: int = 1, pp: int = 1) -> int:

@@ -69,8 +69,9 @@ def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
 def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg: RunConfig, world: int = 0) -> None:
     """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`) runs under FSDP2, with torch's
     DTensor plan applied by this project (training/parallel/tensor.py: accelerate 1.15's own preparation cannot
-    import with transformers 5). Refused before the process group: under DeepSpeed (AutoTP is the JSON's
-    `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), without FSDP, with ring context,
+    import with transformers 5); a DDP config's dp_replicate x tp runs as FSDP2 on a replicate-only mesh
+    (`replicated_tensor_parallel`). Refused before the process group: under DeepSpeed (AutoTP is the JSON's
+    `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), DDP with dp_shard, ring context,
     Ulysses or CPU offload, a degree that does not split every layer evenly or (without a pipeline, where sequence
     parallelism shards each sequence) the block, and degrees that do not multiply to the `world` launched ranks (0: not
     checked)."""
@@ -82,12 +83,17 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
             f"{where} with DeepSpeed: DeepSpeed splits layers itself (AutoTP); set tensor_parallel.autotp_size: {tp} "
             "in the DeepSpeed JSON (ds_configs/autotp.json) and remove parallelism_config_tp_size"
         )
-    if fsdp_version != 2:
-        what = "fsdp_version: 1 (its flat parameters hold no DTensor slices)" if fsdp_version else "no FSDP (DDP)"
+    if fsdp_version == 1:
         raise ValueError(
-            f"{where} with {what}: tensor parallelism runs under FSDP2 here; set distributed_type: FSDP with "
-            "fsdp_version: 2 (accelerate_configs/fsdp_tp.yaml), or use DeepSpeed AutoTP "
+            f"{where} with fsdp_version: 1 (its flat parameters hold no DTensor slices): tensor parallelism runs "
+            "under FSDP2 here; set fsdp_version: 2 (accelerate_configs/fsdp_tp.yaml), or use DeepSpeed AutoTP "
             "(accelerate_configs/autotp.yaml)"
+        )
+    if not fsdp_version and block_degree("dp_shard_size") > 1:  # DDP: whole copies, nothing to shard over
+        raise ValueError(
+            f"{where} with parallelism_config_dp_shard_size: {block_degree('dp_shard_size')} in a DDP config: DDP "
+            "keeps whole copies of the split model; set parallelism_config_dp_replicate_size instead, or shard with "
+            "FSDP2 (accelerate_configs/fsdp_tp.yaml)"
         )
     unsupported = (
         "parallelism_config_cp_size" if block_degree("cp_size") > 1
@@ -149,14 +155,15 @@ def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml
         )
     if fsdp or yaml_tp > 1:
         raise ValueError(
-            f"{where} with an FSDP accelerate config: its degrees live in the YAML; set parallelism_config_tp_size: "
+            f"{where} with an {'FSDP ' if fsdp else ''}accelerate config{' whose' if yaml_tp > 1 else ': its'} "
+            f"degrees live in the YAML{' parallelism_config' if yaml_tp > 1 else ''}; set parallelism_config_tp_size: "
             f"{tp} in its parallelism_config (accelerate_configs/fsdp_tp.yaml) and drop the flag"
         )
     if cfg.pipeline_parallel_degree == 1:
         raise ValueError(
-            f"{where} without a pipeline: DDP cannot reduce DTensor slices; add --pipeline_parallel_degree 2 or more "
-            "(the stages' data-parallel copies are all-reduced by the pipeline), or launch FSDP2 with "
-            "accelerate_configs/fsdp_tp.yaml"
+            f"{where} without a pipeline: the flag splits pipeline stages; add --pipeline_parallel_degree 2 or more, "
+            "or give the degrees in an accelerate config's parallelism_config (DDP: "
+            "parallelism_config_dp_replicate_size x parallelism_config_tp_size; FSDP2: accelerate_configs/fsdp_tp.yaml)"
         )
     from training.parallel.tensor import check_tensor_parallel
 
