@@ -57,27 +57,27 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
     # FSDP through accelerate's FSDP state on CPU ranks, and for DDP x TP (a DDP YAML's parallelism_config, held by
     # FSDP2 on a replicate-only mesh: training/parallel/launch.replicated_tensor_parallel) on any device.
     replicate_only = strategy.family == "fsdp" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true"
-    fsdp_on_cpu = strategy.family == "fsdp" and (on_cpu or replicate_only)
-    if fsdp_on_cpu:
+    switch_to_fsdp = strategy.family == "fsdp" and (on_cpu or replicate_only)
+    if switch_to_fsdp:
         # sync_module_states broadcasts rank 0's weights (cpu_ram_efficient_loading forces it on, for
         # transformers' from_pretrained on rank 0 alone, which this script does not use); torch's FSDP1 and
         # accelerate's plugin both demand a GPU for it. Every rank here builds identical weights from the same
         # seed, so there is nothing to sync.
         os.environ["FSDP_SYNC_MODULE_STATES"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
-    hybrid_on_cpu = fsdp_on_cpu and parallelism_config()
+    hybrid_switched = switch_to_fsdp and parallelism_config()
     tensor_parallel = strategy.family == "fsdp" and strategy.tp_size > 1
-    if hybrid_on_cpu or tensor_parallel:
+    if hybrid_switched or tensor_parallel:
         # accelerate checks a parallelism_config against the state's distributed type when the Accelerator is
         # built, which on CPU is MULTI_CPU until FSDP is switched on: the config is applied after that instead.
         # With tensor parallelism accelerate never sees it, on any device: its `prepare` would import a class
         # transformers 5 removed; the project shards the model on the block's degrees (training/parallel/tensor.py).
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
-    if fsdp_on_cpu and accelerator.distributed_type != DistributedType.FSDP:
+    if switch_to_fsdp and accelerator.distributed_type != DistributedType.FSDP:
         for name, value in strategy.fsdp_env.items():  # DDP x TP: FSDP2, the plugin's defaults otherwise
             os.environ.setdefault(name, value)
-        enable_fsdp_on_cpu(accelerator)
-    if hybrid_on_cpu and strategy.replicas > 1 and not tensor_parallel:
+        enable_fsdp(accelerator)
+    if hybrid_switched and strategy.replicas > 1 and not tensor_parallel:
         apply_parallelism_config_on_cpu(accelerator)
     if accelerator.distributed_type == DistributedType.FSDP and cfg.mixed_precision != "no":
         plugin = accelerator.state.fsdp_plugin
@@ -100,9 +100,10 @@ def fsdp_precision(cfg: RunConfig, fsdp_version: int = 2):
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce, output_dtype=torch.float32)
 
 
-def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
-    """Run accelerate's FSDP path on CPU ranks (see the module docstring). The plugin reads the FSDP_*
-    variables that `accelerate launch` exported from the YAML, as it does on GPUs; its precision policy is set
+def enable_fsdp(accelerator: Accelerator) -> None:
+    """Run accelerate's FSDP path where accelerate's state is not FSDP: on CPU ranks (see the module docstring), and
+    for DDP x TP on any device (a DDP YAML, whose model FSDP2 holds on a replicate-only mesh). The plugin reads the
+    FSDP_* variables that `accelerate launch` exported from the YAML, as it does on GPUs; its precision policy is set
     by `make_accelerator` (`fsdp_precision`), on GPUs and CPUs alike."""
     plugin = FullyShardedDataParallelPlugin()
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
