@@ -106,9 +106,13 @@ def test_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(fsdp_tp, reference
 def test_fsdp2_x_tensor_parallel_checkpoint_resumes_under_one_process(fsdp_tp, reference, corpus, tmp_path):
     """The 4-rank checkpoint (each rank's slices of its shards, torch.distributed.checkpoint) read by one process:
     the steps after it are the reference's."""
-    checkpoint = fsdp_tp.output_dir / f"checkpoint-{SAVE_AT}"
+    assert_resumes_under_one_process(fsdp_tp.output_dir / f"checkpoint-{SAVE_AT}", reference, corpus, tmp_path)
+
+
+def assert_resumes_under_one_process(checkpoint, reference, corpus, tmp_path) -> None:
+    """One process resumed from `checkpoint` (step SAVE_AT) takes the reference's steps after it."""
     args = [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=8", f"--resume_from_checkpoint={checkpoint}"]
-    run = launch(launcher_command("python"), args, tmp_path / "out")
+    run = launch(launcher_command("python"), args, tmp_path / "resumed")
     losses, norms = run.own_losses, by_step(run, "grad_norm")
     assert sorted(losses) == list(range(SAVE_AT + 1, STEPS + 1))
     for step, loss in losses.items():
@@ -187,11 +191,12 @@ def test_tensor_x_pipeline_parallel_under_torchrun_trains_like_one_process(sched
                                                                            tmp_path):  # fmt: skip
     """torchrun with --tensor_parallel_degree 2 --pipeline_parallel_degree 2: on 4 ranks one pipeline of two stages,
     each split over a pair of ranks, the global batch of 8 as 2 micro batches of 4; on 8 ranks two such pipelines,
-    DDP's average across them (DDP x TP x PP), 2 micro batches of 2 each."""
+    DDP's average across them (DDP x TP x PP), 2 micro batches of 2 each. The 4-rank run's checkpoint (each rank's
+    slices of its stage, torch.distributed.checkpoint) resumes under one process exactly."""
     cmd = launcher_command("torchrun", nproc=nproc)
     micro = 16 // nproc
     args = [*corpus["flags"], *TRAIN, *PIPELINE, "--tensor_parallel_degree=2", f"--per_device_train_batch_size={micro}",
-            f"--pipeline_parallel_schedule={schedule}"]  # fmt: skip
+            f"--pipeline_parallel_schedule={schedule}", f"--save_steps={SAVE_AT if nproc == 4 else 0}"]  # fmt: skip
     run = launch(cmd, args, tmp_path / "out")
     pipe = run.strategy["pipeline"]
     name = "single-tp2-pp2" if nproc == 4 else "ddp-tp2-pp2"
@@ -202,3 +207,5 @@ def test_tensor_x_pipeline_parallel_under_torchrun_trains_like_one_process(sched
     assert_same_training(run, reference)
     assert_closed_form(run)  # the stages' all-reduces and sends, the tie, DDP's average of the slices
     assert_planned_parameters(run)
+    if nproc == 4:
+        assert_resumes_under_one_process(run.output_dir / f"checkpoint-{SAVE_AT}", reference, corpus, tmp_path)
