@@ -40,9 +40,8 @@ mixed_precision: "no"
 use_cpu: false
 """
 SAVE_AT = 10
-# The same with hybrid replicas instead of shards: 2 copies of the model, each split over 2 tensor-parallel ranks.
-HYBRID_TP = FSDP_TP.replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_replicate_size: 2")
-# DDP x TP: a user's DDP YAML with the same block (accelerate_configs/ddp.yaml's settings).
+# DDP x TP: a user's DDP YAML with replicas instead of shards (accelerate_configs/ddp.yaml's settings): 2 copies of
+# the model, each split over 2 tensor-parallel ranks.
 DDP_TP = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: MULTI_GPU
@@ -123,12 +122,12 @@ def assert_resumes_under_one_process(checkpoint, reference, corpus, tmp_path) ->
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.matrix
-@pytest.mark.parametrize("yaml", [HYBRID_TP, DDP_TP], ids=["fsdp2-hybrid", "ddp"])
-def test_replicated_x_tensor_parallel_yaml_trains_like_one_process(yaml, reference, corpus, tmp_path):
-    """dp_replicate 2 x tp 2, from an FSDP2 YAML (hybrid) or a DDP YAML: FSDP2's mesh replicated over the copies,
-    sharded over none, around the slices (DDP's reducer takes no DTensor); each rank holds half of every split matrix
-    and all of the rest, and the copies all-reduce their slices' gradients, DDP's traffic."""
-    (tmp_path / "replicated_tp.yaml").write_text(yaml)
+def test_ddp_x_tensor_parallel_yaml_trains_like_one_process(reference, corpus, tmp_path):
+    """dp_replicate 2 x tp 2 from a DDP YAML: FSDP2's mesh replicated over the copies, sharded over none, around the
+    slices (DDP's reducer takes no DTensor); each rank holds half of every split matrix and all of the rest, and the
+    copies all-reduce their slices' gradients, DDP's traffic. An FSDP2 YAML with the same block (hybrid sharding)
+    is this strategy (tests/training/test_config.py)."""
+    (tmp_path / "replicated_tp.yaml").write_text(DDP_TP)
     run = launch(accelerate_with(str(tmp_path / "replicated_tp.yaml")), [*corpus["flags"], *TRAIN, *TWO_RANKS],
                  tmp_path / "out")  # fmt: skip
     seen = run.strategy

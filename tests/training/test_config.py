@@ -354,3 +354,25 @@ def test_the_trainer_refuses_sequence_parallelism(monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=r"sequence parallelism \(sp_size 2\) needs recipes/train.py: the HF Trainer"):
         trainer.main(["--output_dir", "/nonexistent/shardgpt-test"])
+
+
+def test_a_ddp_and_an_fsdp2_yaml_with_dp_replicate_x_tp_are_one_strategy(monkeypatch):
+    """A DDP YAML's parallelism_config (dp_replicate 2 x tp 2) and an FSDP2 YAML's with the same block are one layout:
+    FSDP2 on a replicate-only mesh around the slices (training/parallel/launch.replicated_tensor_parallel). The DDP
+    YAML is launched against one process in tests/recipes/test_composed.py; this holds the FSDP2 YAML to the same
+    strategy, as `accelerate launch` exports each."""
+    from training.parallel.launch import requested_strategy
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for key, value in {"dp_replicate_size": 2, "dp_shard_size": 1, "tp_size": 2, "cp_size": 1, "sp_size": 1}.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{key.upper()}", str(value))
+    for name in ("FSDP_OFFLOAD_PARAMS", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    ddp = requested_strategy(cfg(per_device_train_batch_size=4), hidden_size=64)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    fsdp = requested_strategy(cfg(per_device_train_batch_size=4), hidden_size=64)
+    assert ddp == fsdp and ddp.name == "fsdp-hybrid-tp2", (ddp, fsdp)
+    assert (ddp.replicas, ddp.shard_size, ddp.tp_size, ddp.data_parallel_size) == (2, 1, 2, 2)
