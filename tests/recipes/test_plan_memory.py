@@ -387,7 +387,7 @@ def test_tensor_parallel_activations_are_what_each_layer_saves(sequence_parallel
     planner's activations and loss within the forward's scalars. Under sequence parallelism the column-split
     projections keep their gathered input whole, so a layer saves more than Korthikanti et al.'s all-over-tp (which
     Megatron-LM gets by gathering again in the backward): a planner that split it too would miss here."""
-    from training.plan.memory.tensor import measure
+    from training.loop.tensor_memory import measure
 
     row = measure(2, sequence_parallel, "debug", 2, 64)
     assert row["per_token"] == row["planned_per_token"], row

@@ -36,7 +36,7 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     Under tensor parallelism (`tp` ranks) each rank attends with a/tp heads and computes f/tp of the MLP, so
     q, the attention output, k, v, the log-sum-exp and the MLP's four tensors are 1/tp as large; the norms'
     tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (measured to the byte at tp 2 and 4:
-    training/plan/memory/tensor.py). Under Megatron's sequence parallelism (`sequence_parallel`) the norms' tensors
+    training/loop/tensor_memory.py). Under Megatron's sequence parallelism (`sequence_parallel`) the norms' tensors
     and a layer's input are on sequence shards of the tp ranks too; the column-split projections' gathered inputs
     stay whole under torch's DTensor styles (`gathered`; Megatron-LM gathers them again: `layer_activation_bytes`).
     Under Ulysses sequence parallelism (`sp` ranks) a rank holds seq_len / sp positions of each sequence
@@ -71,7 +71,7 @@ def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence
     With Megatron's sequence parallelism the norms' tensors are on sequence shards too. Each column-split projection
     (q, k, v; gate, up) saves its input, the norm's output, which the region's all-gather made whole. torch's DTensor
     styles save that gathered input (`gathered`, this project's runtime): e (2h + (4h + 2g + 4f) / tp) + (8h + 4a +
-    8) / tp, measured to the byte at tp 2 and 4 (training/plan/memory/tensor.py). Megatron-LM saves the shard and
+    8) / tp, measured to the byte at tp 2 and 4 (training/loop/tensor_memory.py). Megatron-LM saves the shard and
     gathers it again in the backward (Korthikanti et al. 2022, section 4.2.2): all of it over tp,
     (e (6h + 2g + 4f) + 8h + 4a + 8) / tp, their sbh (34 / t + 5as / ht) for a GPT layer."""
     h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads

@@ -78,7 +78,7 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
     step's ids, whose storage any of them keeps), and with checkpointing the one layer being recomputed.
     Measured to the byte on the model's own stages (tests/training/test_bubble.py), fp32, without tensor
     parallelism; with it (`tp` ranks a stage, the plan's plain styles) each layer saves `layer_activation_bytes`'
-    tp share, measured to the byte outside pipelines (training/plan/memory/tensor.py)."""
+    tp share, measured to the byte outside pipelines (training/loop/tensor_memory.py)."""
     c = config
     tokens = micro_batch * seq_len
     first, last = stage == 0, stage == pp - 1
