@@ -14,6 +14,8 @@ Its checkpoint resumes under one process exactly, and the export loads as the Hu
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from communication import assert_closed_form, launched
@@ -140,8 +142,6 @@ def test_ddp_x_tensor_parallel_yaml_trains_like_one_process(reference, corpus, t
 def assert_planned_parameters(run) -> None:
     """Rank 0's parameters (its stage's tensor-parallel slices, FSDP2's shards of them) are the memory planner's for
     that stage, to the element (training/plan/memory/stages.py, the step-time planner's memory of these layouts)."""
-    import json
-
     from training.plan.memory.planner import predict
 
     strategy, _ = launched(run)

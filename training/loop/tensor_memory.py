@@ -51,8 +51,8 @@ def _rank(rank: int, tp: int, port: int, queue, sequence_parallel: bool, preset:
 
 def korthikanti_bytes(config: ShardGPTConfig, e: int, tp: int, sequence_parallel: bool) -> float:
     """Korthikanti et al. 2022's activation bytes per token of one GPT layer (equations 1-3, s = b = 1), with their
-    GPT's shape (an MLP of 4h, LayerNorm, dropout) at this model's hidden size and heads and their 16-bit activations
-    scaled to e bytes: sbh (10 + 24 / t + 5as / ht) under tensor parallelism, sbh (34 + 5as / h) / t with sequence
+    GPT's shape (an MLP of 4h, LayerNorm, dropout) at this model's hidden size and their 16-bit activations scaled to
+    e bytes: sbh (10 + 24 / t + 5as / ht) under tensor parallelism, sbh (34 + 5as / h) / t with sequence
     parallelism. Their attention term (the T x T scores and softmax) is per sequence of `seq_len` tokens: left out here,
     as the flash and memory-efficient kernels keep none."""
     h, scale = config.hidden_size, e / 2
@@ -66,10 +66,10 @@ def measure(tp: int, sequence_parallel: bool, preset: str, micro: int, block: in
     the planner's figure and Korthikanti et al.'s, per token."""
     from training.parallel.tensor import check_tensor_parallel
 
-    check_tensor_parallel(config_for(preset, block), tp, flag="tp")  # a layer the degree does not split: refused
+    config, e = config_for(preset, block), torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    check_tensor_parallel(config, tp, flag="tp")  # a layer the degree does not split: refused
     got = run_ranks(_rank, tp, sequence_parallel, preset, micro, block, dtype,
                     what=f"tp={tp} sequence_parallel={sequence_parallel}")  # fmt: skip
-    config, e = config_for(preset, block), torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     tokens = micro * block
     layer = max(layers[-1] for layers, _ in got.values())  # the last: the first also holds rotary's cos and sin
     sequence = sequence_parallel and tp > 1

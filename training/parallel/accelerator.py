@@ -19,6 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from training.compat import keep_zero3_param_dtype, skip_deepspeed_muon
 from training.config import RunConfig
+from training.parallel.launch import env_flag
 from training.parallel.launch_checks import parallelism_config
 from training.parallel.sequence import accelerator_parallelism_config
 from training.parallel.strategy import Strategy
@@ -56,8 +57,7 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
     # FSDP through accelerate's FSDP state on CPU ranks, and for DDP x TP (a DDP YAML's parallelism_config, held by
     # FSDP2 on a replicate-only mesh: training/parallel/launch.replicated_tensor_parallel) on any device.
-    replicate_only = strategy.family == "fsdp" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true"
-    switch_to_fsdp = strategy.family == "fsdp" and (on_cpu or replicate_only)
+    switch_to_fsdp = strategy.family == "fsdp" and (on_cpu or not env_flag("ACCELERATE_USE_FSDP"))
     if switch_to_fsdp:
         # sync_module_states broadcasts rank 0's weights (cpu_ram_efficient_loading forces it on, for
         # transformers' from_pretrained on rank 0 alone, which this script does not use); torch's FSDP1 and

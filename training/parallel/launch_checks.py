@@ -154,10 +154,10 @@ def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml
             f"tensor_parallel.autotp_size: {tp} in the JSON (ds_configs/autotp.json) and drop the flag"
         )
     if fsdp or yaml_tp > 1:
+        what = "an FSDP accelerate config" if fsdp else f"an accelerate config's parallelism_config_tp_size: {yaml_tp}"
         raise ValueError(
-            f"{where} with an {'FSDP ' if fsdp else ''}accelerate config{' whose' if yaml_tp > 1 else ': its'} "
-            f"degrees live in the YAML{' parallelism_config' if yaml_tp > 1 else ''}; set parallelism_config_tp_size: "
-            f"{tp} in its parallelism_config (accelerate_configs/fsdp_tp.yaml) and drop the flag"
+            f"{where} with {what}: its degrees live in the YAML; set parallelism_config_tp_size: {tp} in its "
+            "parallelism_config (accelerate_configs/fsdp_tp.yaml) and drop the flag"
         )
     if cfg.pipeline_parallel_degree == 1:
         raise ValueError(
