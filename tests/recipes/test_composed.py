@@ -174,10 +174,12 @@ def test_fsdp2_x_tensor_x_pipeline_parallel_trains_like_one_process(reference, c
         2, "fsdp2", 2, 2,
     ), pipe  # fmt: skip
     assert pipe["split_modules"] == {"colwise": 5, "rowwise": 2}, pipe  # rank 0's stage: one of the 2 layers
+    assert pipe["sequence_parallel"], pipe  # the stages send their sequence shards
     assert_same_training(run, reference)
-    # What each rank sent in step 3, to the byte, stage by stage: 7 all-reduces a layer and micro batch inside the
-    # stages, the sends between them, the tied embedding's shard summed, FSDP2's gathers and reduce-scatter of the
-    # rank's slice (training/plan/communication.pipeline_payloads).
+    # What each rank sent in step 3, to the byte, stage by stage: sequence parallelism's 4 all-gathers and 4
+    # reduce-scatters a layer and micro batch inside the stages, the sequence shards sent between them, the tied
+    # embedding's shard summed, FSDP2's gathers and reduce-scatter of the rank's slice
+    # (training/plan/communication.pipeline_payloads).
     assert_closed_form(run)
     assert_planned_parameters(run)
 
@@ -204,7 +206,12 @@ def test_tensor_x_pipeline_parallel_under_torchrun_trains_like_one_process(sched
         schedule, "none" if nproc == 4 else "all-reduce", {"colwise": 5, "rowwise": 2},
     ), pipe  # fmt: skip
     assert_same_training(run, reference)
-    assert_closed_form(run)  # the stages' all-reduces and sends, the tie, DDP's average of the slices
+    assert_closed_form(run)  # the stages' gathers, scatters and sends, the tie, DDP's average of the slices
     assert_planned_parameters(run)
     if nproc == 4:
+        # One pipeline evaluates the reference's batches: the stages' sequence shards give one process's losses.
+        evaluated = {r["step"]: r["eval_loss"] for r in run.records if "eval_loss" in r}
+        want = {r["step"]: r["eval_loss"] for r in reference.records if "eval_loss" in r}
+        assert evaluated.keys() == want.keys() and evaluated, (evaluated, want)
+        assert all(evaluated[s] == pytest.approx(want[s], rel=1e-5) for s in want), (evaluated, want)
         assert_resumes_under_one_process(run.output_dir / f"checkpoint-{SAVE_AT}", reference, corpus, tmp_path)

@@ -6,7 +6,8 @@ model; rank 0 writes both runs' losses and gradient norms to OUT/<spec>.json.
         --output_dir OUT
 
 DATA_PARALLEL, over the world / PP pipelines: ddp (the default: an all-reduce of whole copies) or fsdp (FSDP2
-shards each stage over the data-parallel ranks).
+shards each stage over the data-parallel ranks); or tp: the world / PP ranks of a stage split its layers by the
+model's plan with sequence parallelism (training/parallel/tensor.split_stage), one pipeline.
 """
 
 from __future__ import annotations
@@ -87,11 +88,12 @@ def one_process(micro_batches: int, data_parallel: int) -> dict:
 
 def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_batches: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp = world // pp
+    tp = world // pp if data_parallel == "tp" else 1
+    dp = world // pp // tp
     net = model().train()
     shard = fsdp2_stages(MixedPrecisionPolicy(), True, "cpu") if data_parallel == "fsdp" else None
-    family = "fsdp" if data_parallel == "fsdp" else "ddp"
-    strategy = Strategy.of(family, world, pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank)
+    family = {"fsdp": "fsdp", "tp": "single"}.get(data_parallel, "ddp")
+    strategy = Strategy.of(family, world, pp=pp, tp=tp, pp_schedule=schedule, pp_stages_per_rank=per_rank)
     pipeline = build_pipeline(net, strategy, rank, micro_batches, torch.device("cpu"), shard)
     optimizer = adamw(net)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -111,12 +113,12 @@ def main() -> list:
     pp = int(pp)
     Path(out).mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
-    dp = dist.get_world_size() // pp
     kept = []  # every pipeline, alive until the process ends: freeing DDP's reducer tears the group down (run_rank)
     for spec in schedules:
         schedule, per_rank, data_parallel = (spec.split(":") + ["1", "ddp"][spec.count(":") :])[:3]
         per_rank = int(per_rank)
         micro_batches = 2 * pp * per_rank  # enough for every schedule's rule
+        dp = 1 if data_parallel == "tp" else dist.get_world_size() // pp
         try:
             run = pipelined(schedule, per_rank, pp, data_parallel, micro_batches)
             kept.append(run["pipeline"])

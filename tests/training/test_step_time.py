@@ -261,8 +261,8 @@ def refused_by_train_py(lay: Layout) -> str | None:
     deepspeed = lay.strategy.startswith("zero")
     if lay.stack != "shardgpt" or lay.tp_overlap or lay.fp8 or lay.selective:
         return "Megatron-Core's runtime, TP overlap, fp8 and selective recomputation are not this project's"
-    if lay.sequence_parallel != (lay.strategy == "fsdp" and lay.tp > 1 and lay.pp == 1):
-        return "Megatron's sequence parallelism runs exactly under FSDP2 x TP without a pipeline"
+    if lay.sequence_parallel != (lay.tp > 1 and (lay.strategy == "fsdp" or lay.pp > 1)):
+        return "Megatron's sequence parallelism runs exactly where torch's DTensor plan splits layers"
     if lay.pp > 1 and (deepspeed or lay.sp > 1):
         return "a pipeline runs under one process's optimizer, DDP or FSDP2 only"
     if lay.tp > 1 and (lay.sp > 1 or "offload" in lay.strategy):
@@ -335,7 +335,9 @@ def test_the_published_runs_are_megatrons_layouts_predicted_as_before():
     runs the script does not run, their numbers as docs/step_time.md prints them."""
     rows = {r["parameters"] + r["layout"]: r for r in compare(MEGATRON_TABLE_1 + MEGATRON_TABLE_2)}
     # DDP x TP without a pipeline does not run here; DDP x TP x PP does (torchrun's --tensor_parallel_degree).
-    ours = [replace(run_layout(run), stack="shardgpt") for run in MEGATRON_TABLE_1 if run.tp > 1]
+    # (with Megatron's sequence parallelism in the stages, which Table 1's runs predate).
+    ours = [replace(run_layout(run), stack="shardgpt", sequence_parallel=run.pp > 1) for run in MEGATRON_TABLE_1
+            if run.tp > 1]  # fmt: skip
     assert not any(x.runs_here for x in ours if x.pp == 1) and all(x.runs_here for x in ours if x.pp > 1)
     assert not any(run_layout(run).runs_here for run in MEGATRON_TABLE_1)  # 2021's runtime
     # --any_layout enumerates such a run's layout under Megatron-Core's runtime (7.5B: DDP, tp 4 on 128 A100s);

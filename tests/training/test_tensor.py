@@ -98,14 +98,15 @@ def test_the_strategy_spells_and_reads_back_tensor_parallelism():
 
 
 def test_a_block_that_the_tensor_parallel_ranks_cannot_shard_is_refused(block):
-    """Without a pipeline, FSDP2 x TP shards each sequence over the tp ranks (sequence parallelism)."""
+    """Tensor parallelism shards each sequence over the tp ranks (sequence parallelism), in pipeline stages too."""
     block(dp_shard_size=2, tp_size=2)
     with pytest.raises(
         ValueError, match=r"parallelism_config_tp_size: 2 does not divide --block_size 63: .*multiple of 2"
     ):
         check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**{**CFG, "block_size": 63}))
-    piped = RunConfig(**{**CFG, "block_size": 63, "pipeline_parallel_degree": 2})  # a pipeline's stages: no sharding
-    check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=piped)
+    piped = RunConfig(**{**CFG, "block_size": 63, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2})
+    with pytest.raises(ValueError, match=r"--tensor_parallel_degree 2 does not divide --block_size 63"):
+        check_tensor_parallel_flag(piped, deepspeed=False, fsdp=False, yaml_tp=1)
 
 
 def test_sequence_parallelism_shards_the_residual_stream_between_the_tensor_parallel_regions():
@@ -121,6 +122,9 @@ def test_sequence_parallelism_shards_the_residual_stream_between_the_tensor_para
     for key in ("model.layers.*.self_attn", "model.layers.*.mlp", "model.norm"):  # gathered over the sequence
         assert isinstance(plan[key], PrepareModuleInput) and plan[key].desired_input_layouts[0] == Replicate()
     assert plan["model.layers.0"].desired_input_layouts == (Shard(1),)  # the first layer's shard of the embedding
+    # A pipeline's middle stage takes the shard its neighbour sent and sends its own on: no slice, no gather.
+    middle = sequence_parallel_plan(ShardGPTConfig.from_preset("debug"), embedding=False, head=False)
+    assert set(plan) - set(middle) == {"model.layers.0", "model.norm"}
 
 
 def test_the_plan_is_the_models_own():

@@ -72,8 +72,8 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
     import with transformers 5); a DDP config's dp_replicate x tp runs as FSDP2 on a replicate-only mesh
     (`replicated_tensor_parallel`). Refused before the process group: under DeepSpeed (AutoTP is the JSON's
     `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), DDP with dp_shard, ring context,
-    Ulysses or CPU offload, a degree that does not split every layer evenly or (without a pipeline, where sequence
-    parallelism shards each sequence) the block, and degrees that do not multiply to the `world` launched ranks (0: not
+    Ulysses or CPU offload, a degree that does not split every layer evenly or the block (which sequence parallelism
+    shards), and degrees that do not multiply to the `world` launched ranks (0: not
     checked)."""
     if tp == 1:
         return
@@ -109,12 +109,7 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
     from training.parallel.tensor import check_tensor_parallel
 
     check_tensor_parallel(cfg.model_config(), tp)
-    if cfg.pipeline_parallel_degree == 1 and cfg.block_size % tp:
-        raise ValueError(
-            f"{where} does not divide --block_size {cfg.block_size}: under FSDP2 x TP each sequence is sharded over "
-            f"the tensor-parallel ranks between their regions (Megatron's sequence parallelism); choose a --block_size "
-            f"that is a multiple of {tp}"
-        )
+    check_sequence_shards(cfg, tp, where)
     if world:
         check_block_covers_the_world(tp, cfg.pipeline_parallel_degree, world)
 
@@ -143,7 +138,7 @@ def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml
     """--tensor_parallel_degree: the model's plan inside each pipeline stage, with DDP's all-reduce across the
     pipelines (training/parallel/pipeline.py). Refused before the process group where another setting owns the
     degree (the DeepSpeed JSON, the FSDP YAML's block) or where no pipeline holds the slices (DDP's reducer takes no
-    DTensor), and for a degree that does not split every layer evenly."""
+    DTensor), and for a degree that does not split every layer evenly or the block."""
     tp = cfg.tensor_parallel_degree
     if tp == 1:
         return
@@ -168,6 +163,18 @@ def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml
     from training.parallel.tensor import check_tensor_parallel
 
     check_tensor_parallel(cfg.model_config(), tp, flag="--tensor_parallel_degree")
+    check_sequence_shards(cfg, tp, where)
+
+
+def check_sequence_shards(cfg: RunConfig, tp: int, where: str) -> None:
+    """Under tensor parallelism each sequence is sharded over the tensor-parallel ranks between their regions
+    (Megatron's sequence parallelism, in pipeline stages too): the block must divide by the degree."""
+    if cfg.block_size % tp:
+        raise ValueError(
+            f"{where} does not divide --block_size {cfg.block_size}: under tensor parallelism each sequence is "
+            f"sharded over the tensor-parallel ranks between their regions (Megatron's sequence parallelism); choose "
+            f"a --block_size that is a multiple of {tp}"
+        )
 
 
 def parallelism_config() -> bool:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor, Replicate
 from transformers.masking_utils import create_causal_mask
 
 from training.parallel.build import local
@@ -51,6 +52,7 @@ class Stage(nn.Module):
         self.norm = model.model.norm if last else None
         self.lm_head = model.lm_head if last else None
         self.rotary_emb = model.model.rotary_emb
+        self.sequence_shards = 1  # under tensor parallelism (`split_stage`): the ranks a sequence is sharded over
 
     def forward(self, x: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         timed = self.clock is not None and torch.is_grad_enabled()
@@ -64,10 +66,14 @@ class Stage(nn.Module):
         return out
 
     def layers_forward(self, h: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        # A later stage under sequence parallelism receives its rank's shard of the sequence; its attention sees the
+        # whole sequence (gathered), whose positions and mask these are.
+        seq_len = h.shape[1] * (self.sequence_shards if self.embed_tokens is None else 1)
+        position_ids = torch.arange(seq_len, device=h.device).unsqueeze(0)
+        whole = h if seq_len == h.shape[1] else h.new_empty(h.shape[0], seq_len, 0)  # the mask reads shape and dtype
         # None where the attention kernel's own causal masking is exact (sdpa, training: no padding), as in the model.
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=None
+            config=self.config, inputs_embeds=whole, attention_mask=None, cache=None, position_ids=None
         )
         position_embeddings = self.rotary_emb(h, position_ids)
         for layer in self.layers:
@@ -144,6 +150,7 @@ class Pipeline:
         loss = sum(loss.detach().float() for loss in losses) / self.data_parallel_size if losses else None
         global_loss = self.broadcast_loss(loss)  # collective: the last stage's loss to every rank (a device sync)
         busy = self.busy_fractions(start, end) if self.clock else None  # collective: the stages' compute shares
+        self.reduce_partial_gradients()  # collective: over the tensor-parallel ranks, without FSDP2
         self.average_replicated_gradients()  # collective: over the data-parallel ranks, without FSDP2
         self.sum_tied_gradients()  # collective: first and last stage
         return global_loss, busy
@@ -156,6 +163,16 @@ class Pipeline:
         dist.all_gather(every, mine)  # collective: every rank
         n = len(every) // self.pp_size  # global rank r is pipeline rank r // n (n: data x tensor-parallel ranks)
         return [round(sum(t.item() for t in every[p * n : (p + 1) * n]) / n, 4) for p in range(self.pp_size)]
+
+    def reduce_partial_gradients(self) -> None:
+        """Under sequence parallelism the decoder norms' weights are replicated over the tensor-parallel ranks, and
+        each rank's gradient covers its shard of the sequence (a partial DTensor): they are summed once a step,
+        after the schedule, into what one process's whole sequence gives (FSDP2 reduces them itself, with its own)."""
+        for param in self.model.parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+                whole = [Replicate() if p.is_partial() else p for p in grad.placements]
+                param.grad = grad.redistribute(grad.device_mesh, whole)  # collective: the tensor-parallel ranks
 
     def average_replicated_gradients(self) -> None:
         """Without FSDP2, the data-parallel ranks of a stage hold whole copies of it: their gradients are averaged
@@ -243,6 +260,7 @@ class Pipeline:
                 "data_parallel": "fsdp2" if self.sharded else "all-reduce" if self.dp_group is not None else "none",
                 "tied_embedding_synced": self.tie_group is not None,
                 "tensor_parallel_size": self.tensor_parallel_size,
+                "sequence_parallel": self.tensor_parallel_size > 1,  # Megatron's, between the regions (`split_stage`)
                 # this rank's split matrices by the plan's style, read off their placements
                 "split_modules": split_modules(self.model, self.tensor_parallel_size)
                 if self.tensor_parallel_size > 1
@@ -273,8 +291,10 @@ class Pipeline:
                     h = None
                     continue
                 if s > 0 and self.owners[s - 1] != self.pp_rank:
-                    # fp32 on the wire whatever the stages compute in: the receiver needs no dtype to size its buffer
-                    h = torch.empty(*ids.shape, self.model.config.hidden_size, device=device)
+                    # fp32 on the wire whatever the stages compute in: the receiver needs no dtype to size its buffer;
+                    # under tensor parallelism its rank's shard of the sequence
+                    shard = ids.shape[1] // self.stage(s).sequence_shards
+                    h = torch.empty(ids.shape[0], shard, self.model.config.hidden_size, device=device)
                     dist.recv(h, src=dist.get_global_rank(self.pp_group, self.owners[s - 1]), group=self.pp_group)
                 h = self.stage(s)(h, labels)
                 if s < num_stages - 1 and self.owners[s + 1] != self.pp_rank:

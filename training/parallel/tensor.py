@@ -37,13 +37,15 @@ def torch_plan(config) -> dict:
     return {f"model.{pattern}": styles[style]() for pattern, style in config.base_model_tp_plan.items()}
 
 
-def sequence_parallel_plan(config) -> dict:
+def sequence_parallel_plan(config, embedding: bool = True, head: bool = True) -> dict:
     """`torch_plan` with Megatron's sequence parallelism (Korthikanti et al. 2022) between the tensor-parallel regions,
     as torchtitan lays it out: the residual stream and the decoder layers' norms on sequence shards of the tp ranks
     (the norms' weights replicated DTensors), each attention and MLP gathering its input over the sequence (an
     all-gather) and its row-split projection scattering its output back (a reduce-scatter, in place of the all-reduce).
     The first layer takes its shard of the embedding's whole output (a slice, no communication); the final norm, the
-    head and the chunked loss take the whole sequence again (an all-gather): they stay whole, as without it."""
+    head and the chunked loss take the whole sequence again (an all-gather): they stay whole, as without it. Under a
+    pipeline (`split_stage`) a stage without the `embedding` takes the shard its neighbour sent, and one without the
+    `head` sends its shard on."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
@@ -52,9 +54,10 @@ def sequence_parallel_plan(config) -> dict:
         if isinstance(style, RowwiseParallel):  # o_proj, down_proj: reduce-scatter onto the sequence shards
             plan[key] = RowwiseParallel(output_layouts=Shard(1))
     sequence, whole = (Shard(1),), (Replicate(),)
-    plan["model.layers.0"] = PrepareModuleInput(
-        input_layouts=whole, desired_input_layouts=sequence, use_local_output=True
-    )
+    if embedding:
+        plan["model.layers.0"] = PrepareModuleInput(
+            input_layouts=whole, desired_input_layouts=sequence, use_local_output=True
+        )
     plan["model.layers.*.input_layernorm"] = SequenceParallel()
     plan["model.layers.*.post_attention_layernorm"] = SequenceParallel()
     # The attention's positional inputs: hidden states, rotary cos and sin, mask, cache; only the first is sharded.
@@ -64,7 +67,10 @@ def sequence_parallel_plan(config) -> dict:
         input_layouts=(*sequence, None, None, None), desired_input_layouts=(*whole, None, None, None)
     )
     plan["model.layers.*.mlp"] = PrepareModuleInput(input_layouts=sequence, desired_input_layouts=whole)
-    plan["model.norm"] = PrepareModuleInput(input_layouts=sequence, desired_input_layouts=whole, use_local_output=True)
+    if head:
+        plan["model.norm"] = PrepareModuleInput(
+            input_layouts=sequence, desired_input_layouts=whole, use_local_output=True
+        )
     return plan
 
 
@@ -100,12 +106,16 @@ def device_mesh(mesh, device_type: str):
 
 
 def split_stage(stage: nn.Module, tp_mesh) -> None:
-    """A pipeline stage's decoder layers (its `layers`, as the model's) split by the model's plan over `tp_mesh`.
-    Collective over the tensor-parallel ranks."""
+    """A pipeline stage's decoder layers (its `layers`, as the model's) split by the model's plan over `tp_mesh`,
+    with Megatron's sequence parallelism between the regions (`sequence_parallel_plan`): the stages send each other
+    their tensor-parallel rank's sequence shard, a tp-th of the activations (Narayanan et al. 2021, section 4.1's
+    scatter/gather, which sequence parallelism gives for free). Collective over the tensor-parallel ranks."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {key.removeprefix("model."): style for key, style in torch_plan(stage.config).items()}
-    parallelize_module(stage, tp_mesh, plan)
+    first, last = stage.embed_tokens is not None, stage.norm is not None
+    plan = sequence_parallel_plan(stage.config, embedding=first, head=last)
+    parallelize_module(stage, tp_mesh, {key.removeprefix("model."): style for key, style in plan.items()})
+    stage.sequence_shards = tp_mesh.size()
 
 
 def shard_tensor_parallel(net: nn.Module, strategy, device: torch.device, mp_policy=None) -> nn.Module:

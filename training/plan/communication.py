@@ -164,15 +164,19 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
     """The payload bytes of global rank `rank` per step under pipeline parallelism (training/parallel/pipeline.py),
     with tensor parallelism inside its stages or not, and one process, DDP's average or FSDP2 across the pipelines;
     measured to the byte under GPipe and 1F1B on 2 to 8 CPU ranks (2 stages of one layer; tp 1 and 2; one process,
-    DDP and FSDP2). Ranks differ: the first stage holds the embedding, the last the final norm and the head. None
-    under a schedule with several stages a rank (not measured here). Each activation message carries micro_tokens x
+    DDP and FSDP2), and by hand under Interleaved1F1B (tp 2 x pp 2, 4 stages of one layer). Ranks differ: the first
+    stage holds the embedding, the last the final norm and the head. None under FSDP2 with several stages a rank
+    (not measured). Each activation message carries micro_tokens x
     hidden values; FSDP2's shards as even splits (each weight's rows dividing by the data-parallel ranks).
 
     - Point-to-point, each micro batch, at each boundary of the rank's stage with a neighbour's: the activations
-      forward and their gradient backward, sent or received (a message each way, counted on both of its ranks).
-    - Tensor parallelism inside the stage (the model's plan with torch's DTensor styles, no sequence parallelism):
-      each micro batch and layer, an all-reduce of each row-split module's partial output in the forward and of
-      each column-split module's partial input gradient in the backward: 7 a layer (5 column-split, 2 row-split).
+      forward and their gradient backward, sent or received (a message each way, counted on both of its ranks); under
+      tensor parallelism the rank's sequence shard, a tp-th of them.
+    - Tensor parallelism inside the stage, with Megatron's sequence parallelism (`split_stage`), as under FSDP2 x TP
+      (`dtensor_payloads`) on the stage's layers: each micro batch and layer 4 all-gathers and 4 reduce-scatters of
+      its activations; the first stage gathers its first layer's input gradient, the last its final norm's input
+      (an all-gather each). The decoder norms' weight gradients, partial over the shards, all-reduced once a step
+      after the schedule (hidden each, 2 a layer: `Pipeline.reduce_partial_gradients`).
     - The tied embedding's two gradients (first and last stage) summed once a step: an all-reduce of the embedding,
       whole, or its FSDP2 shard (the same rows on both).
     - Across the pipelines, on the rank's slice of its stage (1/tp of each decoder matrix, the rest whole): DDP's
@@ -186,7 +190,8 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
     """
     from training.parallel.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
 
-    if strategy.pp_stages_per_rank != 1 or strategy.cp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:
+    looped = strategy.pp_stages_per_rank > 1 and strategy.family == "fsdp"  # FSDP2's gathers: not measured
+    if looped or strategy.cp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:
         return None
     pp, tp, m, h = strategy.pp_size, strategy.tp_size, micro_batches, config.hidden_size
     owners = stage_ranks(strategy.pp_schedule, pp, strategy.pp_stages_per_rank)
@@ -200,19 +205,23 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
     local += (embedding if 0 in mine else 0) + (h + head if last in mine else 0)
     if shape.tied_embedding and last in mine and 0 not in mine:
         local += embedding  # the head's copy of the tied embedding
-    styles = list(config.base_model_tp_plan.values()) if tp > 1 else []
     boundaries = sum((s > 0 and owners[s - 1] != me) + (s < last and owners[s + 1] != me) for s in mine)
     sharded = strategy.family == "fsdp"
     dp = strategy.data_parallel_size
-    elements = {
-        "point_to_point": m * 2 * boundaries * micro_tokens * h,
-        "all_reduce": m * len(styles) * layers * micro_tokens * h,
-    }
+    activation = micro_tokens * h
+    elements = {"point_to_point": m * 2 * boundaries * activation // tp, "all_reduce": 0, "all_gather": 0}
+    if tp > 1:  # sequence parallelism's regions, as under FSDP2 x TP (`dtensor_payloads`), on the stage's layers
+        regions = 2 * list(config.base_model_tp_plan.values()).count("rowwise") * layers
+        ends = (0 in mine) + (last in mine)  # the first layer's input gradient, the final norm's input
+        elements["all_gather"] += m * (regions + ends) * activation
+        elements["reduce_scatter"] = m * regions * activation
+        elements["all_reduce"] += 2 * layers * h  # the decoder norms' weight gradients, once a step
     if shape.tied_embedding and owners[0] != owners[-1] and (0 in mine or last in mine):
         elements["all_reduce"] += embedding // (dp if sharded else 1)
     if dp > 1 and sharded:
         gathers = m + 1 if strategy.fsdp_sharding == "FULL_SHARD" else 1
-        elements |= {"all_gather": gathers * local, "reduce_scatter": local}
+        elements["all_gather"] += gathers * local
+        elements["reduce_scatter"] = elements.get("reduce_scatter", 0) + local
     elif dp > 1:
         elements["all_reduce"] += local
     payloads = {kind: n * bytes_per_element for kind, n in elements.items() if n}

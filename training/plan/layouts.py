@@ -188,12 +188,14 @@ def runtimes(lay: Layout) -> list[Layout]:
     without Ulysses under Megatron-Core's too, with sequence parallelism under tensor
     parallelism (STACKS). Options this project's runtime lacks make a layout not run here."""
     tensor = lay.tp > 1
-    lay = replace(lay, tp_overlap=lay.tp_overlap and tensor)
+    # this project's runtime: Megatron's sequence parallelism wherever torch's DTensor plan splits the layers
+    lay = replace(lay, tp_overlap=lay.tp_overlap and tensor, sequence_parallel=tensor and lay.dtensor_parallel)
     megatron = replace(lay, stack="megatron-core", sequence_parallel=tensor)
     if lay.strategy in ("ddp", "zero1") and lay.sp == 1:
         here = replace(lay, tp_overlap=False, fp8=False).runs_here
         return [lay, megatron] if here else [megatron]
-    return [lay, replace(lay, sequence_parallel=True)] if tensor and lay.strategy == "fsdp" else [lay]
+    both = [replace(lay, sequence_parallel=False), replace(lay, sequence_parallel=True)]
+    return both if tensor and lay.strategy == "fsdp" else [lay]
 
 
 def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int,

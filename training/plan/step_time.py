@@ -214,13 +214,13 @@ class Layout:
     @property
     def runs_here(self) -> bool:
         """Whether recipes/train.py runs this layout (the axes table: PIPELINE_HERE, TENSOR_PARALLEL_HERE,
-        TP_WITH_PIPELINE_HERE): with this project's runtime (Megatron's sequence parallelism exactly under FSDP2 x TP
-        without a pipeline), none of the options it lacks (tensor-parallel overlap, fp8, selective recomputation);
-        Megatron-LM's layouts (tensor parallelism with DDP, ZeRO-1 under a pipeline) do not."""
+        TP_WITH_PIPELINE_HERE): with this project's runtime (Megatron's sequence parallelism exactly where torch's
+        DTensor plan splits the layers), none of the options it lacks (tensor-parallel overlap, fp8, selective
+        recomputation); Megatron-LM's layouts (tensor parallelism with DDP, ZeRO-1 under a pipeline) do not."""
         if self.stack != "shardgpt" or self.tp_overlap or self.fp8 or self.selective:
             return False
-        # Megatron's sequence parallelism runs here under FSDP2 x TP without a pipeline, always; nowhere else.
-        if self.sequence_parallel != (self.strategy == "fsdp" and self.tp > 1 and self.pp == 1):
+        # Megatron's sequence parallelism runs here wherever torch's DTensor plan splits the layers, always.
+        if self.sequence_parallel != (self.tp > 1 and self.dtensor_parallel):
             return False
         if self.pp > 1:
             tensor = self.tp == 1 or self.strategy in TP_WITH_PIPELINE_HERE
@@ -228,6 +228,12 @@ class Layout:
         if self.tp > 1:
             return self.strategy in TENSOR_PARALLEL_HERE and self.sp == 1
         return self.sp == 1 or self.strategy in WITH_SEQUENCE_PARALLEL
+
+    @property
+    def dtensor_parallel(self) -> bool:
+        """Whether this project splits the layers with torch's DTensor plan (training/parallel/tensor.py): under
+        FSDP2 and inside pipeline stages; DeepSpeed's AutoTP elsewhere."""
+        return self.strategy == "fsdp" or self.pp > 1
 
     @property
     def name(self) -> str:

@@ -77,15 +77,17 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
     first stage's token ids, 8 bytes per token of the whole step (the schedule's micro batches are views of the
     step's ids, whose storage any of them keeps), and with checkpointing the one layer being recomputed.
     Measured to the byte on the model's own stages (tests/training/test_bubble.py), fp32, without tensor
-    parallelism; with it (`tp` ranks a stage, the plan's plain styles) each layer saves `layer_activation_bytes`'
-    tp share, measured to the byte outside pipelines (training/loop/tensor_memory.py)."""
+    parallelism; with it (`tp` ranks a stage, with Megatron's sequence parallelism: training/parallel/tensor.py's
+    `split_stage`) each layer saves `layer_activation_bytes`' sequence-parallel share, measured to the byte outside
+    pipelines (training/loop/tensor_memory.py), and the input kept with checkpointing and the output sent on are the
+    rank's sequence shard."""
     c = config
     tokens = micro_batch * seq_len
     first, last = stage == 0, stage == pp - 1
-    layer = layer_activation_bytes(c, e, tp)  # tensor parallelism inside a stage is plain (no sequence shards)
-    per_layer = e * c.hidden_size if checkpointing else layer
+    layer = layer_activation_bytes(c, e, tp, sequence_parallel=tp > 1)
+    per_layer = e * c.hidden_size // tp if checkpointing else layer  # a layer's input: the rank's sequence shard
     per_micro = len(stage_layers(c.num_hidden_layers, pp, stage)) * per_layer * tokens + rotary_bytes(c, seq_len, e)
-    per_micro += (final_norm_bytes(c, e) if last else hidden * c.hidden_size) * tokens
+    per_micro += (final_norm_bytes(c, e) if last else hidden * c.hidden_size // tp) * tokens
     n = in_flight(schedule, pp, micro_batches, stage)
     once = (8 * tokens * micro_batches if first else 0) + (layer * tokens if checkpointing else 0)
     return n * per_micro + once, n * saved_loss_bytes(c, micro_batch, seq_len, e) if last else 0
@@ -115,9 +117,9 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     buckets), or FSDP2-sharded over the stage's data-parallel ranks (fsdp-pp: FSDP's shards, units and prefetch,
     the stage's embedding, norm and head its root unit). Activations: `stage_held`. Besides, torch's PipelineStage
     allocates at its first step one receive buffer per micro batch for the activations (every stage but the
-    first) and one for their gradients (every stage but the last), micro x T x h each (`_prepare_forward_infra`,
-    torch 2.13; from its source, not measured); the in-flight micro batches' saved layer inputs are those buffers
-    in fp32, counted twice here (4h of a layer's tens of h per token).
+    first) and one for their gradients (every stage but the last), micro x T x h each, a tp-th under tensor
+    parallelism (`_prepare_forward_infra`, torch 2.13; from its source, not measured); the in-flight micro batches'
+    saved layer inputs are those buffers in fp32, counted twice here (4h of a layer's tens of h per token).
     """
     pp, schedule = strategy.pp_size, strategy.pp_schedule
     sharded = strategy.family == "fsdp"
@@ -140,7 +142,8 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
         lay = stage_layout(sliced, pp, stage)
         states, temps = stage_states(lay, strategy, precision, cpu_ranks)
         boundaries = (stage > 0) + (stage < pp - 1)
-        temps.append(Item("buffers", "pipeline_receive_buffers", boundaries * micro_batches * tokens * h * hidden))
+        shard = tokens * h // tp  # under tensor parallelism a rank receives its sequence shard
+        temps.append(Item("buffers", "pipeline_receive_buffers", boundaries * micro_batches * shard * hidden))
         activations, loss = stage_held(config, micro_batch, seq_len, e, checkpointing, schedule, pp, micro_batches,
                                        stage, hidden, tp)  # fmt: skip
         chunk = min(LOSS_CHUNK, tokens)
