@@ -15,6 +15,8 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   on, but that counts calls only), an operator's schema (`OpOverload._schema`) and a functional collective's group
   (`_resolve_process_group`): to count every collective a step calls, in bytes (training/loop/comms.py); checked on
   2.13.
+- torch's functional collectives' `AsyncCollectiveTensor`: a DTensor redistribution's output not waited for yet,
+  whose storage cannot be read; the saved-tensor counter waits for it (`arrived`, training/plan/memory/saved.py).
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
 - DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
@@ -88,6 +90,14 @@ def collective_group_size(func, args: tuple, kwargs: dict) -> int:
         if arg.name == "group_name":
             return _resolve_process_group(value).size()
     return torch.distributed.get_world_size()
+
+
+def arrived(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or, where it is the output of a functional collective torch has not waited for yet, that output
+    once it has arrived (its storage is not readable before)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 def record_cuda_memory_history() -> None:

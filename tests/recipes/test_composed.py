@@ -73,12 +73,12 @@ def fsdp_tp(corpus, tmp_path_factory):
 
 def split_share(out) -> float:
     """The share of the model's parameters a rank holds under dp_shard 2 x tp 2: a quarter of every matrix the plan
-    splits, half of the rest (embedding, norms)."""
+    splits (the embedding, tied to the head, by vocabulary rows), half of the rest (the norms)."""
     config = ShardGPTConfig.from_pretrained(out)
     with torch.device("meta"):
         net = ShardGPTForCausalLM(config)
     total = sum(p.numel() for p in net.parameters())
-    split = sum(m.weight.numel() for name, m in net.named_modules() if name.endswith("_proj"))
+    split = sum(m.weight.numel() for name, m in net.named_modules() if name.endswith(("_proj", "embed_tokens")))
     return (split / 4 + (total - split) / 2) / total
 
 
@@ -88,9 +88,10 @@ def test_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(fsdp_tp, reference
     seen = fsdp_tp.strategy
     assert seen["strategy"] == "fsdp-tp2" and seen["world_size"] == 4, seen
     assert seen["engine"] == "FSDPShardGPTForCausalLM" and seen["optimizer_chain"][-1] == "AdamW", seen
-    # Each of the 2 layers' q, k, v, gate and up split by output rows, o and down by input columns.
-    assert seen["tensor_parallel"] == {"size": 2, "data_parallel_size": 2,
-                                       "split_modules": {"colwise": 10, "rowwise": 4}}  # fmt: skip
+    # Each of the 2 layers' q, k, v, gate and up split by output rows, o and down by input columns; the embedding
+    # and the (tied) head by vocabulary rows.
+    split = {"colwise": 10, "rowwise": 4, "embedding_rowwise": 1, "colwise_gather_output": 1}
+    assert seen["tensor_parallel"] == {"size": 2, "data_parallel_size": 2, "split_modules": split}
     assert seen["local_parameter_fraction"] == pytest.approx(split_share(fsdp_tp.output_dir), abs=1e-4), seen
     assert fsdp_tp.losses[STEPS] < fsdp_tp.losses[1] - 0.5
     assert_same_training(fsdp_tp, reference)
@@ -173,7 +174,8 @@ def test_fsdp2_x_tensor_x_pipeline_parallel_trains_like_one_process(reference, c
     assert (pipe["degree"], pipe["data_parallel"], pipe["data_parallel_size"], pipe["tensor_parallel_size"]) == (
         2, "fsdp2", 2, 2,
     ), pipe  # fmt: skip
-    assert pipe["split_modules"] == {"colwise": 5, "rowwise": 2}, pipe  # rank 0's stage: one of the 2 layers
+    # rank 0's stage: one of the 2 layers, and the embedding
+    assert pipe["split_modules"] == {"colwise": 5, "rowwise": 2, "embedding_rowwise": 1}, pipe
     assert pipe["sequence_parallel"], pipe  # the stages send their sequence shards
     assert_same_training(run, reference)
     # What each rank sent in step 3, to the byte, stage by stage: sequence parallelism's 4 all-gathers and 4
@@ -203,7 +205,7 @@ def test_tensor_x_pipeline_parallel_under_torchrun_trains_like_one_process(sched
     name = "single-tp2-pp2" if nproc == 4 else "ddp-tp2-pp2"
     assert run.strategy["strategy"] == name and run.strategy["world_size"] == nproc, run.strategy
     assert (pipe["schedule"], pipe["data_parallel"], pipe["split_modules"]) == (
-        schedule, "none" if nproc == 4 else "all-reduce", {"colwise": 5, "rowwise": 2},
+        schedule, "none" if nproc == 4 else "all-reduce", {"colwise": 5, "rowwise": 2, "embedding_rowwise": 1},
     ), pipe  # fmt: skip
     assert_same_training(run, reference)
     assert_closed_form(run)  # the stages' gathers, scatters and sends, the tie, DDP's average of the slices

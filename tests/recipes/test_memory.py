@@ -175,15 +175,15 @@ def test_sharded_states_fall_as_one_over_n_on_4_ranks(config, tmp_path):
 @pytest.mark.matrix  # 4 ranks oversubscribed on 2 cores: only bytes are measured
 def test_fsdp2_x_tp_states_match_planner_on_4_ranks(tmp_path):
     """FSDP2 x TP from accelerate_configs/fsdp_tp.yaml (dp_shard 2 x tp 2): each rank holds half of every split
-    matrix (its tensor-parallel slice), FSDP2 holds half of that slice, and of what stays whole across the
-    tensor-parallel ranks (embedding, norms) half; weights, gradients and Adam's moments of that share in fp32, a step
-    counter per tensor. The planner counts the same, category by category, to the byte."""
+    matrix and of the (tied) embedding's vocabulary rows (its tensor-parallel slice), FSDP2 holds half of that slice,
+    and of what stays whole across the tensor-parallel ranks (the norms) half; weights, gradients and Adam's moments
+    of that share in fp32, a step counter per tensor. The planner counts the same, category by category, to the
+    byte."""
     c = ShardGPTConfig.from_preset("tiny")
     for record in measure("fsdp_tp", TINY, tmp_path / "out", nproc=4):
-        embedding = record["vocab_size"] * c.hidden_size
         norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
-        split = record["psi"] - embedding - norms  # the decoder's matrices: split over tp, then sharded over dp
-        local = split // 4 + (embedding + norms) // 2
+        split = record["psi"] - norms  # the matrices and the embedding: split over tp, then sharded over dp
+        local = split // 4 + norms // 2
         assert record["model_states"] == (4 + 4 + 8) * local + 4 * record["param_tensors"], record["bytes"]
         predicted = bytes_by_category(planned(record))
         assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]

@@ -10,7 +10,7 @@ from model import ShardGPTConfig
 from training.config import RunConfig
 from training.parallel.launch_checks import check_parallelism_config_tp, check_tensor_parallel_flag
 from training.parallel.strategy import Strategy
-from training.parallel.tensor import check_tensor_parallel, sequence_parallel_plan, torch_plan
+from training.parallel.tensor import VocabParallelHead, check_tensor_parallel, sequence_parallel_plan, torch_plan
 
 CFG = {"output_dir": "/nonexistent/shardgpt-test", "preset": "debug"}
 
@@ -82,7 +82,16 @@ def test_a_degree_that_does_not_split_every_layer_is_refused(tp, what):
     config = ShardGPTConfig.from_preset("debug")  # 4 heads, 2 key-value heads, intermediate 176
     with pytest.raises(ValueError, match=f"parallelism_config_tp_size = {tp} does not divide the model's {what}"):
         check_tensor_parallel(config, tp)
-    check_tensor_parallel(config, 2)  # divides all three
+    check_tensor_parallel(config, 2)  # divides all four
+
+
+def test_a_degree_that_does_not_split_the_vocabulary_is_refused():
+    """The embedding and the head are split by vocabulary rows: GPT-2's 50257 tokens split over no pair."""
+    config = ShardGPTConfig.from_preset("debug", vocab_size=50257)
+    with pytest.raises(
+        ValueError, match=r"--tensor_parallel_degree = 2 does not divide the model's vocab_size \(50257\)"
+    ):
+        check_tensor_parallel(config, 2, flag="--tensor_parallel_degree")
 
 
 def test_the_strategy_spells_and_reads_back_tensor_parallelism():
@@ -122,9 +131,14 @@ def test_sequence_parallelism_shards_the_residual_stream_between_the_tensor_para
     for key in ("model.layers.*.self_attn", "model.layers.*.mlp", "model.norm"):  # gathered over the sequence
         assert isinstance(plan[key], PrepareModuleInput) and plan[key].desired_input_layouts[0] == Replicate()
     assert plan["model.layers.0"].desired_input_layouts == (Shard(1),)  # the first layer's shard of the embedding
+    # The embedding split by vocabulary rows, its partial sums reduce-scattered onto the sequence shards; the head
+    # split by the same rows, its loss computed over them.
+    assert isinstance(plan["model.embed_tokens"], RowwiseParallel)
+    assert plan["model.embed_tokens"].output_layouts == (Shard(1),)
+    assert isinstance(plan["lm_head"], VocabParallelHead)
     # A pipeline's middle stage takes the shard its neighbour sent and sends its own on: no slice, no gather.
     middle = sequence_parallel_plan(ShardGPTConfig.from_preset("debug"), embedding=False, head=False)
-    assert set(plan) - set(middle) == {"model.layers.0", "model.norm"}
+    assert set(plan) - set(middle) == {"model.embed_tokens", "model.layers.0", "model.norm", "lm_head"}
 
 
 def test_the_plan_is_the_models_own():

@@ -30,11 +30,12 @@ def _rank(rank: int, tp: int, port: int, queue, sequence_parallel: bool, preset:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from training.parallel.tensor import sequence_parallel_plan, torch_plan
+        from training.parallel.tensor import sequence_parallel_plan, tie_split_embedding, torch_plan
 
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))  # collective
         plan = sequence_parallel_plan(config) if sequence_parallel else torch_plan(config)
         parallelize_module(net, mesh, plan)  # collective: each rank keeps its slices
+        tie_split_embedding(net)
     tokens = torch.randint(0, config.vocab_size, (micro, block + 1))
     counter = HeldBytes(net.parameters())
     layers: list[int] = []
@@ -74,7 +75,8 @@ def measure(tp: int, sequence_parallel: bool, preset: str, micro: int, block: in
     layer = max(layers[-1] for layers, _ in got.values())  # the last: the first also holds rotary's cos and sin
     sequence = sequence_parallel and tp > 1
     planned_peak = activation_bytes(config, micro, block, e, False, tp, sequence_parallel=sequence)
-    planned_peak += saved_loss_bytes(config, micro, block, e)  # the head and the chunked loss stay whole
+    # the chunked loss: over vocabulary shards under sequence parallelism (the training script's plan), else whole
+    planned_peak += saved_loss_bytes(config, micro, block, e, tp if sequence else 1)
     return {
         "tp": tp, "sequence_parallel": sequence_parallel, "preset": preset, "micro_batch": micro, "block_size": block,
         "dtype": dtype, "layer_bytes": layer, "layer_bytes_per_rank": [got[r][0] for r in range(tp)],

@@ -157,13 +157,13 @@ def verify_autotp(engine, unwrapped: torch.nn.Module, strategy: Strategy, refuse
 def verify_dtensor_tp(model: torch.nn.Module, strategy: Strategy, refuse: Callable[[str], NoReturn]) -> dict:
     """The model's plan in force under FSDP2 (training/parallel/tensor.py): every module the decoder's plan names
     holds a weight split over the mesh's tp ranks along the plan's dimension (colwise: output rows, rowwise: input
-    columns). Returns the count of each style."""
+    columns), and the embedding and the head theirs by vocabulary rows. Returns the count of each style."""
     from training.parallel.tensor import split_modules
 
     tp = strategy.tp_size
     counts = split_modules(model, tp)
     layers = len(model.model.layers)
-    planned: dict[str, int] = {}
+    planned: dict[str, int] = {"embedding_rowwise": 1, "colwise_gather_output": 1}  # split by vocabulary rows
     for style in model.config.base_model_tp_plan.values():
         planned[style] = planned.get(style, 0) + layers
     if counts != planned:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask
 
 from training.parallel.build import local
@@ -34,7 +34,7 @@ from training.parallel.gradnorm import clip_, grad_norm
 from training.parallel.groups import new_groups
 from training.parallel.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
 from training.parallel.strategy import Strategy
-from training.parallel.tensor import data_parallel_dims, device_mesh, split_modules, split_stage
+from training.parallel.tensor import data_parallel_dims, device_mesh, split_modules, split_stage, tie_split_embedding
 
 
 class Stage(nn.Module):
@@ -150,7 +150,7 @@ class Pipeline:
         loss = sum(loss.detach().float() for loss in losses) / self.data_parallel_size if losses else None
         global_loss = self.broadcast_loss(loss)  # collective: the last stage's loss to every rank (a device sync)
         busy = self.busy_fractions(start, end) if self.clock else None  # collective: the stages' compute shares
-        self.reduce_partial_gradients()  # collective: over the tensor-parallel ranks, without FSDP2
+        self.settle_split_gradients()  # collective: over the tensor-parallel ranks, without FSDP2
         self.average_replicated_gradients()  # collective: over the data-parallel ranks, without FSDP2
         self.sum_tied_gradients()  # collective: first and last stage
         return global_loss, busy
@@ -164,15 +164,17 @@ class Pipeline:
         n = len(every) // self.pp_size  # global rank r is pipeline rank r // n (n: data x tensor-parallel ranks)
         return [round(sum(t.item() for t in every[p * n : (p + 1) * n]) / n, 4) for p in range(self.pp_size)]
 
-    def reduce_partial_gradients(self) -> None:
-        """Under sequence parallelism the decoder norms' weights are replicated over the tensor-parallel ranks, and
-        each rank's gradient covers its shard of the sequence (a partial DTensor): they are summed once a step,
-        after the schedule, into what one process's whole sequence gives (FSDP2 reduces them itself, with its own)."""
+    def settle_split_gradients(self) -> None:
+        """Each split parameter's gradient laid out as the parameter is (FSDP2 does it for its own). Under sequence
+        parallelism the decoder norms' weights are replicated over the tensor-parallel ranks and each rank's gradient
+        covers its shard of the sequence (a partial DTensor): they are summed once a step, after the schedule, into
+        what one process's whole sequence gives. The embedding's rows come back whole from torch's embedding
+        backward (a replicated DTensor): each rank keeps its rows."""
         for param in self.model.parameters():
             grad = param.grad
-            if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-                whole = [Replicate() if p.is_partial() else p for p in grad.placements]
-                param.grad = grad.redistribute(grad.device_mesh, whole)  # collective: the tensor-parallel ranks
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                # collective where partial: an all-reduce over the tensor-parallel ranks; a slice where replicated
+                param.grad = grad.redistribute(param.device_mesh, param.placements)
 
     def average_replicated_gradients(self) -> None:
         """Without FSDP2, the data-parallel ranks of a stage hold whole copies of it: their gradients are averaged
@@ -363,6 +365,7 @@ def build_pipeline(model: nn.Module, strategy: Strategy, rank: int, micro_batche
         dp_mesh = devices[data_parallel_dims(mesh)]
         for stage in stages:
             split_stage(stage.to(device), devices["tp"])  # collective: the tensor-parallel ranks
+        tie_split_embedding(model)  # a rank holding the first and the last stage: one tensor again
     if shard is not None:
         for stage in stages:
             shard(stage, dp_mesh)

@@ -5,9 +5,12 @@ projections split by output rows, "colwise"; o and down by input columns, "rowwi
 applied with torch's `parallelize_module` on the `tp` dimension of a `DeviceMesh` built from the launch's mesh
 (training/parallel/mesh.py), then each decoder layer and the root are sharded with FSDP2's `fully_shard` on its
 data-parallel dimensions: torchtitan's order (tensor parallelism, then activation checkpointing and compilation,
-which the model already carries, then `fully_shard`). The embedding, the norms and the head stay whole on every
-tensor-parallel rank and are sharded by FSDP2 alone; the rowwise projections' all-reduce gives every tensor-parallel
-rank the whole residual stream, so each computes the same norms, loss and gradients of those whole parameters.
+which the model already carries, then `fully_shard`). Between the regions the residual stream and the norms live on
+sequence shards (Megatron's sequence parallelism, `sequence_parallel_plan`); the norms' weights stay whole on every
+tensor-parallel rank. The embedding and the head are split by vocabulary rows (transformers' `embedding_rowwise` and
+`colwise_gather_output` for Llama's plan), and the chunked loss runs over those rows (`VocabParallelHead`,
+Megatron-LM's vocab-parallel cross-entropy, a chunk of tokens at a time): each rank holds a tp-th of the head's
+weight, of its FLOPs and of the chunk's logits.
 
 Why not accelerate's own path: accelerate 1.15's `Accelerator._prepare_tp` skips a model without DTensor
 parameters, and for FSDP2 imports `ReplicateParallel` from transformers, which transformers 5 removed
@@ -21,8 +24,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
-STYLES = ("colwise", "rowwise")  # the plan's styles this module applies (the decoder's); the head stays whole
+STYLES = ("colwise", "rowwise")  # the decoder plan's styles; the embedding and head: `sequence_parallel_plan`
 
 
 def torch_plan(config) -> dict:
@@ -42,10 +46,10 @@ def sequence_parallel_plan(config, embedding: bool = True, head: bool = True) ->
     as torchtitan lays it out: the residual stream and the decoder layers' norms on sequence shards of the tp ranks
     (the norms' weights replicated DTensors), each attention and MLP gathering its input over the sequence (an
     all-gather) and its row-split projection scattering its output back (a reduce-scatter, in place of the all-reduce).
-    The first layer takes its shard of the embedding's whole output (a slice, no communication); the final norm, the
-    head and the chunked loss take the whole sequence again (an all-gather): they stay whole, as without it. Under a
-    pipeline (`split_stage`) a stage without the `embedding` takes the shard its neighbour sent, and one without the
-    `head` sends its shard on."""
+    The embedding, split by vocabulary rows, reduce-scatters its partial lookups onto the sequence shards; the final
+    norm's output is gathered over the sequence (an all-gather) for the head, split by the same rows, whose chunked
+    loss runs over them (`VocabParallelHead`). Under a pipeline (`split_stage`) a stage without the `embedding` takes
+    the shard its neighbour sent, and one without the `head` sends its shard on."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
@@ -55,8 +59,14 @@ def sequence_parallel_plan(config, embedding: bool = True, head: bool = True) ->
             plan[key] = RowwiseParallel(output_layouts=Shard(1))
     sequence, whole = (Shard(1),), (Replicate(),)
     if embedding:
+        # The embedding split by vocabulary rows: each rank looks up the tokens in its rows, and the partial sums
+        # are reduce-scattered onto the sequence shards. Its output stays a DTensor, so that the model reads the
+        # whole sequence's length off it (positions, mask); the first layer takes the local shard.
+        plan["model.embed_tokens"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
         plan["model.layers.0"] = PrepareModuleInput(
-            input_layouts=whole, desired_input_layouts=sequence, use_local_output=True
+            input_layouts=sequence, desired_input_layouts=sequence, use_local_output=True
         )
     plan["model.layers.*.input_layernorm"] = SequenceParallel()
     plan["model.layers.*.post_attention_layernorm"] = SequenceParallel()
@@ -71,17 +81,20 @@ def sequence_parallel_plan(config, embedding: bool = True, head: bool = True) ->
         plan["model.norm"] = PrepareModuleInput(
             input_layouts=sequence, desired_input_layouts=whole, use_local_output=True
         )
+        plan["lm_head"] = VocabParallelHead()
     return plan
 
 
 def check_tensor_parallel(config, tp: int, flag: str = "parallelism_config_tp_size") -> None:
     """Refuse a tensor-parallel degree that does not split every layer evenly: each rank holds heads / tp query
-    heads, kv heads / tp key-value heads and intermediate / tp MLP columns. Before any process group."""
+    heads, kv heads / tp key-value heads, intermediate / tp MLP columns and vocab / tp rows of the embedding and the
+    head. Before any process group."""
     if tp == 1:
         return
     for what, size in (("num_attention_heads", config.num_attention_heads),
                        ("num_key_value_heads", config.num_key_value_heads),
-                       ("intermediate_size", config.intermediate_size)):  # fmt: skip
+                       ("intermediate_size", config.intermediate_size),
+                       ("vocab_size", config.vocab_size)):  # fmt: skip
         if size % tp:
             fits = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
             raise ValueError(
@@ -134,6 +147,7 @@ def shard_tensor_parallel(net: nn.Module, strategy, device: torch.device, mp_pol
     net = net.to(device)
     # collective: each rank keeps its slices; the residual stream between them on sequence shards
     parallelize_module(net, devices["tp"], sequence_parallel_plan(net.config))
+    tie_split_embedding(net)
     dp = devices[data_parallel_dims(mesh)]
     kwargs = dict(mesh=dp, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   reshard_after_forward=strategy.fsdp_sharding == "FULL_SHARD")  # fmt: skip
@@ -156,13 +170,14 @@ def shard_tensor_parallel(net: nn.Module, strategy, device: torch.device, mp_pol
 
 def split_modules(model: nn.Module, tp: int) -> dict[str, int]:
     """The modules whose weight is split over `tp` ranks, counted by the plan's style (colwise: by output rows,
-    rowwise: by input columns), read off the weights' placements on their device meshes."""
+    rowwise: by input columns; the embedding by vocabulary rows, embedding_rowwise, and the head by them too,
+    colwise_gather_output, transformers' names), read off the weights' placements on their device meshes."""
     from torch.distributed.tensor import DTensor
 
     counts: dict[str, int] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or not isinstance(weight, DTensor):
+        if not isinstance(module, nn.Linear | nn.Embedding) or not isinstance(weight, DTensor):
             continue
         names = weight.device_mesh.mesh_dim_names or ()
         if "tp" not in names or weight.device_mesh.size(names.index("tp")) != tp:
@@ -170,5 +185,115 @@ def split_modules(model: nn.Module, tp: int) -> dict[str, int]:
         placement = weight.placements[names.index("tp")]
         if placement.is_shard():
             style = "colwise" if placement.dim == 0 else "rowwise"
+            if isinstance(module, nn.Embedding) or getattr(module, "vocab_parallel", False):
+                style = "embedding_rowwise" if isinstance(module, nn.Embedding) else "colwise_gather_output"
             counts[style] = counts.get(style, 0) + 1
     return counts
+
+
+# ---------------------------------------------------------------------------------------------- the head and its loss
+
+
+class VocabParallelHead(ParallelStyle):
+    """The model's head (`ShardGPTLMHead`) split by vocabulary rows over the tensor-parallel ranks (a tied head holds
+    the embedding's rows, `RowwiseParallel` on the embedding, once re-tied: `tie_split_embedding`). Given targets it
+    returns the summed cross-entropy computed over the vocabulary shards (`vocab_parallel_cross_entropy`), as
+    Megatron-LM's vocab-parallel loss does, a chunk of tokens at a time as the model's own chunked loss: each rank
+    holds (chunk, V / tp) logits and runs a tp-th of the head's FLOPs. Without targets (evaluation, generation) it
+    returns the whole logits, gathered over the vocabulary (an all-gather), as torch's `ColwiseParallel` would."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        import types
+
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        weight = nn.Parameter(distribute_tensor(module.weight.data, device_mesh, [Shard(0)]))
+        module.register_parameter("weight", weight)
+        module.forward = types.MethodType(_vocab_parallel_forward, module)
+        module.vocab_parallel = True  # `split_modules` names its style
+        return module
+
+
+def _vocab_parallel_forward(self, hidden_states: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """`VocabParallelHead`'s forward, bound to the head. Its weight is a DTensor sharded over the tensor-parallel
+    mesh (FSDP2, where it shards it further, has gathered its own shards by now); `hidden_states` is whole on every
+    tensor-parallel rank (the final norm's input is gathered over the sequence)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = self.weight
+    mesh, rows = weight.device_mesh, weight.to_local()  # (V / tp, C): this rank's vocabulary rows
+    if targets is None:
+        logits = F.linear(hidden_states, rows)  # (..., V / tp)
+        return DTensor.from_local(logits, mesh, [Shard(logits.dim() - 1)]).full_tensor()  # collective: all-gather
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    first = mesh.get_local_rank() * rows.shape[0]
+    return vocab_parallel_cross_entropy(hidden, rows, targets.reshape(-1), self.chunk_size, mesh.get_group(), first)
+
+
+def vocab_parallel_cross_entropy(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+                                 group, first: int) -> torch.Tensor:  # fmt: skip
+    """The summed cross-entropy of `hidden` (N, C, whole on every rank of `group`) against `targets` (N,) through a
+    head whose vocabulary rows [first, first + len(rows)) this rank holds (`rows`, differentiable), fp32, without
+    the (N, V) logits (`model/modeling_shardgpt.chunked_cross_entropy`, over vocabulary shards). Under autocast the
+    matmuls take its dtype. The same value on every rank of `group`; no double backward."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    return _VocabParallelCrossEntropy.apply(hidden, rows, targets, chunk_size, dtype, group, first)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per chunk of tokens: the local logits' row maxima all-reduced (max), then their exponentials' row sums and
+    the targets' logits (held by one rank each) all-reduced together (sum): the chunk's loss, the same on every rank,
+    and at once its gradient on the local logits (softmax - one-hot), turned into the chunk's hidden states'
+    gradient (partial: the local rows' share) and added to the rows' fp32 gradient. The hidden states' gradient is
+    all-reduced once, after the last chunk. Targets equal to -100 are ignored."""
+
+    @staticmethod
+    def forward(ctx, hidden, rows, targets, chunk_size, compute_dtype, group, first):
+        import torch.distributed as dist
+
+        w = rows.to(compute_dtype)  # (V / tp, C)
+        vocab = w.shape[0]
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit here
+            for start in range(0, hidden.shape[0], chunk_size):
+                h, t = hidden[start : start + chunk_size].to(compute_dtype), targets[start : start + chunk_size]
+                counted = (t != -100).unsqueeze(1)  # (n, 1)
+                local = t - first
+                mine = ((local >= 0) & (local < vocab)).unsqueeze(1) & counted  # the target is in this rank's rows
+                local = local.clamp(0, vocab - 1).unsqueeze(1)
+                logits = (h @ w.T).float()  # (n, V / tp): the only vocabulary-wide tensors
+                peak = logits.max(dim=1).values
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # collective: the rows' maxima
+                logits -= peak.unsqueeze(1)
+                picked = (logits.gather(1, local) * mine).squeeze(1)
+                exp = logits.exp_()  # in place, as the model's chunked loss: one (n, V / tp) fp32 tensor
+                sums = torch.stack([exp.sum(dim=1), picked])
+                dist.all_reduce(sums, group=group)  # collective: the softmax's denominators, the targets' logits
+                total += ((sums[0].log() - sums[1]) * counted.squeeze(1)).sum()
+                grad = exp.div_(sums[0].unsqueeze(1)).scatter_add_(1, local, -mine.float()).to(compute_dtype)
+                grad_hidden[start : start + chunk_size] = (grad @ w).float() * counted  # (n, C), this rank's share
+                grad_rows += (grad.T @ (h * counted)).float()  # (V / tp, C)
+        dist.all_reduce(grad_hidden, group=group)  # collective: the hidden states' gradient, summed over the rows
+        ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_rows)
+        ctx.rows_dtype = rows.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_rows = ctx.saved_tensors
+        scaled = (grad_rows * grad_total).to(ctx.rows_dtype)
+        return grad_hidden * grad_total.to(grad_hidden.dtype), scaled, None, None, None, None, None
+
+
+def tie_split_embedding(net: nn.Module) -> None:
+    """Where the head shares the embedding, the one tensor again after both were split by vocabulary rows (each
+    style distributes its own copy of the weight; both hold the same rows on a rank)."""
+    embed, head = getattr(net, "embed_tokens", None), getattr(net, "lm_head", None)
+    if embed is None and hasattr(net, "model"):
+        embed = getattr(net.model, "embed_tokens", None)
+    if embed is not None and head is not None and net.config.tie_word_embeddings:
+        head.weight = embed.weight

@@ -135,28 +135,43 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
     - Each micro batch and layer, in the forward: the attention's and the MLP's input gathered over the sequence (2
       all-gathers), the row-split projections' partial outputs reduce-scattered onto it (2 reduce-scatters); in the
       backward the transposes: 2 all-gathers, 2 reduce-scatters (the column-split modules' input gradients added
-      first). Besides, the final norm's input gathered in the forward and the first layer's input gradient in the
-      backward (2 all-gathers); the decoder norms' weight gradients, partial over the sequence shards, all-reduced
-      (hidden each, 2 a layer).
-    - FSDP2 over the data-parallel ranks, on this rank's slice (1/tp of the split matrices, the embedding, norms and
-      head whole), as plain FSDP2 on the whole model (`expected_payloads`): each decoder layer gathered in the forward
-      and again in the backward, the group outside the layers (embedding, final norm, head) once, kept gathered:
-      2 x the slice - the outside, each micro batch; the gradients reduce-scattered once a step.
+      first). Besides, the embedding's partial rows reduce-scattered onto the sequence shards and the final norm's
+      input gathered in the forward, the embedding's output gradient gathered in the backward; the decoder norms'
+      weight gradients, partial over the sequence shards, all-reduced (hidden each, 2 a layer); the loss over
+      vocabulary shards' all-reduces (`vocab_parallel_loss_bytes`, fp32).
+    - FSDP2 over the data-parallel ranks, on this rank's slice (1/tp of the split matrices and of the embedding's
+      and head's vocabulary rows, the norms whole), as plain FSDP2 on the whole model (`expected_payloads`): each
+      decoder layer gathered in the forward and again in the backward, the group outside the layers (embedding,
+      final norm, head) once, kept gathered: 2 x the slice - the outside, each micro batch; the gradients
+      reduce-scattered once a step.
     - Replicated copies (dp_replicate, a dp_shard of 1: DDP x TP, `replicated_tensor_parallel`): FSDP2 sends nothing
       within a copy of one rank; the slice's gradients all-reduced across the copies once a step, DDP's traffic.
     """
     if strategy.replicas > 1 and strategy.shard_size > 1:
         return None
-    local = shape.parameters - shape.matrices + shape.matrices // strategy.tp_size
+    tp = strategy.tp_size
+    vocabulary = shape.outside_layers - hidden_size  # the embedding and an untied head: split by vocabulary rows
+    split = shape.matrices + vocabulary
+    local = shape.parameters - split + split // tp
+    outside = vocabulary // tp + hidden_size  # FSDP2's root group on this rank: its rows, the final norm
     regions = 2 * split_modules.get("rowwise", 0)  # a gather and a scatter each way per row-split module
     activation = micro_tokens * hidden_size
     sharded = strategy.replicas == 1  # else whole copies: no gathers, no scatters, an all-reduce of the slice
     payloads = {
         "all_reduce": micro_batches * (shape.norms - hidden_size) + (0 if sharded else local),
-        "all_gather": micro_batches * ((regions + 2) * activation + (2 * local - shape.outside_layers) * sharded),
-        "reduce_scatter": micro_batches * regions * activation + local * sharded,
+        "all_gather": micro_batches * ((regions + 2) * activation + (2 * local - outside) * sharded),
+        "reduce_scatter": micro_batches * (regions + 1) * activation + local * sharded,
     }
-    return {kind: n * bytes_per_element for kind, n in payloads.items()}
+    payloads = {kind: n * bytes_per_element for kind, n in payloads.items()}
+    payloads["all_reduce"] += micro_batches * vocab_parallel_loss_bytes(micro_tokens, hidden_size)
+    return payloads
+
+
+def vocab_parallel_loss_bytes(tokens: int, hidden_size: int) -> int:
+    """All-reduced bytes of the loss over vocabulary shards (training/parallel/tensor.vocab_parallel_cross_entropy)
+    for a micro batch of `tokens`, in fp32 whatever the run computes in: the logits' row maxima, the softmax's
+    denominators and the targets' logits (3 a token), and the hidden states' gradient (hidden a token)."""
+    return 4 * tokens * (3 + hidden_size)
 
 
 def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int, rank: int,
@@ -174,12 +189,14 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
       tensor parallelism the rank's sequence shard, a tp-th of them.
     - Tensor parallelism inside the stage, with Megatron's sequence parallelism (`split_stage`), as under FSDP2 x TP
       (`dtensor_payloads`) on the stage's layers: each micro batch and layer 4 all-gathers and 4 reduce-scatters of
-      its activations; the first stage gathers its first layer's input gradient, the last its final norm's input
-      (an all-gather each). The decoder norms' weight gradients, partial over the shards, all-reduced once a step
-      after the schedule (hidden each, 2 a layer: `Pipeline.reduce_partial_gradients`).
-    - The tied embedding's two gradients (first and last stage) summed once a step: an all-reduce of the embedding,
-      whole, or its FSDP2 shard (the same rows on both).
-    - Across the pipelines, on the rank's slice of its stage (1/tp of each decoder matrix, the rest whole): DDP's
+      its activations; the first stage reduce-scatters its embedding's partial rows and gathers their gradient, the
+      last gathers its final norm's input and all-reduces the loss over vocabulary shards
+      (`vocab_parallel_loss_bytes`, fp32). The decoder norms' weight gradients, partial over the shards, all-reduced
+      once a step after the schedule (hidden each, 2 a layer: `Pipeline.settle_split_gradients`).
+    - The tied embedding's two gradients (first and last stage) summed once a step: an all-reduce of the embedding's
+      rows on the rank (1/tp of them under tensor parallelism), or their FSDP2 shard (the same rows on both).
+    - Across the pipelines, on the rank's slice of its stage (1/tp of each decoder matrix and of the embedding's and
+      head's vocabulary rows, the norms whole): DDP's
       average, an all-reduce once a step, after the schedule. FSDP2: each unit (the layers, the stage's root)
       gathered once more than there are micro batches: a forward reshards it (FULL_SHARD), a backward keeps it until
       the last (torch's schedules), so of the step's alternating forwards and backwards each forward's successor and
@@ -198,7 +215,7 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
     me, last = strategy.pipeline_rank(rank), len(owners) - 1
     mine = [s for s, owner in enumerate(owners) if owner == me]
     layers = sum(len(stage_layers(config.num_hidden_layers, len(owners), s)) for s in mine)
-    embedding = shape.tied_embedding or (shape.outside_layers - h) // 2
+    embedding = (shape.tied_embedding or (shape.outside_layers - h) // 2) // tp  # this rank's vocabulary rows
     head = 0 if shape.tied_embedding else embedding
     per_layer = shape.matrices // config.num_hidden_layers
     local = layers * (per_layer // tp + 2 * h)
@@ -212,9 +229,9 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
     elements = {"point_to_point": m * 2 * boundaries * activation // tp, "all_reduce": 0, "all_gather": 0}
     if tp > 1:  # sequence parallelism's regions, as under FSDP2 x TP (`dtensor_payloads`), on the stage's layers
         regions = 2 * list(config.base_model_tp_plan.values()).count("rowwise") * layers
-        ends = (0 in mine) + (last in mine)  # the first layer's input gradient, the final norm's input
+        ends = (0 in mine) + (last in mine)  # the embedding's output gradient, the final norm's input
         elements["all_gather"] += m * (regions + ends) * activation
-        elements["reduce_scatter"] = m * regions * activation
+        elements["reduce_scatter"] = m * (regions + (0 in mine)) * activation  # and the embedding's partial rows
         elements["all_reduce"] += 2 * layers * h  # the decoder norms' weight gradients, once a step
     if shape.tied_embedding and owners[0] != owners[-1] and (0 in mine or last in mine):
         elements["all_reduce"] += embedding // (dp if sharded else 1)
@@ -225,6 +242,8 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
     elif dp > 1:
         elements["all_reduce"] += local
     payloads = {kind: n * bytes_per_element for kind, n in elements.items() if n}
+    if tp > 1 and last in mine:  # the loss over vocabulary shards, each micro batch
+        payloads["all_reduce"] = payloads.get("all_reduce", 0) + m * vocab_parallel_loss_bytes(micro_tokens, h)
     payloads["broadcast"] = 4
     if strategy.pp_schedule not in ZERO_BUBBLE:
         payloads["all_gather"] = payloads.get("all_gather", 0) + 4 * strategy.world_size

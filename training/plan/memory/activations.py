@@ -111,14 +111,16 @@ def rotary_bytes(config: ShardGPTConfig, seq_len: int, e: int) -> int:
 LOSS_CHUNK = 1024  # tokens per chunk of the model's chunked cross-entropy (`ShardGPTLMHead.chunk_size`)
 
 
-def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
+def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, tp: int = 1) -> int:
     """The chunked cross-entropy at its largest, in the forward's last chunk (the model's `ChunkedCrossEntropy`;
     the (tokens, vocab) logits never exist): what it saves for the backward (`saved_loss_bytes`), plus one
     chunk's fp32 logits (turned into their gradient in place) and that gradient in the compute dtype,
-    (4 + e) x chunk x vocab, and the chunk's (vocab, hidden) weight-gradient product before it is added."""
+    (4 + e) x chunk x vocab, and the chunk's (vocab, hidden) weight-gradient product before it is added. Over `tp`
+    vocabulary shards (training/parallel/tensor.vocab_parallel_cross_entropy) a tp-th of every vocabulary-wide
+    tensor."""
     chunk = min(LOSS_CHUNK, micro_batch * seq_len)
-    v, h = config.vocab_size, config.hidden_size
-    return saved_loss_bytes(config, micro_batch, seq_len, e) + (4 + e) * chunk * v + e * v * h
+    v, h = config.vocab_size // tp, config.hidden_size
+    return saved_loss_bytes(config, micro_batch, seq_len, e, tp) + (4 + e) * chunk * v + e * v * h
 
 
 def whole_logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
@@ -129,10 +131,11 @@ def whole_logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e
     return (e + 8) * micro_batch * seq_len * config.vocab_size
 
 
-def saved_loss_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
+def saved_loss_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, tp: int = 1) -> int:
     """What the chunked loss saves from its forward for the backward: the gradient of the hidden states (e bytes
-    per token and hidden unit) and the fp32 gradient of the head's weight (4 x vocab x hidden)."""
-    return e * micro_batch * seq_len * config.hidden_size + 4 * config.vocab_size * config.hidden_size
+    per token and hidden unit) and the fp32 gradient of the head's weight (4 x vocab x hidden), of its vocabulary
+    rows over `tp` shards."""
+    return e * micro_batch * seq_len * config.hidden_size + 4 * (config.vocab_size // tp) * config.hidden_size
 
 
 # ---------------------------------------------------------------------------------------------- temporaries

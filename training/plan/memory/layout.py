@@ -65,26 +65,24 @@ class Layout:
 _LAYOUTS: dict[tuple[str, bool, int], Layout] = {}  # by the config's JSON: the step-time planner asks hundreds of times
 
 
-def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1, whole_head: bool = False) -> Layout:
+def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1) -> Layout:
     """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight, under
-    AutoTP's plan (the model's `tp_plan`: the embedding and head split by vocabulary rows too) or, `whole_head`, the
-    decoder's `base_model_tp_plan` alone as DTensor tensor parallelism under FSDP2 applies it
-    (training/parallel/tensor.py: the embedding, the norms and the head whole)."""
-    key = (config.to_json_string(use_diff=False), decay_embeddings, tp, whole_head)
+    the model's `tp_plan` (the decoder's matrices, and the embedding and head by vocabulary rows), which AutoTP and
+    the DTensor plan (training/parallel/tensor.py) both apply; the norms whole."""
+    key = (config.to_json_string(use_diff=False), decay_embeddings, tp)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp, whole_head)
+        _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp)
     return copy.deepcopy(_LAYOUTS[key])
 
 
-def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int, whole_head: bool = False) -> Layout:
+def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int) -> Layout:
     with torch.device("meta"):  # shapes only: no memory, fast for any size
         net = ShardGPTForCausalLM(config)
     named = list(net.named_parameters())  # tied lm_head / embedding listed once, as DeepSpeed and DDP see them
     index = {id(p): i for i, (_, p) in enumerate(named)}
     groups = [[index[id(p)] for p in g["params"]] for g in param_groups(net, 0.1, decay_embeddings)]
     root = [i for i, (name, _) in enumerate(named) if ".layers." not in f".{name}"]
-    plan = {f"model.{k}": v for k, v in config.base_model_tp_plan.items()} if whole_head else net.tp_plan
-    shapes = [tensor_parallel_shape(name, tuple(p.shape), plan, tp) for name, p in named]
+    shapes = [tensor_parallel_shape(name, tuple(p.shape), net.tp_plan, tp) for name, p in named]
     layer = sum(math.prod(s) for (name, _), s in zip(named, shapes, strict=True) if name.startswith("model.layers.0."))
     by_module: dict[str, int] = {}
     for (name, _), shape in zip(named, shapes, strict=True):

@@ -56,7 +56,7 @@ def planner_inputs(record: dict) -> tuple[Layout, Strategy, dict | None]:
     if strategy.family == "deepspeed":
         zero = zero_config(strategy, config, record["world_size"] // tp, record["precision"],
                               record["micro_batch"], record["ds_config"])  # fmt: skip
-    return layout(config, tp=tp, whole_head=strategy.family == "fsdp"), strategy, zero
+    return layout(config, tp=tp), strategy, zero
 
 
 def planned(record: dict) -> list[Item]:

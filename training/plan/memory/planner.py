@@ -18,9 +18,9 @@ the model states (`states.py`), the activations and temporaries (`activations.py
 Tensor parallelism (DeepSpeed AutoTP, `zero1-autotp`): every module of the model's tp plan holds 1/tp of its
 weight on each rank (q, k, v, gate, up and the vocabulary-parallel embedding and tied head by rows, o and down by
 columns), the norms stay whole; ZeRO-1 then partitions that local model over the world / tp data-parallel ranks.
-Under FSDP2 x TP (a YAML's parallelism_config, training/parallel/tensor.py) the decoder's modules split the same way
-and the embedding, norms and head stay whole; FSDP2 shards each rank's slice on its dim 0 over the data-parallel
-ranks; Megatron's sequence parallelism keeps every saved tensor of a layer on sequence shards.
+Under FSDP2 x TP (a YAML's parallelism_config, training/parallel/tensor.py) the modules split the same way, the
+norms whole, and the chunked loss runs over the vocabulary shards; FSDP2 shards each rank's slice on its dim 0 over
+the data-parallel ranks; Megatron's sequence parallelism keeps every saved tensor of a layer on sequence shards.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         return {**max(stages, key=lambda stage: stage["total"]), "stages": stages}
     sp, asked = strategy.sp_size, strategy.name  # Ulysses: ZeRO partitions over every rank, each holds T / sp
     strategy = strategy.with_degrees(sp=1)
-    dtensor = strategy.family == "fsdp" and strategy.tp_size > 1  # FSDP2 x TP: the head whole, the chunked loss
+    dtensor = strategy.family == "fsdp" and strategy.tp_size > 1  # FSDP2 x TP: the chunked loss over vocabulary shards
     if (strategy.with_degrees(tp=1) if dtensor else strategy).name not in STRATEGIES:
         raise ValueError(f"the planner does not model {strategy.name}; choose one of {', '.join(STRATEGIES)} or all")
     if seq_len % sp:
@@ -88,7 +88,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         raise ValueError("world_size, micro_batch and seq_len must be at least 1")
     tp = tensor_parallel_size(strategy, ds_config)
     Mesh.of_world(world_size, tp=tp)  # refuses a tensor-parallel size that does not divide the ranks
-    whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp, whole_head=dtensor)
+    whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp)
     dp = world_size // tp  # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks
     zero = None
     if strategy.family == "deepspeed":
@@ -108,7 +108,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         "activations": activation_bytes(
             config, micro_batch, seq_len, e, activation_checkpointing, tp, sp, sequence_parallel=dtensor
         ),
-        "logits": logits_bytes(config, micro_batch, seq_len // sp, e)
+        "logits": logits_bytes(config, micro_batch, seq_len // sp, e, tp if dtensor else 1)
         if tp == 1 or dtensor
         else whole_logits_bytes(config, micro_batch, seq_len, e),
         "temporary": sum(it.nbytes for it in temps if it.where == "gpu"),

@@ -17,13 +17,16 @@ import torch
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (what it holds in memory), any other tensor itself."""
+    """A DTensor's shard on this rank (what it holds in memory), any other tensor itself; a collective's output that
+    torch has not waited for yet (its functional collectives' `AsyncCollectiveTensor`) once it has arrived."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(tensor, DTensor):
-        return tensor
-    with torch.no_grad():
-        return tensor.to_local()
+    from training.compat import arrived
+
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            tensor = tensor.to_local()
+    return arrived(tensor)
 
 
 class _Saved:

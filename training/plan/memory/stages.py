@@ -90,7 +90,7 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
     per_micro += (final_norm_bytes(c, e) if last else hidden * c.hidden_size // tp) * tokens
     n = in_flight(schedule, pp, micro_batches, stage)
     once = (8 * tokens * micro_batches if first else 0) + (layer * tokens if checkpointing else 0)
-    return n * per_micro + once, n * saved_loss_bytes(c, micro_batch, seq_len, e) if last else 0
+    return n * per_micro + once, n * saved_loss_bytes(c, micro_batch, seq_len, e, tp) if last else 0
 
 
 def models_pipeline(strategy: Strategy) -> bool:
@@ -112,7 +112,8 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     `strategy.pp_size` stages, one per rank, under GPipe or 1F1B (`strategy.pp_schedule`), `micro_batches` a step.
 
     Model states as training/parallel/pipeline.py keeps them: a stage's parameters (under tensor parallelism its
-    slices: 1/tp of each decoder matrix, the embedding, norms and head whole) on each of its ranks, with one
+    slices: 1/tp of each decoder matrix and of the embedding's and head's vocabulary rows, the norms whole) on each
+    of its ranks, with one
     all-reduce of a flat copy of its gradients where pipelines run side by side (ddp-pp: no DDP reducer, so no
     buckets), or FSDP2-sharded over the stage's data-parallel ranks (fsdp-pp: FSDP's shards, units and prefetch,
     the stage's embedding, norm and head its root unit). Activations: `stage_held`. Besides, torch's PipelineStage
@@ -135,7 +136,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     e, tp = BYTES[precision], strategy.tp_size
     hidden = e if sharded else 4  # FSDP2's bf16 parameters compute in bf16; autocast keeps the residual stream fp32
     whole = layout(config, decay_embeddings)
-    sliced = layout(config, decay_embeddings, tp, whole_head=True) if tp > 1 else whole  # a rank's slices
+    sliced = layout(config, decay_embeddings, tp) if tp > 1 else whole  # a rank's slices
     tokens, v, h = micro_batch * seq_len, config.vocab_size, config.hidden_size
     stages = []
     for stage in range(pp):
@@ -153,7 +154,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
             "grads": gpu["grads"],
             "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
             "activations": activations,
-            "logits": loss + ((4 + e) * chunk * v + e * v * h if stage == pp - 1 else 0),
+            "logits": loss + ((4 + e) * chunk * v // tp + e * v // tp * h if stage == pp - 1 else 0),
             "temporary": sum(it.nbytes for it in temps),
             "held_for_backward": activations + loss,
         }
