@@ -163,11 +163,12 @@ PIPELINE = ["--pipeline_parallel_degree=2", "--gradient_accumulation_steps=2"]
 def test_fsdp2_x_tensor_x_pipeline_parallel_trains_like_one_process(reference, corpus, tmp_path):
     """8 ranks: the YAML's dp_shard 2 x tp 2 times --pipeline_parallel_degree 2. Pipeline rank p holds ranks 4p to
     4p + 3, a stage each split over a pair and sharded over the two pairs; micro batches of 2 on 2 data-parallel
-    ranks, 2 a step."""
+    ranks, 2 a step. Its checkpoint (each rank's FSDP2 shards of its stage's slices) resumes under one process
+    exactly."""
     (tmp_path / "fsdp_tp.yaml").write_text(FSDP_TP)
     cmd = [*accelerate_with(str(tmp_path / "fsdp_tp.yaml"))]
     cmd[cmd.index("launch") + 1 : cmd.index("launch") + 1] = ["--num_processes", "8"]
-    args = [*corpus["flags"], *TRAIN, *PIPELINE, "--per_device_train_batch_size=2"]
+    args = [*corpus["flags"], *TRAIN, *PIPELINE, "--per_device_train_batch_size=2", f"--save_steps={SAVE_AT}"]
     run = launch(cmd, args, tmp_path / "out")
     pipe = run.strategy["pipeline"]
     assert run.strategy["strategy"] == "fsdp-tp2-pp2" and run.strategy["world_size"] == 8, run.strategy
@@ -184,6 +185,7 @@ def test_fsdp2_x_tensor_x_pipeline_parallel_trains_like_one_process(reference, c
     # (training/plan/communication.pipeline_payloads).
     assert_closed_form(run)
     assert_planned_parameters(run)
+    assert_resumes_under_one_process(run.output_dir / f"checkpoint-{SAVE_AT}", reference, corpus, tmp_path)
 
 
 @pytest.mark.slow
