@@ -290,10 +290,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def tie_split_embedding(net: nn.Module) -> None:
-    """Where the head shares the embedding, the one tensor again after both were split by vocabulary rows (each
-    style distributes its own copy of the weight; both hold the same rows on a rank)."""
-    embed, head = getattr(net, "embed_tokens", None), getattr(net, "lm_head", None)
-    if embed is None and hasattr(net, "model"):
-        embed = getattr(net.model, "embed_tokens", None)
+    """Where the causal-LM model `net`'s head shares the embedding, the one tensor again after both were split by
+    vocabulary rows (each style distributes its own copy of the weight; both hold the same rows on a rank)."""
+    embed, head = net.model.embed_tokens, net.lm_head  # None where a pipeline rank dropped them
     if embed is not None and head is not None and net.config.tie_word_embeddings:
         head.weight = embed.weight

@@ -118,9 +118,16 @@ def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int,
     (4 + e) x chunk x vocab, and the chunk's (vocab, hidden) weight-gradient product before it is added. Over `tp`
     vocabulary shards (training/parallel/tensor.vocab_parallel_cross_entropy) a tp-th of every vocabulary-wide
     tensor."""
+    return saved_loss_bytes(config, micro_batch, seq_len, e, tp) + loss_chunk_bytes(config, micro_batch, seq_len, e, tp)
+
+
+def loss_chunk_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, tp: int = 1) -> int:
+    """One chunk of the chunked cross-entropy at work (`logits_bytes` without what it saves): its fp32 logits and
+    their gradient in the compute dtype, (4 + e) x chunk x vocab, and its weight-gradient product, e x vocab x
+    hidden; the vocabulary a tp-th over `tp` shards."""
     chunk = min(LOSS_CHUNK, micro_batch * seq_len)
     v, h = config.vocab_size // tp, config.hidden_size
-    return saved_loss_bytes(config, micro_batch, seq_len, e, tp) + (4 + e) * chunk * v + e * v * h
+    return (4 + e) * chunk * v + e * v * h
 
 
 def whole_logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:

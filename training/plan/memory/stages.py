@@ -9,10 +9,10 @@ from training.parallel.axes import composes, composes_with, wrapper
 from training.parallel.schedules import check_pipeline, stage_layers
 from training.parallel.strategy import Strategy
 from training.plan.memory.activations import (
-    LOSS_CHUNK,
     adam_temporaries,
     final_norm_bytes,
     layer_activation_bytes,
+    loss_chunk_bytes,
     rotary_bytes,
     saved_loss_bytes,
     temporaries,
@@ -137,7 +137,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     hidden = e if sharded else 4  # FSDP2's bf16 parameters compute in bf16; autocast keeps the residual stream fp32
     whole = layout(config, decay_embeddings)
     sliced = layout(config, decay_embeddings, tp) if tp > 1 else whole  # a rank's slices
-    tokens, v, h = micro_batch * seq_len, config.vocab_size, config.hidden_size
+    tokens, h = micro_batch * seq_len, config.hidden_size
     stages = []
     for stage in range(pp):
         lay = stage_layout(sliced, pp, stage)
@@ -147,14 +147,13 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
         temps.append(Item("buffers", "pipeline_receive_buffers", boundaries * micro_batches * shard * hidden))
         activations, loss = stage_held(config, micro_batch, seq_len, e, checkpointing, schedule, pp, micro_batches,
                                        stage, hidden, tp)  # fmt: skip
-        chunk = min(LOSS_CHUNK, tokens)
         gpu = bytes_by_category(states)
         row = {
             "params": gpu["params"],
             "grads": gpu["grads"],
             "optimizer_states": gpu["master_params"] + gpu["optimizer_states"],
             "activations": activations,
-            "logits": loss + ((4 + e) * chunk * v // tp + e * v // tp * h if stage == pp - 1 else 0),
+            "logits": loss + (loss_chunk_bytes(config, micro_batch, seq_len, e, tp) if stage == pp - 1 else 0),
             "temporary": sum(it.nbytes for it in temps),
             "held_for_backward": activations + loss,
         }
