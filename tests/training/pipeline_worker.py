@@ -8,6 +8,10 @@ model; rank 0 writes both runs' losses and gradient norms to OUT/<spec>.json.
 DATA_PARALLEL, over the world / PP pipelines: ddp (the default: an all-reduce of whole copies) or fsdp (FSDP2
 shards each stage over the data-parallel ranks); or tp: the world / PP ranks of a stage split its layers by the
 model's plan with sequence parallelism (training/parallel/tensor.split_stage), one pipeline.
+
+Every rank also writes OUT/<spec>-states-rank<R>.json: the bytes of the parameters, gradients and Adam's states its
+stages hold as the optimizer steps at step 2 (training/plan/memory/ledger.py's walk), which the memory planner
+predicts per stage.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from training.parallel.gradnorm import clip_, grad_norm
 from training.parallel.pipeline import build_pipeline, fsdp2_stages
 from training.parallel.ranks import run_rank
 from training.parallel.strategy import Strategy
+from training.plan.memory.ledger import Ledger, walk_fsdp
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
+MEASURED_STEP = 2  # Adam's moments exist from the first update on
 MAX_GRAD_NORM = 0.5  # below the step-1 norm: clipping is active
 
 
@@ -86,7 +92,23 @@ def one_process(micro_batches: int, data_parallel: int) -> dict:
     return {"losses": losses, "grad_norms": norms, "weights": {k: v.clone() for k, v in net.state_dict().items()}}
 
 
-def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_batches: int) -> dict:
+def snapshot_states(pipeline, optimizer, path: Path, step: list[int]) -> None:
+    """At MEASURED_STEP, as the optimizer is about to step (the gradients reduced, clipped and whole), write what this
+    rank's stages hold to `path`: every rank its own file."""
+
+    def hook(*_):
+        if step[0] != MEASURED_STEP:
+            return
+        ledger = Ledger()
+        walk_fsdp(ledger, pipeline.model, optimizer)
+        record = {**ledger.report(), "stages": pipeline.local_stages, "rank": dist.get_rank()}
+        path.write_text(json.dumps(record, indent=1))
+
+    optimizer.register_step_pre_hook(hook)
+
+
+def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_batches: int,
+              states: Path) -> dict:  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = world // pp if data_parallel == "tp" else 1
     dp = world // pp // tp
@@ -97,8 +119,10 @@ def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_b
     pipeline = build_pipeline(net, strategy, rank, micro_batches, torch.device("cpu"), shard)
     optimizer = adamw(net)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    losses, norms = [], []
+    losses, norms, at = [], [], [0]
+    snapshot_states(pipeline, optimizer, states, at)
     for step, tokens in enumerate(global_batches(micro_batches, dp), 1):
+        at[0] = step
         micro = micro_batches_of(tokens, micro_batches, dp, rank % dp)
         result = pipelined_step(pipeline, micro, optimizer, scheduler, MAX_GRAD_NORM, step, nullcontext)
         losses.append(result.loss)
@@ -120,7 +144,8 @@ def main() -> list:
         micro_batches = 2 * pp * per_rank  # enough for every schedule's rule
         dp = 1 if data_parallel == "tp" else dist.get_world_size() // pp
         try:
-            run = pipelined(schedule, per_rank, pp, data_parallel, micro_batches)
+            states = Path(out, f"{spec.replace(':', '-')}-states-rank{dist.get_rank()}.json")
+            run = pipelined(schedule, per_rank, pp, data_parallel, micro_batches, states)
             kept.append(run["pipeline"])
             error = None
         except Exception as e:  # recorded: the test names the schedule that fails and why

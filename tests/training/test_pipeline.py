@@ -18,8 +18,10 @@ from unittest.mock import patch
 import pytest
 from launching import ROOT, launch, launcher_command
 
+from model import ShardGPTConfig
 from training.parallel.schedules import SCHEDULES, check_pipeline, stage_layers, stage_ranks
 from training.parallel.strategy import Strategy
+from training.plan.memory.planner import predict
 
 
 def run_worker(tmp_path, nproc: int, pp: int, specs: list[str]) -> dict[str, dict]:
@@ -28,6 +30,27 @@ def run_worker(tmp_path, nproc: int, pp: int, specs: list[str]) -> dict[str, dic
     cmd[-1] = str(ROOT / "tests" / "training" / "pipeline_worker.py")
     launch(cmd, [str(pp), *specs], tmp_path)
     return {spec: json.loads((tmp_path / f"{spec.replace(':', '-')}.json").read_text()) for spec in specs}
+
+
+def assert_planned_states(out, spec: str, nproc: int, pp: int) -> None:
+    """Each rank's parameters, gradients and Adam's states, as the optimizer steps (the worker's
+    <spec>-states-rank<R>.json), equal the memory planner's for its stage to the byte
+    (training/plan/memory/stages.py), for every layout it plans: one stage a rank under GPipe or 1F1B, whole, sharded
+    by FSDP2 or split over tensor-parallel ranks."""
+    schedule, per_rank, data_parallel = (spec.split(":") + ["1", "ddp"][spec.count(":") :])[:3]
+    family = {"fsdp": "fsdp", "tp": "single"}.get(data_parallel, "ddp")
+    strategy = Strategy.of(family, nproc, pp=pp, tp=nproc // pp if data_parallel == "tp" else 1,
+                           pp_schedule=schedule, **({"fsdp_version": 2} if family == "fsdp" else {}))  # fmt: skip
+    assert per_rank == "1", spec
+    config = ShardGPTConfig.from_preset("debug", num_hidden_layers=4, vocab_size=256)  # the worker's model
+    stages = predict(config, strategy, "fp32", 2, 32, micro_batches=2 * pp, cpu_ranks=True)["stages"]
+    for rank in range(nproc):
+        record = json.loads((out / f"{spec.replace(':', '-')}-states-rank{rank}.json").read_text())
+        (stage,) = record["stages"]
+        measured, planned = record["bytes"], stages[stage]
+        held = {"params": measured["params"], "grads": measured["grads"],
+                "optimizer_states": measured["master_params"] + measured["optimizer_states"]}  # fmt: skip
+        assert held == {k: planned[k] for k in held}, (spec, rank, record["detail"], planned["detail"])
 
 
 def assert_like_one_process(record: dict, spec: str) -> None:
@@ -51,6 +74,8 @@ def test_every_schedule_trains_like_one_process(tmp_path):
     specs = [s if s in ("GPipe", "1F1B") else f"{s}:2" for s in SCHEDULES]
     for spec, record in run_worker(tmp_path, 2, 2, specs).items():
         assert_like_one_process(record, spec)
+    for spec in ("GPipe", "1F1B"):
+        assert_planned_states(tmp_path, spec, 2, 2)
 
 
 @pytest.mark.slow
@@ -60,12 +85,16 @@ def test_pipelines_with_ddp_and_fsdp2_train_like_one_process(tmp_path):
     (ddp) or are FSDP2-sharded over the pair (fsdp: every schedule but the zero-bubble ones, refused with FSDP2).
     The tied embedding's gradient is summed over the first and last stage of each pipeline. In the same launch,
     pp 2 x tp 2: one pipeline whose stages' layers are split over a pair of ranks, with sequence parallelism, under
-    a looped and the V-shaped schedule with two stages a rank (the launches of tests/recipes/test_composed.py run
-    GPipe and 1F1B; by hand LoopedBFS and InterleavedZeroBubble train the same)."""
+    1F1B, a looped and the V-shaped schedule with two stages a rank (the launches of tests/recipes/test_composed.py
+    run GPipe and 1F1B; by hand LoopedBFS and InterleavedZeroBubble train the same). Every rank's model states
+    under DDP, FSDP2 and TP pipelines are the memory planner's to the byte."""
     specs = ["GPipe", "1F1B", "Interleaved1F1B:2", "ZBVZeroBubble:2", "GPipe:1:fsdp", "1F1B:1:fsdp",
-             "Interleaved1F1B:2:fsdp", "LoopedBFS:2:fsdp", "Interleaved1F1B:2:tp", "ZBVZeroBubble:2:tp"]  # fmt: skip
+             "Interleaved1F1B:2:fsdp", "LoopedBFS:2:fsdp", "1F1B:1:tp", "Interleaved1F1B:2:tp",
+             "ZBVZeroBubble:2:tp"]  # fmt: skip
     for spec, record in run_worker(tmp_path, 4, 2, specs).items():
         assert_like_one_process(record, spec)
+    for spec in ("1F1B", "GPipe:1:fsdp", "1F1B:1:fsdp", "1F1B:1:tp"):  # the layouts the memory planner plans
+        assert_planned_states(tmp_path, spec, 4, 2)
 
 
 def test_stages_are_laid_out_looped_or_v_shaped():

@@ -76,6 +76,9 @@ def walk_ddp(ledger: Ledger, net, optimizer) -> None:
 
 
 def walk_fsdp(ledger: Ledger, net, optimizer) -> None:
+    """A module whose parameters the optimizer steps as they are held: FSDP2's shards, the tensor-parallel slices of
+    DTensor plans, a pipeline rank's stages (plain, sliced or sharded): the local part of each, its gradient, Adam's
+    states, and FSDP2's gathered copies still allocated."""
     params = list(net.parameters())
     ledger.add("params", "local_shards", [p.data for p in params])
     ledger.add("grads", "local_shards", [p.grad for p in params])
