@@ -140,6 +140,27 @@ def test_ddp_x_tensor_parallel_yaml_trains_like_one_process(reference, corpus, t
     assert_closed_form(run)  # sequence parallelism's gathers and scatters, the slice's all-reduce across the copies
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.matrix
+def test_hybrid_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(reference, corpus, tmp_path):
+    """8 ranks: the FSDP2 YAML's block with `parallelism_config_dp_replicate_size: 2` on top, 2 replicas x 2 shards
+    x tp 2: each copy of the model split over pairs and sharded over two pairs, the copies' shards all-reduced once a
+    step. It trains like one process, and each rank sends the closed form (training/plan/communication.py's
+    `dtensor_payloads`: the replicas' all-reduce of the reduce-scattered shard of the slice, a quarter of it here)."""
+    yaml = FSDP_TP.replace("parallelism_config:\n", "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
+    (tmp_path / "hybrid_tp.yaml").write_text(yaml.replace("num_processes: 4", "num_processes: 8"))
+    args = [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=2"]
+    run = launch(accelerate_with(str(tmp_path / "hybrid_tp.yaml")), args, tmp_path / "out")
+    seen = run.strategy
+    assert seen["strategy"] == "fsdp-hybrid-tp2" and seen["world_size"] == 8, seen
+    assert seen["tensor_parallel"]["data_parallel_size"] == 4, seen
+    assert seen["local_parameter_fraction"] == pytest.approx(split_share(run.output_dir), abs=1e-4), seen
+    assert_same_training(run, reference)
+    want = assert_closed_form(run)
+    assert set(want) == {"all_reduce", "all_gather", "reduce_scatter"}
+
+
 def assert_planned_parameters(run) -> None:
     """Rank 0's parameters (its stage's tensor-parallel slices, FSDP2's shards of them) are the memory planner's for
     that stage, to the element (training/plan/memory/stages.py, the step-time planner's memory of these layouts)."""

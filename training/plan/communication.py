@@ -128,9 +128,9 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
                      bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
     """The payload bytes per rank and step under FSDP2 x TP (the model's plan with torch's DTensor styles and
     Megatron's sequence parallelism, training/parallel/tensor.sequence_parallel_plan), measured to the byte on 4 CPU
-    ranks (dp_shard 2 x tp 2, and dp_replicate 2 x tp 2: DDP x TP) with one micro batch a step; None for replicas of
-    a sharded copy (hybrid with dp_shard above 1: not measured). `split_modules`: the count of each style the plan
-    split (2 row-split modules a layer); each activation collective carries micro_tokens x hidden.
+    ranks (dp_shard 2 x tp 2, and dp_replicate 2 x tp 2: DDP x TP) and on 8 (hybrid: dp_replicate 2 x dp_shard 2 x tp
+    2) with one micro batch a step. `split_modules`: the count of each style the plan split (2 row-split modules a
+    layer); each activation collective carries micro_tokens x hidden.
 
     - Each micro batch and layer, in the forward: the attention's and the MLP's input gathered over the sequence (2
       all-gathers), the row-split projections' partial outputs reduce-scattered onto it (2 reduce-scatters); in the
@@ -146,9 +146,10 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
       reduce-scattered once a step.
     - Replicated copies (dp_replicate, a dp_shard of 1: DDP x TP, `replicated_tensor_parallel`): FSDP2 sends nothing
       within a copy of one rank; the slice's gradients all-reduced across the copies once a step, DDP's traffic.
+    - Replicas of a sharded copy (hybrid, dp_shard above 1): FSDP2's traffic within the copy's shard group as above,
+      and each rank's reduce-scattered shard of the slice all-reduced across the replicas once a step (as hybrid
+      FSDP2 without tensor parallelism: `expected_payloads`).
     """
-    if strategy.replicas > 1 and strategy.shard_size > 1:
-        return None
     tp = strategy.tp_size
     vocabulary = shape.outside_layers - hidden_size  # the embedding and an untied head: split by vocabulary rows
     split = shape.matrices + vocabulary
@@ -156,9 +157,10 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
     outside = vocabulary // tp + hidden_size  # FSDP2's root group on this rank: its rows, the final norm
     regions = 2 * split_modules.get("rowwise", 0)  # a gather and a scatter each way per row-split module
     activation = micro_tokens * hidden_size
-    sharded = strategy.replicas == 1  # else whole copies: no gathers, no scatters, an all-reduce of the slice
+    sharded = strategy.shard_size > 1  # else whole copies: no gathers, no scatters, an all-reduce of the slice
+    across = (local // strategy.shard_size) if strategy.replicas > 1 else 0  # the replicas' all-reduce
     payloads = {
-        "all_reduce": micro_batches * (shape.norms - hidden_size) + (0 if sharded else local),
+        "all_reduce": micro_batches * (shape.norms - hidden_size) + across,
         "all_gather": micro_batches * ((regions + 2) * activation + (2 * local - outside) * sharded),
         "reduce_scatter": micro_batches * (regions + 1) * activation + local * sharded,
     }
