@@ -28,6 +28,9 @@ TOLERANCE = 1e-5  # fp32: the strategies sum gradients in different orders
 
 # Two pipeline stages on 2 ranks: the global batch of 8 as 2 micro batches of 4 (training/parallel/pipeline.py).
 PIPELINE = ["--pipeline_parallel_degree=2", "--gradient_accumulation_steps=2"]
+# FSDP2 x TP x PP on 8 ranks (accelerate_configs/fsdp_tp.yaml's dp_shard 2 x tp 2, two stages): 2 micro batches of 2
+# on each of 2 data-parallel ranks.
+THREE_D = [*PIPELINE, "--per_device_train_batch_size=2"]
 # Ulysses over the 2 ranks (one data-parallel rank): the global batch of 8 in one micro batch.
 SEQUENCE = ["--per_device_train_batch_size=8"]
 # Source runs: the accelerate config and number of ranks (and flags).
@@ -40,6 +43,7 @@ SOURCES = {
     "pp2@2": ("ddp", 2, PIPELINE),
     "zero3-sp2@2": ("zero3_sp", 2, SEQUENCE),
     "fsdp-tp2@4": ("fsdp_tp", 4),  # dp_shard 2 x tp 2: micro 4 on each of 2 data-parallel ranks, as the others
+    "fsdp-tp2-pp2@8": ("fsdp_tp", 8, THREE_D),  # FSDP2 x TP x PP, 2 x 2 x 2
 }
 # (source, target config, target ranks, flags that keep the global batch)
 TRANSITIONS = [
@@ -86,6 +90,9 @@ TRANSITIONS = [
     pytest.param("zero2@2", "fsdp_tp", 4, [], id="zero2@2->fsdp-tp2@4", marks=pytest.mark.matrix),
     pytest.param("fsdp-tp2@4", "fsdp_tp", 4, [], id="fsdp-tp2@4->fsdp-tp2@4", marks=pytest.mark.matrix),
     pytest.param("fsdp-tp2@4", "zero3", 2, [], id="fsdp-tp2@4->zero3@2", marks=pytest.mark.matrix),
+    # FSDP2 x TP x PP checkpoints (each rank's shards of its stage's slices): under FSDP2, and ZeRO-2's under 3D.
+    pytest.param("fsdp-tp2-pp2@8", "fsdp", 2, [], id="fsdp-tp2-pp2@8->fsdp@2", marks=pytest.mark.matrix),
+    pytest.param("zero2@2", "fsdp_tp", 8, THREE_D, id="zero2@2->fsdp-tp2-pp2@8", marks=pytest.mark.matrix),
     # Sequence-parallel checkpoints (ZeRO-3's partitions over every rank of the sequence-and-data-parallel group).
     pytest.param("zero3-sp2@2", "fsdp", 2, [], id="zero3-sp2@2->fsdp@2"),
     pytest.param("fsdp@2", "zero3_sp", 2, SEQUENCE, id="fsdp@2->zero3-sp2@2"),
