@@ -16,7 +16,8 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   (`_resolve_process_group`): to count every collective a step calls, in bytes (training/loop/comms.py); checked on
   2.13.
 - torch's functional collectives' `AsyncCollectiveTensor`: a DTensor redistribution's output not waited for yet,
-  whose storage cannot be read; the saved-tensor counter waits for it (`arrived`, training/plan/memory/saved.py).
+  whose storage cannot be read; the saved-tensor counter waits for it (`arrived`, training/plan/memory/saved.py),
+  and a compiled first decoder layer takes it arrived (`is_in_flight`, training/parallel/tensor.py).
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
 - DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
@@ -90,6 +91,13 @@ def collective_group_size(func, args: tuple, kwargs: dict) -> int:
         if arg.name == "group_name":
             return _resolve_process_group(value).size()
     return torch.distributed.get_world_size()
+
+
+def is_in_flight(tensor) -> bool:
+    """Whether `tensor` is a functional collective's output torch has not waited for yet (`AsyncCollectiveTensor`)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return isinstance(tensor, AsyncCollectiveTensor)
 
 
 def arrived(tensor: torch.Tensor) -> torch.Tensor:

@@ -46,14 +46,15 @@ def parse_args(argv: list[str] | None = None):
 def table(rows: list[dict]) -> str:
     lines = [
         "| tp | sequence parallel | per layer, measured (bytes/token) | planner | measured / planned - 1 | "
-        "Megatron-LM (re-gathers) | Korthikanti et al., GPT layer | held at peak, measured (MiB) | planner (MiB) |",
+        "torch's styles (inputs gathered) | Korthikanti et al., GPT layer | held at peak, measured (MiB) | "
+        "planner (MiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["tp"], r["sequence_parallel"])):
         lines.append(
             f"| {r['tp']} | {'yes' if r['sequence_parallel'] else 'no'} | {r['per_token']:,.0f} | "
             f"{r['planned_per_token']:,} | {r['per_token'] / r['planned_per_token'] - 1:+.1e} | "
-            f"{r['megatron_per_token']:,} | {r['korthikanti_per_token']:,.0f} | {r['peak_bytes'] / MiB:.2f} | "
+            f"{r['gathered_per_token']:,} | {r['korthikanti_per_token']:,.0f} | {r['peak_bytes'] / MiB:.2f} | "
             f"{r['planned_peak_bytes'] / MiB:.2f} |"
         )
     return "\n".join(lines)
@@ -75,8 +76,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.plot(tp, [r["korthikanti_per_token"] for r in points], ":", color=line.get_color(),
                 label=f"{label}: Korthikanti et al. (GPT layer)")  # fmt: skip
         if sequence:
-            ax.plot(tp, [r["megatron_per_token"] for r in points], "--", color=line.get_color(),
-                    label=f"{label}: shards kept (Megatron-LM)")  # fmt: skip
+            ax.plot(tp, [r["gathered_per_token"] for r in points], "--", color=line.get_color(),
+                    label=f"{label}: torch's styles (gathered inputs kept)")  # fmt: skip
     title = f"Activations a decoder layer saves per token and rank ({rows[0]['preset']}, {rows[0]['dtype']})"
     save_against_ranks(fig, ax, rows, "bytes per token", title, Path(path), legend_columns=1, key="tp",
                        xlabel="tensor-parallel ranks tp")  # fmt: skip

@@ -197,11 +197,13 @@ def test_gradient_checkpointing_trains_the_same(launcher, config, corpus, tmp_pa
 @pytest.mark.slow
 @pytest.mark.multiproc
 @matrix
-@pytest.mark.parametrize(("launcher", "config"), MODE_CELLS)
+@pytest.mark.parametrize(("launcher", "config"), [*MODE_CELLS, cell("fsdp_tp")])
 def test_torch_compile_trains_the_same(launcher, config, corpus, reference, tmp_path):
     """--torch_compile (inductor) under each strategy: each decoder layer is compiled before the strategy wraps the
     model (the `debug` preset's 2), the losses match one eager process within FP32_RTOL, the export works, and
-    compile time is logged apart."""
+    compile time is logged apart. FSDP2 x TP on 4 ranks too: the compiled first layer takes the embedding's
+    reduce-scattered rows once they have arrived (training/parallel/tensor.arrive_before_compiled), and the compiled
+    layers keep torch's layout of the saved activations."""
     run = launch_cell(launcher, config, ["--torch_compile"], corpus, tmp_path)
     assert run.strategy["compiled_blocks"] == 2, run.strategy
     assert_compiled_run(run, reference("fp32"))

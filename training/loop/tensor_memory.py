@@ -30,11 +30,18 @@ def _rank(rank: int, tp: int, port: int, queue, sequence_parallel: bool, preset:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from training.parallel.tensor import sequence_parallel_plan, tie_split_embedding, torch_plan
+        from training.parallel.tensor import (
+            save_sequence_shards,
+            sequence_parallel_plan,
+            tie_split_embedding,
+            torch_plan,
+        )
 
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))  # collective
         plan = sequence_parallel_plan(config) if sequence_parallel else torch_plan(config)
         parallelize_module(net, mesh, plan)  # collective: each rank keeps its slices
+        if sequence_parallel:
+            save_sequence_shards(net.model.layers)  # as the training script
         tie_split_embedding(net)
     tokens = torch.randint(0, config.vocab_size, (micro, block + 1))
     counter = HeldBytes(net.parameters())
@@ -82,6 +89,6 @@ def measure(tp: int, sequence_parallel: bool, preset: str, micro: int, block: in
         "dtype": dtype, "layer_bytes": layer, "layer_bytes_per_rank": [got[r][0] for r in range(tp)],
         "peak_bytes": max(peak for _, peak in got.values()), "planned_peak_bytes": planned_peak,
         "per_token": layer / tokens, "planned_per_token": layer_activation_bytes(config, e, tp, sequence),
-        "megatron_per_token": layer_activation_bytes(config, e, tp, sequence, gathered=False),
+        "gathered_per_token": layer_activation_bytes(config, e, tp, sequence, gathered=True),
         "korthikanti_per_token": korthikanti_bytes(config, e, tp, sequence),
     }  # fmt: skip

@@ -6,11 +6,12 @@ applied with torch's `parallelize_module` on the `tp` dimension of a `DeviceMesh
 (training/parallel/mesh.py), then each decoder layer and the root are sharded with FSDP2's `fully_shard` on its
 data-parallel dimensions: torchtitan's order (tensor parallelism, then activation checkpointing and compilation,
 which the model already carries, then `fully_shard`). Between the regions the residual stream and the norms live on
-sequence shards (Megatron's sequence parallelism, `sequence_parallel_plan`); the norms' weights stay whole on every
-tensor-parallel rank. The embedding and the head are split by vocabulary rows (transformers' `embedding_rowwise` and
-`colwise_gather_output` for Llama's plan), and the chunked loss runs over those rows (`VocabParallelHead`,
-Megatron-LM's vocab-parallel cross-entropy, a chunk of tokens at a time): each rank holds a tp-th of the head's
-weight, of its FLOPs and of the chunk's logits.
+sequence shards (Megatron's sequence parallelism, `sequence_parallel_plan`), and the column-split projections keep their
+input's sequence shard for the backward, which gathers it again (Megatron's layout, `save_sequence_shards`); the norms'
+weights stay whole on every tensor-parallel rank. The embedding and the head are split by vocabulary rows (transformers'
+`embedding_rowwise` and `colwise_gather_output` for Llama's plan), and the chunked loss runs over those rows
+(`VocabParallelHead`, Megatron-LM's vocab-parallel cross-entropy, a chunk of tokens at a time): each rank holds a tp-th
+of the head's weight, of its FLOPs and of the chunk's logits.
 
 Why not accelerate's own path: accelerate 1.15's `Accelerator._prepare_tp` skips a model without DTensor
 parameters, and for FSDP2 imports `ReplicateParallel` from transformers, which transformers 5 removed
@@ -21,6 +22,8 @@ and `accelerator.prepare` receives the model already sharded, which its FSDP2 pr
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -85,6 +88,140 @@ def sequence_parallel_plan(config, embedding: bool = True, head: bool = True) ->
     return plan
 
 
+def arrive_before_compiled(layer: nn.Module) -> None:
+    """Where the first decoder layer's forward is compiled (`--torch_compile`) and the plan hands it the embedding's
+    reduce-scattered output (`sequence_parallel_plan`), hand it that output arrived: a local tensor whose collective
+    torch has not waited for yet (an `AsyncCollectiveTensor`) entered the compiled graph as a tensor subclass, and its
+    gradient reached the reduce-scatter's backward as a plain tensor, ending the backward (torch 2.13). The wait goes
+    through a copy autograd records (a non-view op waits; `wait()` itself would cut the graph)."""
+    from training.compat import is_compiled_function, is_in_flight
+
+    def arrived(module, args):
+        if args and is_in_flight(args[0]):
+            return (args[0].clone(), *args[1:])
+        return None
+
+    if is_compiled_function(layer.__dict__.get("forward")):
+        layer.register_forward_pre_hook(arrived)  # after the plan's: its output
+
+
+def save_sequence_shards(layers) -> None:
+    """Megatron's layout of sequence parallelism's saved activations (Korthikanti et al. 2022, section 4.2.2), on each
+    decoder layer of `layers` once the plan split them: the column-split projections of each region (q, k, v; gate,
+    up) keep this rank's sequence shard of their input for the backward, not the input the region's all-gather made
+    whole, and the backward gathers the shard again (one all-gather a region, shared by its projections), so that
+    every tensor a layer saves is split over the tensor-parallel ranks. torch's styles save the gathered input, 2 e h
+    bytes a token more a layer on every rank (measured: docs/memory.md). Not where the layer is recomputed
+    (activation checkpointing saves only its input; the recomputation gathers anyway) nor inside torch.compile's
+    graph (a compiled layer keeps torch's layout: AOTAutograd traces the DTensor graph whole)."""
+    from training.compat import is_compiled_function
+
+    for layer in layers:
+        if is_compiled_function(layer.__dict__.get("forward")):  # `--torch_compile` (training/parallel/build.py)
+            continue
+        for region, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+            state = _RegionShard(layer)
+            region.register_forward_pre_hook(state.take, prepend=True)  # before the plan's gather: the shard
+            region.register_forward_hook(state.drop, always_call=True)
+            for name in names:
+                projection = getattr(region, name)
+                projection.region_shard = state
+                projection.forward = types.MethodType(_column_from_shard_forward, projection)
+
+
+class _RegionShard:
+    """A region's hooks around its forward: each training forward's sequence shard (its input before the plan's
+    all-gather), shared by the region's column-split projections as one `_SavedShard`; none where the layer is
+    recomputed, traced by torch.compile or run without gradients."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+        self.current: _SavedShard | None = None
+
+    def take(self, module, args) -> None:
+        from torch.distributed.tensor import DTensor
+
+        recomputed = self.layer.training and getattr(self.layer, "gradient_checkpointing", False)
+        usable = isinstance(args[0], DTensor) and torch.is_grad_enabled() and not recomputed
+        self.current = _SavedShard(args[0]) if usable and not torch.compiler.is_compiling() else None
+
+    def drop(self, module, args, output) -> None:
+        if self.current is not None:
+            self.current.shard = None  # the projections saved its local tensor: what the backward reads
+        self.current = None
+
+
+class _SavedShard:
+    """One forward of a region: its sequence shard, gathered again in the backward by the first projection that
+    needs it (a micro batch's own: a pipeline runs several forwards before their backwards), dropped once the last
+    has used it."""
+
+    def __init__(self, shard):
+        self.shard = shard  # a DTensor on the sequence shards
+        self.whole, self.users = None, 0  # the backward's gathered copy, and the projections yet to use it
+
+    def gathered(self, shard: torch.Tensor, mesh) -> torch.Tensor:
+        """The region's whole input again (collective over the tensor-parallel ranks: the all-gather over the
+        sequence, once per backward of the region)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if self.whole is None:
+            with torch.no_grad():
+                sharded = DTensor.from_local(shard, mesh, [Shard(1)], run_check=False)
+                self.whole = sharded.redistribute(placements=[Replicate()]).to_local()
+        whole = self.whole
+        self.users -= 1
+        if self.users == 0:
+            self.whole = None
+        return whole
+
+
+def _column_from_shard_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A column-split projection's forward under `save_sequence_shards` (bound to the projection): its input `x` is
+    the region's gathered input (a DTensor replicated over the tensor-parallel mesh), its weight a DTensor of its
+    output rows; it returns its output rows (a DTensor split on the last dimension), as `ColwiseParallel` expects."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    state = self.region_shard.current
+    if state is None or self.bias is not None:  # evaluation, recomputation, compilation: torch's own path
+        return F.linear(x, self.weight, self.bias)
+    mesh = self.weight.device_mesh
+    with torch.no_grad():
+        shard = state.shard.to_local().detach()
+    # the input's gradient is partial over the ranks (each holds some output rows): the projections' add up, and the
+    # plan's gather reduce-scatters their sum once
+    whole = x.to_local(grad_placements=[Partial()])
+    out = _ColumnFromShard.apply(whole, shard, self.weight.to_local(), state, mesh)
+    return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+
+
+class _ColumnFromShard(torch.autograd.Function):
+    """y = x W^T, saving the sequence shard of x (and W) instead of x; the backward gathers x again (shared by the
+    region's projections, `_SavedShard.gathered`). Under autocast the backward's matmuls run as the forward's did."""
+
+    @staticmethod
+    def forward(ctx, whole, shard, weight, state, mesh):
+        import torch.nn.functional as F
+
+        device = whole.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.state, ctx.mesh = state, mesh
+        ctx.save_for_backward(shard, weight)
+        state.users += 1
+        return F.linear(whole, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        shard, weight = ctx.saved_tensors
+        whole = ctx.state.gathered(shard, ctx.mesh)  # collective: the region's all-gather, again
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            grad_whole = grad_out @ weight
+            grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).T @ whole.reshape(-1, whole.shape[-1])
+        return grad_whole, None, grad_weight, None, None
+
+
 def check_tensor_parallel(config, tp: int, flag: str = "parallelism_config_tp_size") -> None:
     """Refuse a tensor-parallel degree that does not split every layer evenly: each rank holds heads / tp query
     heads, kv heads / tp key-value heads, intermediate / tp MLP columns and vocab / tp rows of the embedding and the
@@ -128,6 +265,9 @@ def split_stage(stage: nn.Module, tp_mesh) -> None:
     first, last = stage.embed_tokens is not None, stage.norm is not None
     plan = sequence_parallel_plan(stage.config, embedding=first, head=last)
     parallelize_module(stage, tp_mesh, {key.removeprefix("model."): style for key, style in plan.items()})
+    save_sequence_shards(stage.layers)
+    if first:
+        arrive_before_compiled(stage.layers[0])
     stage.sequence_shards = tp_mesh.size()
 
 
@@ -147,6 +287,8 @@ def shard_tensor_parallel(net: nn.Module, strategy, device: torch.device, mp_pol
     net = net.to(device)
     # collective: each rank keeps its slices; the residual stream between them on sequence shards
     parallelize_module(net, devices["tp"], sequence_parallel_plan(net.config))
+    save_sequence_shards(net.model.layers)
+    arrive_before_compiled(net.model.layers[0])
     tie_split_embedding(net)
     dp = devices[data_parallel_dims(mesh)]
     kwargs = dict(mesh=dp, mp_policy=mp_policy or MixedPrecisionPolicy(),
@@ -203,8 +345,6 @@ class VocabParallelHead(ParallelStyle):
     returns the whole logits, gathered over the vocabulary (an all-gather), as torch's `ColwiseParallel` would."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        import types
-
         from torch.distributed.tensor import Shard, distribute_tensor
 
         weight = nn.Parameter(distribute_tensor(module.weight.data, device_mesh, [Shard(0)]))

@@ -134,11 +134,13 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
 
     - Each micro batch and layer, in the forward: the attention's and the MLP's input gathered over the sequence (2
       all-gathers), the row-split projections' partial outputs reduce-scattered onto it (2 reduce-scatters); in the
-      backward the transposes: 2 all-gathers, 2 reduce-scatters (the column-split modules' input gradients added
-      first). Besides, the embedding's partial rows reduce-scattered onto the sequence shards and the final norm's
-      input gathered in the forward, the embedding's output gradient gathered in the backward; the decoder norms'
-      weight gradients, partial over the sequence shards, all-reduced (hidden each, 2 a layer); the loss over
-      vocabulary shards' all-reduces (`vocab_parallel_loss_bytes`, fp32).
+      backward the transposes: 2 all-gathers, 2 reduce-scatters (the column-split modules' input gradients added first),
+      and the two inputs gathered again for the column-split modules' weight gradients (2 all-gathers: Megatron's
+      layout, `tensor.save_sequence_shards`; with activation checkpointing the recomputed forward's gathers in their
+      place). Besides, the embedding's partial rows reduce-scattered onto the sequence shards and the final norm's input
+      gathered in the forward, the embedding's output gradient gathered in the backward; the decoder norms' weight
+      gradients, partial over the sequence shards, all-reduced (hidden each, 2 a layer); the loss over vocabulary
+      shards' all-reduces (`vocab_parallel_loss_bytes`, fp32).
     - FSDP2 over the data-parallel ranks, on this rank's slice (1/tp of the split matrices and of the embedding's
       and head's vocabulary rows, the norms whole), as plain FSDP2 on the whole model (`expected_payloads`): each
       decoder layer gathered in the forward and again in the backward, the group outside the layers (embedding,
@@ -156,12 +158,13 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
     local = shape.parameters - split + split // tp
     outside = vocabulary // tp + hidden_size  # FSDP2's root group on this rank: its rows, the final norm
     regions = 2 * split_modules.get("rowwise", 0)  # a gather and a scatter each way per row-split module
+    regathers = split_modules.get("rowwise", 0)  # each region's input gathered again in the backward
     activation = micro_tokens * hidden_size
     sharded = strategy.shard_size > 1  # else whole copies: no gathers, no scatters, an all-reduce of the slice
     across = (local // strategy.shard_size) if strategy.replicas > 1 else 0  # the replicas' all-reduce
     payloads = {
         "all_reduce": micro_batches * (shape.norms - hidden_size) + across,
-        "all_gather": micro_batches * ((regions + 2) * activation + (2 * local - outside) * sharded),
+        "all_gather": micro_batches * ((regions + regathers + 2) * activation + (2 * local - outside) * sharded),
         "reduce_scatter": micro_batches * (regions + 1) * activation + local * sharded,
     }
     payloads = {kind: n * bytes_per_element for kind, n in payloads.items()}
@@ -190,11 +193,11 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
       forward and their gradient backward, sent or received (a message each way, counted on both of its ranks); under
       tensor parallelism the rank's sequence shard, a tp-th of them.
     - Tensor parallelism inside the stage, with Megatron's sequence parallelism (`split_stage`), as under FSDP2 x TP
-      (`dtensor_payloads`) on the stage's layers: each micro batch and layer 4 all-gathers and 4 reduce-scatters of
-      its activations; the first stage reduce-scatters its embedding's partial rows and gathers their gradient, the
-      last gathers its final norm's input and all-reduces the loss over vocabulary shards
-      (`vocab_parallel_loss_bytes`, fp32). The decoder norms' weight gradients, partial over the shards, all-reduced
-      once a step after the schedule (hidden each, 2 a layer: `Pipeline.settle_split_gradients`).
+      (`dtensor_payloads`) on the stage's layers: each micro batch and layer 6 all-gathers (the backward's 2 regathers
+      among them) and 4 reduce-scatters of its activations; the first stage reduce-scatters its embedding's partial rows
+      and gathers their gradient, the last gathers its final norm's input and all-reduces the loss over vocabulary
+      shards (`vocab_parallel_loss_bytes`, fp32). The decoder norms' weight gradients, partial over the shards,
+      all-reduced once a step after the schedule (hidden each, 2 a layer: `Pipeline.settle_split_gradients`).
     - The tied embedding's two gradients (first and last stage) summed once a step: an all-reduce of the embedding's
       rows on the rank (1/tp of them under tensor parallelism), or their FSDP2 shard (the same rows on both).
     - Across the pipelines, on the rank's slice of its stage (1/tp of each decoder matrix and of the embedding's and
@@ -232,7 +235,7 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
     if tp > 1:  # sequence parallelism's regions, as under FSDP2 x TP (`dtensor_payloads`), on the stage's layers
         regions = 2 * list(config.base_model_tp_plan.values()).count("rowwise") * layers
         ends = (0 in mine) + (last in mine)  # the embedding's output gradient, the final norm's input
-        elements["all_gather"] += m * (regions + ends) * activation
+        elements["all_gather"] += m * (regions + regions // 2 + ends) * activation  # and the backward's regathers
         elements["reduce_scatter"] = m * (regions + (0 in mine)) * activation  # and the embedding's partial rows
         elements["all_reduce"] += 2 * layers * h  # the decoder norms' weight gradients, once a step
     if shape.tied_embedding and owners[0] != owners[-1] and (0 in mine or last in mine):

@@ -87,7 +87,9 @@ class Memory:
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
         layers, tp, sequence = layout.stage_layers(c), layout.tp, layout.sequence_parallel
-        gathered = layout.stack == "shardgpt"  # torch's DTensor styles keep the gathered inputs; Megatron re-gathers
+        # Megatron-LM and this project gather the column-split inputs again in the backward; a compiled layer of this
+        # project keeps torch's styles' layout, the gathered inputs whole
+        gathered = layout.stack == "shardgpt" and layout.compiled
         if layout.pp == 1 and not layout.selective:
             activations = activation_bytes(c, layout.micro_batch, self.seq_len, e, layout.checkpointing, tp,
                                            sequence_parallel=sequence, gathered=gathered)  # fmt: skip

@@ -445,12 +445,19 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         # Two all-reduces a layer and micro batch in each forward (recomputed ones too); in the backward two, or one
         # per column-split module in this project's runtime (STACKS); under sequence parallelism each is an
         # all-gather and a reduce-scatter of the same ring bytes (Korthikanti et al. 2022, section 4.2.2), the
-        # column-split modules' input gathered once for all of them (torch's SequenceParallel does the same).
+        # column-split modules' input gathered once for all of them (torch's SequenceParallel does the same). Their
+        # input gathered again in the backward (Megatron's layout of the saved activations, half an all-reduce's ring
+        # bytes a region) runs beside the weight gradients' compute in Megatron-LM (Korthikanti et al. 2022, 4.2.2) and
+        # after it here (training/parallel/tensor.save_sequence_shards): exposed, but where checkpointing's
+        # recomputation gathers in its place or a compiled layer keeps the gathered input.
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
         styles = list(config.base_model_tp_plan.values())
         per_module = layout.stack == "shardgpt" and not layout.sequence_parallel  # SP gathers each input once
         backward = styles.count("colwise") if per_module else styles.count("rowwise")
         per_layer = (2 if layout.checkpointing else 1) * styles.count("rowwise") + backward
+        regathered = layout.stack == "shardgpt" and layout.sequence_parallel
+        if regathered and not (layout.checkpointing or layout.compiled):
+            per_layer += styles.count("rowwise") / 2
         calls = per_layer * layout.stage_layers(config) * layout.micro_batches
         seconds = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
         if layout.tp_overlap:  # one chunk in tp exposed, the rest hidden up to the compute (TP_OVERLAP above)

@@ -17,7 +17,7 @@ from training.plan.memory.states import Item, zero3_groups, zero12_partitions
 
 def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, checkpointing: bool,
                      tp: int = 1, sp: int = 1, sequence_parallel: bool = False,
-                     gathered: bool = True) -> int:  # fmt: skip
+                     gathered: bool = False) -> int:  # fmt: skip
     """Tensors autograd saves for the backward (not the loss's: see `saved_loss_bytes`), at the start of the
     backward.
 
@@ -37,8 +37,10 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     q, the attention output, k, v, the log-sum-exp and the MLP's four tensors are 1/tp as large; the norms'
     tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (measured to the byte at tp 2 and 4:
     training/loop/tensor_memory.py). Under Megatron's sequence parallelism (`sequence_parallel`) the norms' tensors
-    and a layer's input are on sequence shards of the tp ranks too; the column-split projections' gathered inputs
-    stay whole under torch's DTensor styles (`gathered`; Megatron-LM gathers them again: `layer_activation_bytes`).
+    and a layer's input are on sequence shards of the tp ranks too, and so are the column-split projections' inputs
+    (Megatron's layout: gathered again in the backward, training/parallel/tensor.save_sequence_shards); torch's
+    DTensor styles keep them whole (`gathered`: a compiled layer, and the layer being recomputed under activation
+    checkpointing: `layer_activation_bytes`).
     Under Ulysses sequence parallelism (`sp` ranks) a rank holds seq_len / sp positions of each sequence
     (`ulysses_layer_bytes`), and rotary's cos and sin are per sample (the loader passes each slice's positions).
     """
@@ -48,7 +50,9 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     once = 8 + final_norm_bytes(c, e)
     split = tp if sequence_parallel else 1  # a layer's input, on a sequence shard under sequence parallelism
     kept = e * c.hidden_size // split if checkpointing else layer  # per layer: its input only, or all it saves
-    recomputed = layer if checkpointing else 0  # the one layer being recomputed in the backward
+    # the one layer being recomputed in the backward, in torch's layout (the recomputation gathers its inputs whole)
+    recomputed = layer_activation_bytes(c, e, tp, sequence_parallel, True) if checkpointing and sp == 1 else 0
+    recomputed = recomputed or (layer if checkpointing else 0)
     rotary = rotary_bytes(c, seq_len, e) if sp == 1 else rotary_bytes(c, tokens, e)
     return (c.num_hidden_layers * kept + recomputed + once) * tokens + rotary
 
@@ -65,15 +69,16 @@ def ulysses_layer_bytes(config: ShardGPTConfig, e: int, sp: int) -> int:
 
 
 def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_parallel: bool = False,
-                           gathered: bool = True) -> int:  # fmt: skip
+                           gathered: bool = False) -> int:  # fmt: skip
     """What one decoder layer saves per token: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (`activation_bytes`).
 
     With Megatron's sequence parallelism the norms' tensors are on sequence shards too. Each column-split projection
-    (q, k, v; gate, up) saves its input, the norm's output, which the region's all-gather made whole. torch's DTensor
-    styles save that gathered input (`gathered`, this project's runtime): e (2h + (4h + 2g + 4f) / tp) + (8h + 4a +
-    8) / tp, measured to the byte at tp 2 and 4 (training/loop/tensor_memory.py). Megatron-LM saves the shard and
-    gathers it again in the backward (Korthikanti et al. 2022, section 4.2.2): all of it over tp,
-    (e (6h + 2g + 4f) + 8h + 4a + 8) / tp, their sbh (34 / t + 5as / ht) for a GPT layer."""
+    (q, k, v; gate, up) saves its input, the norm's output, which the region's all-gather made whole. Megatron-LM
+    saves the shard and gathers it again in the backward (Korthikanti et al. 2022, section 4.2.2), and so does this
+    project's runtime (training/parallel/tensor.save_sequence_shards): all of it over tp, (e (6h + 2g + 4f) + 8h +
+    4a + 8) / tp, their sbh (34 / t + 5as / ht) for a GPT layer. torch's DTensor styles save the gathered input
+    (`gathered`: a compiled layer, a recomputed one): e (2h + (4h + 2g + 4f) / tp) + (8h + 4a + 8) / tp. Both
+    measured to the byte at tp 2 and 4 (training/loop/tensor_memory.py)."""
     h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     g = config.num_key_value_heads * config.head_dim
     if sequence_parallel and gathered:
@@ -84,7 +89,7 @@ def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence
 
 
 def selective_layer_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_parallel: bool = False,
-                          gathered: bool = True) -> int:  # fmt: skip
+                          gathered: bool = False) -> int:  # fmt: skip
     """What one decoder layer keeps per token under selective recomputation (its GEMMs' inputs and attention's
     output kept, the memory-bound kernels between them recomputed): the layer's input and middle residual and the
     two norms' outputs (4 e h, whole on each tensor-parallel rank unless sequence parallelism splits them; the norms'

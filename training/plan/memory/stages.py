@@ -89,7 +89,8 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
     per_micro = len(stage_layers(c.num_hidden_layers, pp, stage)) * per_layer * tokens + rotary_bytes(c, seq_len, e)
     per_micro += (final_norm_bytes(c, e) if last else hidden * c.hidden_size // tp) * tokens
     n = in_flight(schedule, pp, micro_batches, stage)
-    once = (8 * tokens * micro_batches if first else 0) + (layer * tokens if checkpointing else 0)
+    recomputed = layer_activation_bytes(c, e, tp, tp > 1, gathered=True)  # in torch's layout: the inputs gathered
+    once = (8 * tokens * micro_batches if first else 0) + (recomputed * tokens if checkpointing else 0)
     return n * per_micro + once, n * saved_loss_bytes(c, micro_batch, seq_len, e, tp) if last else 0
 
 
