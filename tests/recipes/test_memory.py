@@ -170,22 +170,52 @@ def test_sharded_states_fall_as_one_over_n_on_4_ranks(config, tmp_path):
         assert record["model_states"] < 6 * record["psi"]  # against 16Ψ to 20Ψ unsharded
 
 
+# The composed layouts' YAMLs as users write them: FSDP2 x TP (the shipped fsdp_tp.yaml), DDP x TP (a DDP YAML with
+# replicas, held by FSDP2 on a replicate-only mesh) and hybrid FSDP2 x TP (replicas of a copy sharded over 2 ranks).
+DDP_TP_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_tp_size: 2
+num_machines: 1
+num_processes: 4
+mixed_precision: "no"
+use_cpu: false
+"""
+COMPOSED = [("fsdp_tp", 4, 2), ("ddp_tp", 4, 1), ("hybrid_tp", 8, 2)]  # (YAML, ranks, ranks a copy is sharded over)
+
+
+def composed_yaml(name: str, tmp_path) -> str | Path:
+    """The accelerate config of a composed layout: the shipped one, or one written as a user writes it."""
+    if name == "fsdp_tp":
+        return name
+    text = DDP_TP_YAML if name == "ddp_tp" else (ROOT / "accelerate_configs" / "fsdp_tp.yaml").read_text()
+    if name == "hybrid_tp":
+        text = text.replace("parallelism_config:\n", "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
+        text = text.replace("num_processes: 4", "num_processes: 8")
+    (tmp_path / f"{name}.yaml").write_text(text)
+    return tmp_path / f"{name}.yaml"
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.matrix  # 4 ranks oversubscribed on 2 cores: only bytes are measured
-def test_fsdp2_x_tp_states_match_planner_on_4_ranks(tmp_path):
-    """FSDP2 x TP from accelerate_configs/fsdp_tp.yaml (dp_shard 2 x tp 2): each rank holds half of every split
-    matrix and of the (tied) embedding's vocabulary rows (its tensor-parallel slice), FSDP2 holds half of that slice,
-    and of what stays whole across the tensor-parallel ranks (the norms) half; weights, gradients and Adam's moments
-    of that share in fp32, a step counter per tensor. The planner counts the same, category by category, to the
-    byte."""
+@pytest.mark.matrix  # 4 and 8 ranks oversubscribed on 2 cores: only bytes are measured
+@pytest.mark.parametrize(("name", "nproc", "shards"), COMPOSED, ids=[c[0] for c in COMPOSED])
+def test_composed_states_match_planner(name, nproc, shards, tmp_path):
+    """FSDP2 x TP (dp_shard 2 x tp 2), DDP x TP (dp_replicate 2 x tp 2) and hybrid FSDP2 x TP (2 replicas x 2 shards x
+    tp 2): each rank holds half of every split matrix and of the (tied) embedding's vocabulary rows (its
+    tensor-parallel slice), FSDP2 holds a `shards`-th of that slice and of what stays whole across the
+    tensor-parallel ranks (the norms); weights, gradients and Adam's moments of that share in fp32, a step counter per
+    tensor. The planner counts the same, category by category, to the byte."""
     c = ShardGPTConfig.from_preset("tiny")
-    for record in measure("fsdp_tp", TINY, tmp_path / "out", nproc=4):
+    config = composed_yaml(name, tmp_path)
+    for record in measure(config, TINY, tmp_path / "out", nproc=nproc):
         norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
-        split = record["psi"] - norms  # the matrices and the embedding: split over tp, then sharded over dp
-        local = split // 4 + norms // 2
+        split = record["psi"] - norms  # the matrices and the embedding: split over tp, then sharded
+        local = split // (2 * shards) + norms // shards
         assert record["model_states"] == (4 + 4 + 8) * local + 4 * record["param_tensors"], record["bytes"]
         predicted = bytes_by_category(planned(record))
         assert {k: record["bytes"][k] for k in predicted} == predicted, record["snapshots"]
-        for name, snap in record["snapshots"].items():
-            assert snap["unattributed"]["bytes"] < 64 * 1024, (name, snap["unattributed"])
+        for snap_name, snap in record["snapshots"].items():
+            assert snap["unattributed"]["bytes"] < 64 * 1024, (snap_name, snap["unattributed"])

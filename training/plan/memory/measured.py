@@ -61,10 +61,13 @@ def planner_inputs(record: dict) -> tuple[Layout, Strategy, dict | None]:
 
 def planned(record: dict) -> list[Item]:
     """The planner's model-state items for the rank, precision and DeepSpeed config that `record` measured
-    (under tensor parallelism: the rank's slice, over the data-parallel ranks; tp is the mesh's inner dimension)."""
+    (under tensor parallelism: the rank's slice, over the data-parallel ranks; tp is the mesh's inner dimension;
+    under hybrid FSDP2 over the ranks of its copy, dp_shard inside dp_replicate)."""
     lay, strategy, zero = planner_inputs(record)
     tp = tensor_parallel_size(strategy, record["ds_config"])
     world, rank = record["world_size"] // tp, record["rank"] // tp
+    if strategy.family == "fsdp":
+        world, rank = strategy.shard_size, rank % strategy.shard_size
     return model_states(lay, strategy, world, rank, record["precision"], zero)
 
 

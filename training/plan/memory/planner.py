@@ -78,8 +78,13 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     sp, asked = strategy.sp_size, strategy.name  # Ulysses: ZeRO partitions over every rank, each holds T / sp
     strategy = strategy.with_degrees(sp=1)
     dtensor = strategy.family == "fsdp" and strategy.tp_size > 1  # FSDP2 x TP: the chunked loss over vocabulary shards
-    if (strategy.with_degrees(tp=1) if dtensor else strategy).name not in STRATEGIES:
-        raise ValueError(f"the planner does not model {strategy.name}; choose one of {', '.join(STRATEGIES)} or all")
+    # Hybrid FSDP2 (replicas of a copy sharded over shard_size ranks; DDP x TP is its shard size of 1): each rank holds
+    # what FSDP2 over its copy's ranks holds, the replicas' all-reduce running in place on the reduce-scattered shard.
+    hybrid = strategy.family == "fsdp" and strategy.replicas > 1 and strategy.fsdp_version == 2
+    hybrid &= strategy.fsdp_sharding == "FULL_SHARD" and not strategy.offloads
+    if not hybrid and (strategy.with_degrees(tp=1) if dtensor else strategy).name not in STRATEGIES:
+        known = ", ".join(STRATEGIES)
+        raise ValueError(f"the planner does not model {strategy.name}; choose one of {known}, hybrid FSDP2, or all")
     if seq_len % sp:
         raise ValueError(f"seq_len {seq_len} is not divisible by sequence-parallel size {sp}")
     if precision not in BYTES:
@@ -89,7 +94,8 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     tp = tensor_parallel_size(strategy, ds_config)
     Mesh.of_world(world_size, tp=tp)  # refuses a tensor-parallel size that does not divide the ranks
     whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp)
-    dp = world_size // tp  # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks
+    # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks; FSDP2 shards it over a copy's
+    dp = strategy.shard_size if strategy.family == "fsdp" else world_size // tp
     zero = None
     if strategy.family == "deepspeed":
         zero = zero_config(strategy, config, dp, precision, micro_batch, ds_config, bf16_gradient_reduction, cpu_ranks)
