@@ -14,6 +14,19 @@ import pytest
 from hub import assert_loads_as_the_hub_does
 from launching import Run, launch, launcher_command
 
+# DDP x TP as a user writes it: a DDP YAML (accelerate_configs/ddp.yaml's settings) with replicas instead of shards,
+# 2 copies of the model, each split over 2 tensor-parallel ranks (tests/recipes/test_composed.py, test_memory.py).
+DDP_TP_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_tp_size: 2
+num_machines: 1
+num_processes: 4
+mixed_precision: "no"
+use_cpu: false
+"""
 STEPS = 20
 TRAIN = [
     "--preset=debug", f"--max_steps={STEPS}", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",

@@ -20,7 +20,7 @@ import pytest
 import torch
 from communication import assert_closed_form, launched
 from launching import accelerate_with, launch, launcher_command
-from parity import STEPS, TRAIN, TWO_RANKS, assert_same_training, by_step, reference_run
+from parity import DDP_TP_YAML, STEPS, TRAIN, TWO_RANKS, assert_same_training, by_step, reference_run
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 
@@ -42,19 +42,6 @@ mixed_precision: "no"
 use_cpu: false
 """
 SAVE_AT = 10
-# DDP x TP: a user's DDP YAML with replicas instead of shards (accelerate_configs/ddp.yaml's settings): 2 copies of
-# the model, each split over 2 tensor-parallel ranks.
-DDP_TP = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: MULTI_GPU
-parallelism_config:
-  parallelism_config_dp_replicate_size: 2
-  parallelism_config_tp_size: 2
-num_machines: 1
-num_processes: 4
-mixed_precision: "no"
-use_cpu: false
-"""
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +117,7 @@ def test_ddp_x_tensor_parallel_yaml_trains_like_one_process(reference, corpus, t
     slices (DDP's reducer takes no DTensor); each rank holds half of every split matrix and all of the rest, and the
     copies all-reduce their slices' gradients, DDP's traffic. An FSDP2 YAML with the same block (hybrid sharding)
     is this strategy (tests/training/test_config.py)."""
-    (tmp_path / "replicated_tp.yaml").write_text(DDP_TP)
+    (tmp_path / "replicated_tp.yaml").write_text(DDP_TP_YAML)
     run = launch(accelerate_with(str(tmp_path / "replicated_tp.yaml")), [*corpus["flags"], *TRAIN, *TWO_RANKS],
                  tmp_path / "out")  # fmt: skip
     seen = run.strategy

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from launching import ROOT, launch, launcher_command
+from parity import DDP_TP_YAML
 
 from model import ShardGPTConfig
 from training.plan.memory import planner as pm
@@ -172,17 +173,6 @@ def test_sharded_states_fall_as_one_over_n_on_4_ranks(config, tmp_path):
 
 # The composed layouts' YAMLs as users write them: FSDP2 x TP (the shipped fsdp_tp.yaml), DDP x TP (a DDP YAML with
 # replicas, held by FSDP2 on a replicate-only mesh) and hybrid FSDP2 x TP (replicas of a copy sharded over 2 ranks).
-DDP_TP_YAML = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: MULTI_GPU
-parallelism_config:
-  parallelism_config_dp_replicate_size: 2
-  parallelism_config_tp_size: 2
-num_machines: 1
-num_processes: 4
-mixed_precision: "no"
-use_cpu: false
-"""
 COMPOSED = [("fsdp_tp", 4, 2), ("ddp_tp", 4, 1), ("hybrid_tp", 8, 2)]  # (YAML, ranks, ranks a copy is sharded over)
 
 
