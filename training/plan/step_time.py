@@ -145,6 +145,15 @@ PER_MICRO_BATCH = {"zero2", "zero3", "fsdp"}  # reduce (and gather) every micro 
 # interleaved schedule's sends and receives beside its compute (`overlap_p2p_comm`), its reductions in the gradients'
 # bf16 (`DistributedDataParallelConfig.grad_reduce_in_fp32 = False`).
 STACKS = ("shardgpt", "megatron-core", "megatron-lm-2021")
+# Megatron-LM 2021's ZeRO-3 comparison (its Table 2) ran DeepSpeed's ZeRO-3 of spring 2021 (DeepSpeed 0.3.x,
+# "integrated into our codebase using the DeepSpeed Python library"), whose runtime differs from today's: each
+# parameter's all-gather first synchronizes the whole device (`torch.cuda.synchronize()` in
+# `partition_parameters._allgather_param`, v0.3.14; "the async version is not async at all, because each all_gather
+# calls torch.cuda.synchronize()": deepspeedai/DeepSpeed pull request 1188, June 2021), so neither the gathers nor
+# the gradients' reduce-scatters queued before them overlap the compute; the gradients are reduce-scattered as they
+# are held, in fp16 (`_reduce_scatter_gradient` of `param.grad`). Under "megatron-lm-2021" ZeRO-3 is modelled so.
+# Whatever the version, past its live-parameter limits ZeRO-3 releases a module's parameters after each use, so a
+# recomputed forward (activation checkpointing) gathers them once more.
 # Tensor-parallel overlap (Megatron's `--tp-comm-overlap` through Transformer Engine's userbuffers; torchtitan's
 # async TP): each GEMM beside a collective is cut into tp chunks and each chunk's transfer runs beside another
 # chunk's GEMM (Wang et al. 2022, "Overlap Communication with Dependent Computation via Decomposition"); one chunk's
@@ -359,6 +368,8 @@ def data_parallel_seconds(
         strategy = replace(strategy, deepspeed={"zero_optimization": zero})
     m = layout.micro_batches
     megatron = layout.stack == "megatron-core"
+    # DeepSpeed 0.3's ZeRO-3, as Megatron-LM 2021 ran it (STACKS above): nothing overlapped, fp16 gradients.
+    deepspeed_2021 = layout.stack == "megatron-lm-2021" and family == "zero3"
 
     def payloads(element: int, micro_batches: int) -> dict[str, int]:
         # The step's closed form; where there is none over several micro batches (ZeRO-3 re-gathering, past its
@@ -369,10 +380,14 @@ def data_parallel_seconds(
         found = expected_payloads(strategy, shape, element, micro_batches)
         if found is None:
             found = {k: micro_batches * v for k, v in expected_payloads(strategy, shape, element).items()}
+        if family == "zero3" and limit == 0 and layout.checkpointing:
+            # released after each use, a decoder layer's parameters are gathered again by its recomputed forward
+            layers = shape.parameters - shape.outside_layers - (shape.norms - config.hidden_size)
+            found["all_gather"] += micro_batches * element * layers
         return found
 
-    # Gradients: FSDP2 and Megatron-Core reduce in bf16, the rest in fp32.
-    reduction = ACTIVATION_BYTES if family == "fsdp" or megatron else 4
+    # Gradients: FSDP2 and Megatron-Core reduce in bf16, DeepSpeed 0.3's ZeRO-3 in fp16, the rest in fp32.
+    reduction = ACTIVATION_BYTES if family == "fsdp" or megatron or deepspeed_2021 else 4
     gathered, reduced = payloads(ACTIVATION_BYTES, m), payloads(reduction, m)  # parameters are gathered in bf16
     once = {**payloads(ACTIVATION_BYTES, 1), **{k: v for k, v in payloads(reduction, 1).items() if k in REDUCTIONS}}
     # The group spans a pipeline stage's ranks, tp x sp apart (tensor- and sequence-parallel ranks are innermost).
@@ -388,6 +403,8 @@ def data_parallel_seconds(
         window = OVERLAP[family].get(kind) if layout.pp == 1 else None
         if megatron:  # each bucket reduced as it is ready; the parameters gathered during the first forward
             window = "backward" if kind in REDUCTIONS else "forward"
+        if deepspeed_2021:  # each gather waits for the device, the reductions before it with it: all exposed
+            window = None
         if window == "forward+backward":
             forward = min(1.0, repeats * ACTIVATION_BYTES * shape.parameters / nbytes)
             out += [(kind, forward * seconds, "forward"), (kind, (1 - forward) * seconds, "backward")]
