@@ -85,12 +85,12 @@ def test_pipelines_with_ddp_and_fsdp2_train_like_one_process(tmp_path):
     (ddp) or are FSDP2-sharded over the pair (fsdp: every schedule but the zero-bubble ones, refused with FSDP2).
     The tied embedding's gradient is summed over the first and last stage of each pipeline. In the same launch,
     pp 2 x tp 2: one pipeline whose stages' layers are split over a pair of ranks, with sequence parallelism, under
-    1F1B, a looped and the V-shaped schedule with two stages a rank (the launches of tests/recipes/test_composed.py
-    run GPipe and 1F1B; by hand LoopedBFS and InterleavedZeroBubble train the same). Every rank's model states
-    under DDP, FSDP2 and TP pipelines are the memory planner's to the byte."""
+    1F1B and every schedule with two stages a rank, looped and V-shaped (the launches of
+    tests/recipes/test_composed.py run GPipe and 1F1B). Every rank's model states under DDP, FSDP2 and TP pipelines
+    are the memory planner's to the byte."""
     specs = ["GPipe", "1F1B", "Interleaved1F1B:2", "ZBVZeroBubble:2", "GPipe:1:fsdp", "1F1B:1:fsdp",
-             "Interleaved1F1B:2:fsdp", "LoopedBFS:2:fsdp", "1F1B:1:tp", "Interleaved1F1B:2:tp",
-             "ZBVZeroBubble:2:tp"]  # fmt: skip
+             "Interleaved1F1B:2:fsdp", "LoopedBFS:2:fsdp", "1F1B:1:tp", "Interleaved1F1B:2:tp", "LoopedBFS:2:tp",
+             "InterleavedZeroBubble:2:tp", "ZBVZeroBubble:2:tp"]  # fmt: skip
     for spec, record in run_worker(tmp_path, 4, 2, specs).items():
         assert_like_one_process(record, spec)
     for spec in ("1F1B", "GPipe:1:fsdp", "1F1B:1:fsdp", "1F1B:1:tp"):  # the layouts the memory planner plans
