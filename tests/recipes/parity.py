@@ -27,6 +27,14 @@ num_processes: 4
 mixed_precision: "no"
 use_cpu: false
 """
+
+
+def with_replicas(yaml: str) -> str:
+    """An FSDP2 x TP YAML of 4 ranks (dp_shard 2 x tp 2) with 2 replicas of it: hybrid FSDP2 x TP on 8 ranks."""
+    yaml = yaml.replace("parallelism_config:\n", "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
+    return yaml.replace("num_processes: 4", "num_processes: 8")
+
+
 STEPS = 20
 TRAIN = [
     "--preset=debug", f"--max_steps={STEPS}", "--warmup_steps=2", "--learning_rate=3e-3", "--logging_steps=1",

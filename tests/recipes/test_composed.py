@@ -20,7 +20,16 @@ import pytest
 import torch
 from communication import assert_closed_form, launched
 from launching import accelerate_with, launch, launcher_command
-from parity import DDP_TP_YAML, STEPS, TRAIN, TWO_RANKS, assert_same_training, by_step, reference_run
+from parity import (
+    DDP_TP_YAML,
+    STEPS,
+    TRAIN,
+    TWO_RANKS,
+    assert_same_training,
+    by_step,
+    reference_run,
+    with_replicas,
+)
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 
@@ -135,8 +144,7 @@ def test_hybrid_fsdp2_x_tensor_parallel_yaml_trains_like_one_process(reference, 
     x tp 2: each copy of the model split over pairs and sharded over two pairs, the copies' shards all-reduced once a
     step. It trains like one process, and each rank sends the closed form (training/plan/communication.py's
     `dtensor_payloads`: the replicas' all-reduce of the reduce-scattered shard of the slice, a quarter of it here)."""
-    yaml = FSDP_TP.replace("parallelism_config:\n", "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
-    (tmp_path / "hybrid_tp.yaml").write_text(yaml.replace("num_processes: 4", "num_processes: 8"))
+    (tmp_path / "hybrid_tp.yaml").write_text(with_replicas(FSDP_TP))
     args = [*corpus["flags"], *TRAIN, "--per_device_train_batch_size=2"]
     run = launch(accelerate_with(str(tmp_path / "hybrid_tp.yaml")), args, tmp_path / "out")
     seen = run.strategy

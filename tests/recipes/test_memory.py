@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from launching import ROOT, launch, launcher_command
-from parity import DDP_TP_YAML
+from parity import DDP_TP_YAML, with_replicas
 
 from model import ShardGPTConfig
 from training.plan.memory import planner as pm
@@ -182,8 +182,7 @@ def composed_yaml(name: str, tmp_path) -> str | Path:
         return name
     text = DDP_TP_YAML if name == "ddp_tp" else (ROOT / "accelerate_configs" / "fsdp_tp.yaml").read_text()
     if name == "hybrid_tp":
-        text = text.replace("parallelism_config:\n", "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
-        text = text.replace("num_processes: 4", "num_processes: 8")
+        text = with_replicas(text)
     (tmp_path / f"{name}.yaml").write_text(text)
     return tmp_path / f"{name}.yaml"
 

@@ -143,11 +143,14 @@ class _RegionShard:
 
         recomputed = self.layer.training and getattr(self.layer, "gradient_checkpointing", False)
         usable = isinstance(args[0], DTensor) and torch.is_grad_enabled() and not recomputed
-        self.current = _SavedShard(args[0]) if usable and not torch.compiler.is_compiling() else None
+        self.current = None
+        if usable and not torch.compiler.is_compiling():
+            with torch.no_grad():
+                self.current = _SavedShard(args[0].to_local().detach())
 
     def drop(self, module, args, output) -> None:
         if self.current is not None:
-            self.current.shard = None  # the projections saved its local tensor: what the backward reads
+            self.current.shard = None  # the projections saved it: what the backward reads, through autograd's hooks
         self.current = None
 
 
@@ -157,7 +160,7 @@ class _SavedShard:
     has used it."""
 
     def __init__(self, shard):
-        self.shard = shard  # a DTensor on the sequence shards
+        self.shard = shard  # this rank's sequence shard, a local tensor, until the region's forward ends
         self.whole, self.users = None, 0  # the backward's gathered copy, and the projections yet to use it
 
     def gathered(self, shard: torch.Tensor, mesh) -> torch.Tensor:
@@ -187,12 +190,10 @@ def _column_from_shard_forward(self, x: torch.Tensor) -> torch.Tensor:
     if state is None or self.bias is not None:  # evaluation, recomputation, compilation: torch's own path
         return F.linear(x, self.weight, self.bias)
     mesh = self.weight.device_mesh
-    with torch.no_grad():
-        shard = state.shard.to_local().detach()
     # the input's gradient is partial over the ranks (each holds some output rows): the projections' add up, and the
     # plan's gather reduce-scatters their sum once
     whole = x.to_local(grad_placements=[Partial()])
-    out = _ColumnFromShard.apply(whole, shard, self.weight.to_local(), state, mesh)
+    out = _ColumnFromShard.apply(whole, state.shard, self.weight.to_local(), state, mesh)
     return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
 
 

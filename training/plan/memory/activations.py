@@ -51,8 +51,8 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     split = tp if sequence_parallel else 1  # a layer's input, on a sequence shard under sequence parallelism
     kept = e * c.hidden_size // split if checkpointing else layer  # per layer: its input only, or all it saves
     # the one layer being recomputed in the backward, in torch's layout (the recomputation gathers its inputs whole)
-    recomputed = layer_activation_bytes(c, e, tp, sequence_parallel, True) if checkpointing and sp == 1 else 0
-    recomputed = recomputed or (layer if checkpointing else 0)
+    torch_layout = layer_activation_bytes(c, e, tp, sequence_parallel, gathered=True) if sp == 1 else layer
+    recomputed = torch_layout if checkpointing else 0
     rotary = rotary_bytes(c, seq_len, e) if sp == 1 else rotary_bytes(c, tokens, e)
     return (c.num_hidden_layers * kept + recomputed + once) * tokens + rotary
 
