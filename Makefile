@@ -18,11 +18,12 @@ TORCH  ?=
 LOCK_TORCH ?= torch==2.13.0
 TORCH_LATEST ?= $(LOCK_TORCH)
 # The oldest torch supported (training/compat.py, pyproject.toml), and what `make test-floor` runs on it: the model
-# (compile included), the sharded builds and a launch of each strategy family, eager and compiled.
+# (compile included), the sharded builds, a launch of each strategy family, eager and compiled, and FSDP2 in bf16.
 FLOOR_TORCH ?= torch==2.11.0
 FLOOR_TESTS ?= tests/model tests/training/test_step.py tests/training/test_sharded_construction.py \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-ddp-ddp]" \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-fsdp-fsdp]" \
+	"tests/recipes/test_precision.py::test_bf16_trains_as_one_process_in_bf16[fsdp]" \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-zero3-zero3]" \
 	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[fsdp]" \
 	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[zero3]"

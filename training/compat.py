@@ -20,6 +20,10 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   and a compiled first decoder layer takes it arrived (`is_in_flight`, training/parallel/tensor.py).
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
+- torch < 2.13's grouped `fully_shard([a, b, ...])` casts forward inputs to the policy's `param_dtype` at the group's
+  first module only (`_register_group_forward_hooks` runs the state's pre-forward once per group); 2.13 casts at each
+  module. accelerate groups the final norm with the (tied) embedding and head, so on 2.11 the head received the last
+  layer's fp32 output against its bf16 weight: see `cast_grouped_inputs` (no private API; keyed on the version).
 - DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
   out of a run whose optimizer is not Muon, see `skip_deepspeed_muon`.
 """
@@ -168,3 +172,19 @@ def skip_deepspeed_muon(ds_config: dict) -> None:
 
     stand_in.MuonWithAuxAdam = MuonWithAuxAdam
     sys.modules[MUON] = stand_in
+
+
+def cast_grouped_inputs(net: torch.nn.Module, dtype: torch.dtype) -> None:
+    """On torch < 2.13, each FSDP2 unit below the root casts its floating-point positional inputs to `dtype` (the
+    policy's `param_dtype`) before its own forward, as torch 2.13 does for every module of a grouped `fully_shard`
+    (see the module docstring). A unit whose group already cast them finds them in `dtype` (no copy)."""
+    if Version(torch.__version__).release >= (2, 13):
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    def cast(module, args):
+        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    for module in net.modules():
+        if module is not net and isinstance(module, FSDPModule):
+            module.register_forward_pre_hook(cast)

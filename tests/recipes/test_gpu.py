@@ -20,8 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 STEPS = 20
 GPU_RTOL = 2e-2  # relative, every step, against one process in the same precision
+# 5e-4: at 1e-3 the loss spikes at step 9 (5.2 after 2.9), where two runs' bf16 rounding, a few 1e-4 apart before,
+# lands 3-50% apart: no fixed tolerance holds there.
 TRAIN = [
-    "--preset=tiny", f"--max_steps={STEPS}", "--warmup_steps=2", "--learning_rate=1e-3", "--logging_steps=1",
+    "--preset=tiny", f"--max_steps={STEPS}", "--warmup_steps=2", "--learning_rate=5e-4", "--logging_steps=1",
     "--eval_steps=0", "--save_steps=0", "--sample_max_new_tokens=0", "--per_device_train_batch_size=8", "--bf16",
 ]  # fmt: skip
 ACCELERATE = ["single", "ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "fsdp1", "zero1", "zero2", "zero2_offload",

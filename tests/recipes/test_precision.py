@@ -322,6 +322,7 @@ def test_compiled_ddp_is_read_through_not_rewritten(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     ("launcher", "deepspeed"), [("python", None), ("torchrun", "zero2")], ids=["gradscaler", "zero2"]
 )

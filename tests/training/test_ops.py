@@ -10,7 +10,7 @@ import pytest
 from launching import ROOT
 
 from training.compat import build_lock_blocks
-from training.parallel.ops import check_op_cache, launch_ops
+from training.parallel.ops import arch_list_deepspeed_parses, check_op_cache, launch_ops
 
 
 def ds_config(name: str) -> dict:
@@ -56,3 +56,24 @@ def test_the_op_cache_says_what_compiles_and_refuses_a_stale_lock(tmp_path, monk
             check_op_cache(("cpu_adam", "async_io"))
     else:  # torch >= 2.14: an OS lock on the file, released by a killed build; the file left behind blocks nothing
         assert check_op_cache(("cpu_adam", "async_io")) == ["async_io"]
+
+
+@pytest.mark.parametrize("arch_list", ["9.0a", "8.0;9.0a+PTX", "10.0f 12.0"])
+def test_an_arch_specific_cuda_arch_list_is_read_plain_for_deepspeed(arch_list, monkeypatch, capsys):
+    """torch takes arch-specific TORCH_CUDA_ARCH_LIST entries ("9.0a"); DeepSpeed's op builder fails on them before
+    building. Set to their plain form, DeepSpeed's own parser reads them (as a JIT build does on a GPU)."""
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
+
+    def parse():
+        builder = AsyncIOBuilder()
+        builder.jit_mode = True
+        return builder.compute_capability_args()
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        parse()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)  # DeepSpeed's parse rewrites it
+    arch_list_deepspeed_parses()
+    assert "a" not in os.environ["TORCH_CUDA_ARCH_LIST"] and "f" not in os.environ["TORCH_CUDA_ARCH_LIST"]
+    assert arch_list in capsys.readouterr().err
+    assert parse() == []  # jit mode: torch makes the -gencode flags from the variable

@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from model import ShardGPTConfig
 from training.checkpoints.checkpoint import save_checkpoint
 from training.checkpoints.export import full_state_dict
+from training.compat import cast_grouped_inputs
 from training.config import RunConfig
 from training.loop.evaluate import evaluate
 from training.loop.optim import make_optimizer, make_scheduler
@@ -185,6 +186,8 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
         return Pipelined(accelerator, strategy, cfg, net, optimizer, scheduler, pipeline=pipeline)
     # Wraps the model in DDP, FSDP2 or a DeepSpeedEngine as the launch asked (collective: shards/broadcasts).
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
+    if strategy.fsdp_version == 2 and cfg.mixed_precision != "no":
+        cast_grouped_inputs(net, fsdp_precision(cfg).param_dtype)  # torch < 2.13: the tail unit's own casts
     return Replicated(accelerator, strategy, cfg, net, optimizer, scheduler)
 
 

@@ -136,7 +136,7 @@ def initialize(net: ShardGPTForCausalLM, whole: Callable[[nn.Module, list[str]],
             continue
         own = [name for name, p in params.items() if id(p) not in done]
         shared = [name for name, p in params.items() if id(p) in done]
-        with whole(module, own), temporaries(module, shared):
+        with whole(module, own), temporaries(module, shared, torch.float32):
             net._init_weights(module)
         done |= {id(params[name]) for name in own}
 
@@ -148,13 +148,14 @@ def post_order(module: nn.Module) -> Iterator[nn.Module]:
 
 
 @contextmanager
-def temporaries(module: nn.Module, names: list[str]):
+def temporaries(module: nn.Module, names: list[str], dtype: torch.dtype | None = None):
     """The parameters `names` of `module` replaced, for the duration, by new whole tensors of their shapes and dtypes
-    (on CPU); yields those temporaries by name."""
+    (or `dtype`), on the CPU; yields those temporaries by name."""
     originals = {name: getattr(module, name) for name in names}
     for name, p in originals.items():
         shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 partition's `shape` is empty; `ds_shape` is the whole's
-        setattr(module, name, nn.Parameter(torch.empty(shape, dtype=p.dtype), requires_grad=p.requires_grad))
+        temp = torch.empty(shape, dtype=dtype or p.dtype)
+        setattr(module, name, nn.Parameter(temp, requires_grad=p.requires_grad))
     temps = {name: getattr(module, name) for name in names}
     try:
         yield temps
@@ -168,12 +169,20 @@ def as_is(module: nn.Module, names: list[str]):
     return nullcontext()
 
 
+@contextmanager
 def gathered_whole(module: nn.Module, names: list[str]):
-    """ZeRO-3: the partitions gathered while the module is initialised; rank 0's values are kept (collective)."""
+    """ZeRO-3: the partitions gathered while the module is initialised; rank 0's values are kept (collective). The
+    draws go into whole fp32 temporaries on the CPU, as a whole model's do, and are copied into the gathered
+    parameters: under `zero.Init` those live on the GPU in the run's precision, where the CUDA generator and bf16
+    would draw other weights than every other strategy."""
     import deepspeed
 
-    params = [getattr(module, name) for name in names]
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params))
+    params = {name: getattr(module, name) for name in names}
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0, enabled=bool(params)):
+        with temporaries(module, names, torch.float32) as temps:
+            yield
+        for name, p in params.items():
+            p.data.copy_(temps[name])
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,27 @@ def left_by_killed_build(name: str, lock: Path) -> str:
     return f"{lock} was left by a killed build of DeepSpeed's {name} op; every rank that loads it would wait forever"
 
 
+def arch_list_deepspeed_parses() -> None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it: torch accepts arch-specific entries ("9.0a", Hopper's
+    wgmma; "10.0f"), which DeepSpeed 0.19.8's `compute_capability_args` parses as integers and fails on ("invalid
+    literal for int() with base 10: '0a'") before building anything. Such an entry is set to its plain form for this
+    process and the ranks it launches (the ops build the same, without arch-specific instructions), with one line
+    saying so."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return
+    entries = value.replace(";", " ").split()
+    plain = [re.sub(r"^(\d+\.\d+)[af]", r"\1", e) for e in entries]  # "9.0a+PTX" -> "9.0+PTX"
+    if plain != entries:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(plain)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
+            print(
+                f"note: TORCH_CUDA_ARCH_LIST={value!r} read as {';'.join(plain)!r} for DeepSpeed's op builds "
+                "(DeepSpeed parses no arch suffix)",
+                file=sys.stderr,
+            )
+
+
 def check_op_cache(names: tuple[str, ...]) -> list[str]:
     """Refuse a launch that would wait forever on a lock left by a killed build; return the ops of `names`
     that are neither installed prebuilt nor in the JIT cache, i.e. that this launch will compile. The cache is this
@@ -100,6 +122,7 @@ def check_op_cache(names: tuple[str, ...]) -> list[str]:
     from deepspeed.git_version_info import installed_ops
 
     use_environment_op_cache()
+    arch_list_deepspeed_parses()
     to_build = []
     for name in names:
         if installed_ops.get(name):
