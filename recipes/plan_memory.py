@@ -273,7 +273,10 @@ def published_tables(rows: dict[str, list[dict]]) -> str:
         cells = [r["source"], r["parameters"], r["layout"], str(r["gpus"]), f"{r['published_tflops']:g}"]
         lines.append(" | ".join(cells + [f"{r['predicted_tflops']:.0f}", f"{r['error']:+.0%}"]))
     for r in rows["llm_foundry"] + rows["tuned"] + rows["calibration"]:
-        cells = [r["source"], r["parameters"], f"{r['layout']} {r['gpu']}", str(r["gpus"]), f"{r['published_mfu']:.1%}"]
+        layout = f"{r['layout']} {r['gpu']}"
+        if r.get("memory_as_run"):  # the planner's memory model rejects what the run did: said, not hidden
+            layout += f" (planned {r['memory_gib']:.0f} GiB a GPU; it ran)"
+        cells = [r["source"], r["parameters"], layout, str(r["gpus"]), f"{r['published_mfu']:.1%}"]
         lines.append(" | ".join(cells + [f"{r['predicted_mfu']:.1%}", f"{r['error']:+.0%}"]))
     checked = sorted(abs(r["error"]) for r in rows["megatron"] + rows["llm_foundry"] + rows["tuned"])
     median = (checked[(len(checked) - 1) // 2] + checked[len(checked) // 2]) / 2
