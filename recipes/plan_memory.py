@@ -276,6 +276,8 @@ def published_tables(rows: dict[str, list[dict]]) -> str:
         layout = f"{r['layout']} {r['gpu']}"
         if r.get("memory_as_run"):  # the planner's memory model rejects what the run did: said, not hidden
             layout += f" (planned {r['memory_gib']:.0f} GiB a GPU; it ran)"
+        elif r.get("published_memory_gib"):
+            layout += f" (planned {r['memory_gib']:.0f} GiB a GPU; published {r['published_memory_gib']:g})"
         cells = [r["source"], r["parameters"], layout, str(r["gpus"]), f"{r['published_mfu']:.1%}"]
         lines.append(" | ".join(cells + [f"{r['predicted_mfu']:.1%}", f"{r['error']:+.0%}"]))
     checked = sorted(abs(r["error"]) for r in rows["megatron"] + rows["llm_foundry"] + rows["tuned"])
