@@ -6,7 +6,11 @@
 #   recipes/measure/gpu_tables.sh memory       # peak memory of each model at 16 x 1024, each in its own process
 #   recipes/measure/gpu_tables.sh strategies   # one process, FSDP2, ZeRO-2, ZeRO-3 on one GPU, eager and compiled
 #   recipes/measure/gpu_tables.sh lease        # all of it that fits one ten-minute call, most wanted first, each part
-#                                              # cut off at its share (tests in parallel; the timed parts alone)
+#                                              # cut off at its share (tests in parallel; the timed parts alone):
+#                                              # about 7 minutes on one H200
+#
+# The tests launch `<python's bin>/deepspeed`: where DeepSpeed was installed elsewhere (pip --target), link its
+# launcher there first.
 #
 # Run from the repository root in an environment with the GPU's torch (make setup TORCH=...). Logs and tables go to
 # $OUT (default runs/gpu); every command is printed before it runs, for the docs to name it.
@@ -56,8 +60,8 @@ lease)
         | tee "$OUT/test_gpu.log"
     run timeout "$(upto 90)" "$PY" recipes/measure/benchmark.py --presets gpt2-124m --seq_len 1024 --batch_size 16 \
         --steps 20 --warmup 5 --torch_compile --write "$OUT/speed.md" 2>&1 | tee -a "$OUT/speed.log"
-    run timeout "$(upto 300)" "$PY" recipes/compare.py --preset gpt2-124m --strategies single,zero2,zero3 --nproc 1 \
-        --steps 20 --per_device_train_batch_size 16 --no_save --no_trainer --output_dir /tmp/strategies \
+    run timeout "$(upto 300)" "$PY" recipes/compare.py --preset gpt2-124m --strategies single,fsdp,zero2,zero3 \
+        --nproc 1 --steps 20 --per_device_train_batch_size 16 --no_save --no_trainer --output_dir /tmp/strategies \
         --block_size 1024 --bf16 2>&1 | tee -a "$OUT/strategies.log"
     cp /tmp/strategies/*.md "$OUT/" 2>/dev/null
     ;;
