@@ -68,6 +68,7 @@ from training.plan.published import (
     MEGATRON_CORE_H100,
     MEGATRON_TABLE_1,
     MEGATRON_TABLE_2,
+    TORCHTITAN_2025,
     TORCHTITAN_H100,
     compare,
     compare_mfu,
@@ -203,7 +204,7 @@ def step_time_main(args) -> None:
             rows = {
                 "megatron": compare(MEGATRON_TABLE_1 + MEGATRON_TABLE_2 + BLOOM),
                 "llm_foundry": compare_mfu(LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100),
-                "tuned": compare_tuned(MEGATRON_CORE_H100 + TORCHTITAN_H100 + LLAMA3_405B),
+                "tuned": compare_tuned(MEGATRON_CORE_H100 + TORCHTITAN_H100 + TORCHTITAN_2025 + LLAMA3_405B),
                 "calibration": compare_mfu(CALIBRATION),
             }
             if args.plot:
@@ -308,7 +309,7 @@ def plot_published(rows: dict[str, list[dict]], path: str) -> None:
     line = [0, top]
     ax.plot(line, line, color="black", linewidth=0.8, label="predicted = published")
     ax.fill_between(line, [0.9 * x for x in line], [1.1 * x for x in line], color="grey", alpha=0.2, label="+-10%")
-    for (label, points), marker in zip(groups.items(), "os^vDPX*<>", strict=False):
+    for (label, points), marker in zip(groups.items(), "os^vDPX*<>phHd", strict=False):
         ax.scatter(*zip(*points, strict=True), label=label, marker=marker, s=28)
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)

@@ -257,6 +257,14 @@ def test_the_plan_ranks_layouts_that_fit_fastest_first():
         assert r["tokens_per_step"] == 256 * SEQ
 
 
+def test_a_pinned_micro_batch_is_tried_even_off_the_default_list():
+    """A run's own micro batch (torchtitan's 8B x TP 8 ran 12 sequences a rank) is planned as pinned, where the
+    enumeration's own list (MICRO_BATCHES) lacks it."""
+    assert 12 not in st.MICRO_BATCHES
+    pinned = lay.layouts(CONFIG, cluster("h100", 16), 192, SEQ, dict(dp=16, micro_batch=12, strategy="fsdp"))
+    assert pinned and {(p.micro_batch, p.micro_batches) for p in pinned} == {(12, 1)}
+
+
 def refused_by_train_py(lay: Layout) -> str | None:
     """What training/parallel/strategy.py's checks say of a layout's degrees, spelled out from the script's rules."""
     deepspeed = lay.strategy.startswith("zero")

@@ -214,6 +214,7 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
         raise ValueError(f"no layout of {cluster.num_gpus} GPUs has the degrees {degrees} for this model's "
                          f"{config.num_attention_heads} heads and {config.num_hidden_layers} layers")  # fmt: skip
     check_batch(global_batch, seq_len, options, fixed.get("micro_batch"))
+    micros = (fixed["micro_batch"],) if fixed.get("micro_batch") else MICRO_BATCHES  # a pinned one, listed or not
     out = []
     for tp, pp, sp, dp in options:
         if global_batch % dp:
@@ -225,7 +226,7 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
             names = [n for n in names if n in WITH_TENSOR_PARALLEL]
         for name in names:
             for schedule, v in schedules(config, pp, fixed.get("virtual_stages")):
-                for micro in MICRO_BATCHES:
+                for micro in micros:
                     if (global_batch // dp) % micro:
                         continue
                     m = global_batch // dp // micro

@@ -234,8 +234,9 @@ def llama(name: str) -> ShardGPTConfig:
 # torchtitan on H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1, 3, 4 and 5): Llama
 # 3.1 at sequence 8192 on Meta's 96 GB HBM2e H100s ("h100-hbm2e"), tokens/s per GPU as published, turned into MFU by
 # PaLM's count against the SXM peak (the page's own convention: 8B at 33-39%). FSDP2 (with TP: torchtitan's
-# SequenceParallel on the norms, Megatron's sequence parallelism); "selective" activation checkpointing as none (it
-# recomputes little), "full" as full; torch.compile, fp8 (torchao's float8 linears) and async TP where stated; its
+# SequenceParallel on the norms, Megatron's sequence parallelism); "selective" activation checkpointing as torchtitan's
+# per-op policy (step_time.SELECTIVE_RECOMPUTED_GEMMS), "full" as full; torch.compile, fp8 (torchao's float8 linears)
+# and async TP where stated; its
 # pipelines' micro batches of one sequence, interleaving at two stages a rank (torchtitan's default). Each row's
 # "Memory(GiB)" is torchtitan's logged `max_reserved_gib` (the caching allocator's reserved peak, torchtitan/metrics.py
 # at the benchmarks' commit 9dec370): printed beside the planner's, not checked. It holds what the planner does not
@@ -244,13 +245,15 @@ def llama(name: str) -> ShardGPTConfig:
 # the allocator's cached blocks and, under a pipeline, each stage's parameters kept gathered between micro batches
 # (parallelize_llama's `reshard_after_forward=False` when pp is on).
 def torchtitan_run(parameters: str, model: str, gpus: int, batch: int, degrees: dict, full: bool,
-                   options: tuple[str, ...], tokens_per_second: float, memory_gib: float) -> TunedRun:  # fmt: skip
-    """One of torchtitan's H100 runs: FSDP2 with the stated degrees and options, Megatron's sequence parallelism with
-    its tensor parallelism, full or selective (as none) recomputation."""
+                   options: tuple[str, ...], tokens_per_second: float, memory_gib: float | None = None,
+                   source: str = "torchtitan H100 (benchmarks)", gpu: str = "h100-hbm2e") -> TunedRun:  # fmt: skip
+    """One of torchtitan's runs: FSDP2 with the stated degrees and options, Megatron's sequence parallelism with its
+    tensor parallelism, full or selective recomputation."""
     sequence = {"sequence_parallel": True} if degrees.get("tp", 1) > 1 else {}
-    stated = {"strategy": "fsdp", "checkpointing": full, **degrees, **sequence, **dict.fromkeys(options, True)}
-    return TunedRun("torchtitan H100 (benchmarks)", parameters, llama(model), "h100-hbm2e", gpus, batch, 8192,
-                    tokens_per_second, tuple(stated.items()), published_memory_gib=memory_gib)  # fmt: skip
+    stated = {"strategy": "fsdp", "checkpointing": full, "selective": not full, **degrees, **sequence,
+              **dict.fromkeys(options, True)}  # fmt: skip
+    return TunedRun(source, parameters, llama(model), gpu, gpus, batch, 8192, tokens_per_second, tuple(stated.items()),
+                    published_memory_gib=memory_gib)  # fmt: skip
 
 
 EIGHT_B = {"dp": 8, "micro_batch": 2}
@@ -272,6 +275,39 @@ TORCHTITAN_H100 = [
          ("compiled", "fp8", "tp_overlap"), 100, 82.5),
         ("405B", "llama-3.1-405b", 512, 256, {**FOUR_OH_FIVE_B, "schedule": "Interleaved1F1B", "virtual_stages": 2},
          True, ("compiled", "fp8", "tp_overlap"), 128, 72.7),
+    )
+]  # fmt: skip
+
+# torchtitan's later runs, added to the check (none of them to the calibration):
+# - async TP against plain TP (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, June 2025): the same Grand Teton
+#   H100s; Llama 3.1 70B on 256 GPUs (FSDP 32 x TP 8, local batch 16, full recomputation) and 8B on 64 (FSDP 8 x TP 8,
+#   local batch 12, torchtitan's per-op selective recomputation), compiled, bf16 and fp8 tensorwise, each without and
+#   with async TP. Its fp8 rowwise rows are left out: the planner models tensorwise scaling's casts only.
+# - Trainy on WhiteFiber's H200s (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md, June 2025): Llama 3.1 8B,
+#   FSDP over 4 and 8 nodes (32 and 64 GPUs, 400 Gb/s a GPU), local batch 2, compiled, fp8 tensorwise with float8
+#   all-gathers, llama3_8b.toml's selective ("op") recomputation at its commit e7c0cae.
+ASYNC_TP = "torchtitan async TP (2025)"
+TRAINY = "Trainy H200 (torchtitan benchmarks)"
+TORCHTITAN_2025 = [
+    torchtitan_run(*row[:8], **row[8])
+    for row in (
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled",), 597.3, {"source": ASYNC_TP}),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "tp_overlap"), 652.4, {"source": ASYNC_TP}),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "fp8"), 809.8, {"source": ASYNC_TP}),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "fp8", "tp_overlap"), 942.4,
+         {"source": ASYNC_TP}),
+        ("8B", "llama-3-8b", 64, 96, {"dp": 8, "tp": 8, "micro_batch": 12}, False, ("compiled",), 4378,
+         {"source": ASYNC_TP}),
+        ("8B", "llama-3-8b", 64, 96, {"dp": 8, "tp": 8, "micro_batch": 12}, False, ("compiled", "tp_overlap"), 4809.4,
+         {"source": ASYNC_TP}),
+        ("8B", "llama-3-8b", 64, 96, {"dp": 8, "tp": 8, "micro_batch": 12}, False, ("compiled", "fp8"), 5078.1,
+         {"source": ASYNC_TP}),
+        ("8B", "llama-3-8b", 64, 96, {"dp": 8, "tp": 8, "micro_batch": 12}, False, ("compiled", "fp8", "tp_overlap"),
+         5570.1, {"source": ASYNC_TP}),
+        ("8B", "llama-3-8b", 32, 64, {"dp": 32, "micro_batch": 2}, False, ("compiled", "fp8"), 10938,
+         {"source": TRAINY, "gpu": "h200", "memory_gib": 47.96}),
+        ("8B", "llama-3-8b", 64, 128, {"dp": 64, "micro_batch": 2}, False, ("compiled", "fp8"), 10753,
+         {"source": TRAINY, "gpu": "h200", "memory_gib": 46.97}),
     )
 ]  # fmt: skip
 
