@@ -114,3 +114,24 @@ def test_published_comparison_prints_every_row(capsys, tmp_path):
     row = next(r for r in rows["megatron"] if r["parameters"] == "76.1B")
     assert row["layout"] == "ddp dp32 tp8 pp4 1F1B micro 1 x56 ckpt megatron-lm-2021"
     assert round(row["predicted_tflops"]) == 137
+
+
+def test_gemm_efficiency_times_each_ranks_slice_of_a_layer(capsys, tmp_path):
+    """recipes/measure/gemm_efficiency.py (the measured source a size-dependent matrix efficiency needs): every linear
+    layer's three GEMMs at a rank's slice, column-split outputs and row-split inputs over tp, a key-value head kept
+    whole where there are fewer than ranks; measured, with the layer's FLOPs over their time."""
+    from recipes.measure import gemm_efficiency
+
+    rows = gemm_efficiency.main(["--preset", "tiny", "--tokens", "64", "--tp", "1", "4", "--repeats", "1",
+                                 "--json", str(tmp_path / "gemm.json")])  # fmt: skip
+    config = ShardGPTConfig.from_preset("tiny")
+    d, kv = config.head_dim, config.num_key_value_heads
+    shapes = {(r["tp"], r["gemm"]): (r["m"], r["k"], r["n"]) for r in rows if r["gemm"] != "layer"}
+    assert shapes[1, "q forward"] == (64, config.hidden_size, config.num_attention_heads * d)
+    assert shapes[4, "q forward"] == (64, config.hidden_size, config.num_attention_heads * d // 4)
+    assert shapes[4, "k input grad"] == (64, max(kv // 4, 1) * d, config.hidden_size)
+    assert shapes[4, "down weight grad"] == (config.intermediate_size // 4, 64, config.hidden_size)
+    assert len(shapes) == 2 * 7 * 3 and all(r["flops_per_s"] > 0 for r in rows)
+    assert {(r["tokens"], r["tp"]) for r in rows if r["gemm"] == "layer"} == {(64, 1), (64, 4)}
+    assert json.loads((tmp_path / "gemm.json").read_text()) == rows
+    assert "| 64 | 4 |" in capsys.readouterr().out
