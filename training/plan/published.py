@@ -236,14 +236,15 @@ def llama(name: str) -> ShardGPTConfig:
 # PaLM's count against the SXM peak (the page's own convention: 8B at 33-39%). FSDP2 (with TP: torchtitan's
 # SequenceParallel on the norms, Megatron's sequence parallelism); "selective" activation checkpointing as torchtitan's
 # per-op policy (step_time.SELECTIVE_RECOMPUTED_GEMMS), "full" as full; torch.compile, fp8 (torchao's float8 linears)
-# and async TP where stated; its
-# pipelines' micro batches of one sequence, interleaving at two stages a rank (torchtitan's default). Each row's
-# "Memory(GiB)" is torchtitan's logged `max_reserved_gib` (the caching allocator's reserved peak, torchtitan/metrics.py
-# at the benchmarks' commit 9dec370): printed beside the planner's, not checked. It holds what the planner does not
-# model for this runtime: the loss's whole logits (train.py's `cross_entropy(pred.flatten(0, 1).float(), labels)`:
-# the (tokens, vocabulary) logits in bf16 and fp32 and log-softmax's fp32 output, 21 GB for the 8B's 16,384 tokens),
-# the allocator's cached blocks and, under a pipeline, each stage's parameters kept gathered between micro batches
-# (parallelize_llama's `reshard_after_forward=False` when pp is on).
+# and async TP where stated; its pipelines' micro batches of one sequence, interleaving at two stages a rank
+# (torchtitan's default). Each row's "Memory(GiB)" is torchtitan's logged `max_reserved_gib` (the caching allocator's
+# reserved peak, torchtitan/metrics.py at the benchmarks' commit 9dec370): printed beside the planner's, not checked.
+# It holds what the planner does not model for that runtime: the loss's whole logits (train.py's uncompiled
+# `cross_entropy(pred.flatten(0, 1).float(), labels)`, compiling it "causes CUDA errors" there: the (tokens,
+# vocabulary) logits in bf16 and fp32 and log-softmax's fp32 output, 21 GB for the 8B's 16,384 tokens), the
+# allocator's cached blocks and, under a pipeline, each stage's parameters kept gathered between micro batches
+# (parallelize_llama's `reshard_after_forward=False` when pp is on). By June 2025 torchtitan compiles its loss
+# (components/loss.py at e7c0cae), and Trainy's H200 runs below come out as planned, within 1 GiB.
 def torchtitan_run(parameters: str, model: str, gpus: int, batch: int, degrees: dict, full: bool,
                    options: tuple[str, ...], tokens_per_second: float, memory_gib: float | None = None,
                    source: str = "torchtitan H100 (benchmarks)", gpu: str = "h100-hbm2e") -> TunedRun:  # fmt: skip
