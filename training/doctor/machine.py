@@ -16,12 +16,11 @@ from pathlib import Path
 
 from training.doctor.report import FAIL, NA, OK, WARN, Report, size
 from training.parallel.ops import (
-    arch_list_deepspeed_parses,
     build_dir,
     check_op_cache,
     left_by_killed_build,
+    op_build_environment,
     stale_lock,
-    use_environment_op_cache,
     used_ops,
 )
 
@@ -180,8 +179,7 @@ def build_ops(report: Report, names: tuple[str, ...] | None = None, remove_stale
     removed with `remove_stale_locks`, instead of making this wait forever."""
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-    use_environment_op_cache()  # into this environment's cache, where its launches look
-    arch_list_deepspeed_parses()
+    op_build_environment()  # into this environment's cache, where its launches look
     for name in names or used_ops():
         builder = ALL_OPS.get(name)
         if builder is None or not builder.is_compatible(verbose=False):

@@ -115,14 +115,21 @@ def arch_list_deepspeed_parses() -> None:
             )
 
 
+def op_build_environment() -> None:
+    """The environment DeepSpeed's op builds read, set before anything loads an op (the launched ranks inherit it):
+    this environment's cache (`use_environment_op_cache`) and an arch list DeepSpeed parses
+    (`arch_list_deepspeed_parses`)."""
+    use_environment_op_cache()
+    arch_list_deepspeed_parses()
+
+
 def check_op_cache(names: tuple[str, ...]) -> list[str]:
     """Refuse a launch that would wait forever on a lock left by a killed build; return the ops of `names`
     that are neither installed prebuilt nor in the JIT cache, i.e. that this launch will compile. The cache is this
-    environment's (`use_environment_op_cache`, set here first)."""
+    environment's (`op_build_environment`, set here first)."""
     from deepspeed.git_version_info import installed_ops
 
-    use_environment_op_cache()
-    arch_list_deepspeed_parses()
+    op_build_environment()
     to_build = []
     for name in names:
         if installed_ops.get(name):

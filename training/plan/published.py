@@ -287,29 +287,23 @@ TORCHTITAN_H100 = [
 # - Trainy on WhiteFiber's H200s (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md, June 2025): Llama 3.1 8B,
 #   FSDP over 4 and 8 nodes (32 and 64 GPUs, 400 Gb/s a GPU), local batch 2, compiled, fp8 tensorwise with float8
 #   all-gathers, llama3_8b.toml's selective ("op") recomputation at its commit e7c0cae.
-ASYNC_TP = "torchtitan async TP (2025)"
-TRAINY = "Trainy H200 (torchtitan benchmarks)"
+EIGHT_B_TP8 = {"dp": 8, "tp": 8, "micro_batch": 12}
 TORCHTITAN_2025 = [
-    torchtitan_run(*row[:8], **row[8])
+    torchtitan_run(*row, source="torchtitan async TP (2025)")
     for row in (
-        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled",), 597.3, {"source": ASYNC_TP}),
-        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "tp_overlap"), 652.4, {"source": ASYNC_TP}),
-        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "fp8"), 809.8, {"source": ASYNC_TP}),
-        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "fp8", "tp_overlap"), 942.4,
-         {"source": ASYNC_TP}),
-        ("8B", "llama-3-8b", 64, 96, {"dp": 8, "tp": 8, "micro_batch": 12}, False, ("compiled",), 4378,
-         {"source": ASYNC_TP}),
-        ("8B", "llama-3-8b", 64, 96, {"dp": 8, "tp": 8, "micro_batch": 12}, False, ("compiled", "tp_overlap"), 4809.4,
-         {"source": ASYNC_TP}),
-        ("8B", "llama-3-8b", 64, 96, {"dp": 8, "tp": 8, "micro_batch": 12}, False, ("compiled", "fp8"), 5078.1,
-         {"source": ASYNC_TP}),
-        ("8B", "llama-3-8b", 64, 96, {"dp": 8, "tp": 8, "micro_batch": 12}, False, ("compiled", "fp8", "tp_overlap"),
-         5570.1, {"source": ASYNC_TP}),
-        ("8B", "llama-3-8b", 32, 64, {"dp": 32, "micro_batch": 2}, False, ("compiled", "fp8"), 10938,
-         {"source": TRAINY, "gpu": "h200", "memory_gib": 47.96}),
-        ("8B", "llama-3-8b", 64, 128, {"dp": 64, "micro_batch": 2}, False, ("compiled", "fp8"), 10753,
-         {"source": TRAINY, "gpu": "h200", "memory_gib": 46.97}),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled",), 597.3),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "tp_overlap"), 652.4),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "fp8"), 809.8),
+        ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "fp8", "tp_overlap"), 942.4),
+        ("8B", "llama-3-8b", 64, 96, EIGHT_B_TP8, False, ("compiled",), 4378),
+        ("8B", "llama-3-8b", 64, 96, EIGHT_B_TP8, False, ("compiled", "tp_overlap"), 4809.4),
+        ("8B", "llama-3-8b", 64, 96, EIGHT_B_TP8, False, ("compiled", "fp8"), 5078.1),
+        ("8B", "llama-3-8b", 64, 96, EIGHT_B_TP8, False, ("compiled", "fp8", "tp_overlap"), 5570.1),
     )
+] + [
+    torchtitan_run("8B", "llama-3-8b", gpus, 2 * gpus, {"dp": gpus, "micro_batch": 2}, False, ("compiled", "fp8"),
+                   tokens_per_second, memory_gib, source="Trainy H200 (torchtitan benchmarks)", gpu="h200")
+    for gpus, tokens_per_second, memory_gib in ((32, 10938, 47.96), (64, 10753, 46.97))
 ]  # fmt: skip
 
 
