@@ -28,7 +28,7 @@ from training.plan.published import (
     gpt_config,
     run_layout,
 )
-from training.plan.ring import DEEPSPEED_BUCKET_ELEMENTS
+from training.plan.ring import DEEPSPEED_BUCKET_ELEMENTS, GPT_TENSORS_OUTSIDE, GPT_TENSORS_PER_LAYER
 from training.plan.step_time import Layout, predict_step
 
 CONFIG = ShardGPTConfig.from_preset("llama-1b")
@@ -70,6 +70,10 @@ def test_calls_per_step_follow_each_strategys_buckets_and_units():
     assert st.calls_per_step("fsdp", "reduce_scatter", 2 * psi, shape, layers) == layers + 1
     assert st.calls_per_step("zero3", "all_gather", 2 * psi, shape, layers) == 7 * layers + 1
     assert st.calls_per_step("zero1", "all_reduce", 4 * psi, shape, layers) == math.ceil(psi / 5e8)
+    # DeepSpeed 0.3's ZeRO-3: a call per GPT tensor, each pass of the gathers and the one reduction alike
+    tensors = 12 * layers + 4
+    assert st.calls_per_step("zero3", "all_gather", 3 * (2 * psi), shape, layers, per_tensor=True) == 3 * tensors
+    assert st.calls_per_step("zero3", "reduce_scatter", 2 * psi, shape, layers, per_tensor=True) == tensors
 
 
 def test_compute_is_matmul_flops_at_the_efficiency_plus_memory_bound_bytes_at_hbm_speed():
@@ -341,7 +345,8 @@ def test_zero3_per_gpu_throughput_falls_with_gpus_at_a_fixed_batch_while_tensor_
 
 def test_zero3_of_2021_overlaps_nothing_and_reduces_fp16_and_recomputation_gathers_again():
     """Megatron-LM 2021's ZeRO-3 ran DeepSpeed 0.3, whose every parameter gather first synchronized the device
-    (step_time.STACKS): its gathers and reduce-scatters run after the compute, none beside it, the gradients in fp16.
+    (step_time.STACKS): its gathers and reduce-scatters run after the compute, none beside it, a call per tensor, the
+    gradients in fp16.
     Past the live-parameter limits (a 175B model), a recomputed forward gathers each layer's parameters once more."""
     run = MEGATRON_TABLE_2[1]  # 175B, ZeRO-3 on 768 A100s
     config, a100s, layout = gpt_config(run), cluster("a100-80gb", run.gpus), run_layout(run)
@@ -350,12 +355,18 @@ def test_zero3_of_2021_overlaps_nothing_and_reduces_fp16_and_recomputation_gathe
     assert {window for _, _, window in old} == {None} and None not in {window for _, _, window in today}
     seconds = {kind: sum(t for k, t, _ in today if k == kind) for kind in ("all_gather", "reduce_scatter")}
     before = {kind: sum(t for k, t, _ in old if k == kind) for kind in ("all_gather", "reduce_scatter")}
-    assert before["all_gather"] == pytest.approx(seconds["all_gather"])
-    # fp16 against fp32: half the ring time, the same calls' latency
-    shape = st.rank_shape(config, layout)
-    calls = math.ceil(shape.parameters / DEEPSPEED_BUCKET_ELEMENTS)
-    latency = calls * st.ring_latency("reduce_scatter", layout.dp, a100s.nodes_spanned(run.gpus))
-    assert before["reduce_scatter"] == pytest.approx((seconds["reduce_scatter"] - latency) / 2 + latency)
+    # A call per GPT tensor (ring.GPT_TENSORS_PER_LAYER: twelve a layer, four outside) where today's DeepSpeed fetches
+    # a module's parameters together and reduces in buckets; each of the three passes (forward, recomputed forward,
+    # backward) gathers every tensor once.
+    latency = st.ring_latency("all_gather", layout.dp, a100s.nodes_spanned(run.gpus))  # that of a reduce-scatter too
+    layers, shape = config.num_hidden_layers, st.rank_shape(config, layout)
+    per_tensor = GPT_TENSORS_PER_LAYER * layers + GPT_TENSORS_OUTSIDE
+    today_calls = 3 * 7 * layers + 1  # each linear layer's weight a pass, and the root once
+    assert before["all_gather"] - seconds["all_gather"] == pytest.approx((3 * per_tensor - today_calls) * latency)
+    # fp16 against fp32: half the ring time
+    bucketed = math.ceil(shape.parameters / DEEPSPEED_BUCKET_ELEMENTS)
+    ring = seconds["reduce_scatter"] - bucketed * latency
+    assert before["reduce_scatter"] == pytest.approx(ring / 2 + per_tensor * latency)
     unrecomputed = {k: t for k, t, _ in st.data_parallel_seconds(config, a100s, replace(layout, checkpointing=False))}
     # a third pass over the decoder layers (all but 0.4% of 175B's parameters), bytes and calls alike
     assert before["all_gather"] == pytest.approx(1.5 * unrecomputed["all_gather"], rel=5e-3)
@@ -380,7 +391,7 @@ def test_the_published_runs_are_megatrons_layouts_predicted_as_before():
     with pytest.raises(ValueError, match="--any_layout"):
         lay.layouts(gpt_config(run), a100s, run.batch, SEQ, {**pinned, "strategy": "ddp"})
     for key, tflops in (("1.7Bddp dp32 micro 16 x1 ckpt", 142), ("76.1Bddp dp32 tp8 pp4 1F1B micro 1 x56 ckpt", 137),
-                        ("175Bzero3 dp768 micro 2 x1 ckpt", 137)):  # fmt: skip
+                        ("175Bzero3 dp768 micro 2 x1 ckpt", 115)):  # fmt: skip
         key += " megatron-lm-2021"
         assert round(rows[key]["predicted_tflops"]) == tflops
 
@@ -439,6 +450,17 @@ def test_sequence_parallelism_splits_the_hidden_wide_kernels_over_tp_and_sends_t
     # all-reduce's ring time each.
     plain_time = whole["communication"]["tp_all_reduce"]
     assert split["communication"]["tp_gather_scatter"] == pytest.approx(plain_time * (4 + 1) / 7)
+
+
+def test_selective_recomputation_gathers_the_sequence_parallel_inputs_again():
+    """torchtitan's per-op policy keeps the reduce-scatters' outputs, not the all-gathers': the recomputed forward
+    gathers each region's input once more, half an all-reduce's ring time a region; a compiled layer of this project
+    keeps them, as a recomputed one gathers them in full checkpointing's forward."""
+    gpus = cluster("h100", 64)
+    lay = Layout("fsdp", 8, tp=8, micro_batch=2, sequence_parallel=True, compiled=True)
+    kept, selective = (predict_step(BIG, gpus, x, 4096)["communication"]["tp_gather_scatter"]
+                       for x in (lay, replace(lay, selective=True)))  # fmt: skip
+    assert selective == pytest.approx(kept * (4 + 1) / 4)
 
 
 def test_tensor_parallel_overlap_leaves_one_chunk_in_tp_exposed():

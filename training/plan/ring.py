@@ -23,6 +23,14 @@ NCCL_NET_HOP = 14e-6
 DDP_BUCKET_BYTES = 25 * 2**20
 DEEPSPEED_BUCKET_ELEMENTS = 5e8
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
+# DeepSpeed 0.3's ZeRO-3 (what Megatron-LM 2021's Table 2 ran: training/plan/step_time.STACKS) made a call of its own
+# for every parameter it gathered and every gradient it reduce-scattered (deepspeed/runtime/zero/
+# partition_parameters.py at v0.3.14: `_allgather_param`, `_reduce_scatter_gradient`, one per tensor): a Megatron GPT
+# layer's twelve tensors (the weight and bias of its two layer norms, of the fused query-key-value projection, of
+# attention's output projection and of the MLP's two linear layers) and, outside the layers, the word and position
+# embeddings and the final layer norm's weight and bias.
+GPT_TENSORS_PER_LAYER = 12
+GPT_TENSORS_OUTSIDE = 4
 
 
 def all_reduce_seconds(nbytes: float, n: int, bandwidth: float) -> float:
@@ -51,12 +59,17 @@ def ring_latency(kind: str, n: int, nodes: int) -> float:
     return NCCL_BASE_LATENCY + (steps - between) * NCCL_NVLINK_HOP + between * NCCL_NET_HOP
 
 
-def calls_per_step(family: str, kind: str, nbytes: float, shape: ModelShape, layers: int) -> int:
-    """Calls of a data-parallel collective of `kind` carrying `nbytes` a step (one micro batch's, where it repeats)."""
+def calls_per_step(family: str, kind: str, nbytes: float, shape: ModelShape, layers: int,
+                   per_tensor: bool = False) -> int:  # fmt: skip
+    """Calls of a data-parallel collective of `kind` carrying `nbytes` a step (one micro batch's, where it repeats);
+    `per_tensor`: ZeRO-3 as DeepSpeed 0.3 ran it, a call per GPT tensor (GPT_TENSORS_PER_LAYER)."""
+    passes = max(1, round(nbytes / (ACTIVATION_BYTES * shape.parameters)))  # forward, backward re-gathers
+    if per_tensor and family == "zero3":
+        passes = passes if kind == "all_gather" else 1
+        return passes * (layers * GPT_TENSORS_PER_LAYER + GPT_TENSORS_OUTSIDE)
     if family == "ddp":
         return math.ceil(nbytes / DDP_BUCKET_BYTES)
     if family in ("fsdp", "zero3") and kind == "all_gather":
-        passes = max(1, round(nbytes / (ACTIVATION_BYTES * shape.parameters)))  # forward, backward re-gathers
         return passes * layers * (LINEARS_PER_LAYER if family == "zero3" else 1) + 1  # and the root
     if family == "fsdp":
         return layers + 1

@@ -398,7 +398,7 @@ def data_parallel_seconds(
     for kind in gathered:
         nbytes = reduced[kind] if kind in REDUCTIONS else gathered[kind]
         repeats = nbytes / once[kind]  # how often a step sends one micro batch's share: once, or every micro batch
-        calls = repeats * calls_per_step(family, kind, once[kind], shape, layers)
+        calls = repeats * calls_per_step(family, kind, once[kind], shape, layers, per_tensor=deepspeed_2021)
         seconds = collective_seconds(kind, nbytes, layout.dp, bandwidth) + calls * ring_latency(kind, layout.dp, nodes)
         window = OVERLAP[family].get(kind) if layout.pp == 1 else None
         if megatron:  # each bucket reduced as it is ready; the parameters gathered during the first forward
@@ -466,14 +466,17 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         # input gathered again in the backward (Megatron's layout of the saved activations, half an all-reduce's ring
         # bytes a region) runs beside the weight gradients' compute in Megatron-LM (Korthikanti et al. 2022, 4.2.2) and
         # after it here (training/parallel/tensor.save_sequence_shards): exposed, but where checkpointing's
-        # recomputation gathers in its place or a compiled layer keeps the gathered input.
+        # recomputation gathers in its place or a compiled layer keeps the gathered input. Selective recomputation
+        # gathers it again too, in every runtime: its policy (torchtitan's per-op `_save_list`, models/llama3/
+        # parallelize_llama.py) keeps the reduce-scatters' outputs but not the all-gathers', so the recomputed
+        # forward runs the gathers again before the backward.
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
         styles = list(config.base_model_tp_plan.values())
         per_module = layout.stack == "shardgpt" and not layout.sequence_parallel  # SP gathers each input once
         backward = styles.count("colwise") if per_module else styles.count("rowwise")
         per_layer = (2 if layout.checkpointing else 1) * styles.count("rowwise") + backward
-        regathered = layout.stack == "shardgpt" and layout.sequence_parallel
-        if regathered and not (layout.checkpointing or layout.compiled):
+        regathered = layout.stack == "shardgpt" and not (layout.checkpointing or layout.compiled)
+        if layout.sequence_parallel and (regathered or layout.selective):
             per_layer += styles.count("rowwise") / 2
         calls = per_layer * layout.stage_layers(config) * layout.micro_batches
         seconds = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
