@@ -13,6 +13,7 @@ from training.plan import layouts as lay
 from training.plan import step_time as st
 from training.plan.communication import ModelShape
 from training.plan.hardware import GPU_KINDS, cluster
+from training.plan.memory.activations import logits_bytes, whole_logits_bytes
 from training.plan.published import (
     BLOOM,
     CALIBRATION,
@@ -274,7 +275,7 @@ def refused_by_train_py(lay: Layout) -> str | None:
     deepspeed = lay.strategy.startswith("zero")
     if lay.stack != "shardgpt" or lay.tp_overlap or lay.fp8 or lay.selective:
         return "Megatron-Core's runtime, TP overlap, fp8 and selective recomputation are not this project's"
-    if lay.sequence_parallel != (lay.tp > 1 and (lay.strategy == "fsdp" or lay.pp > 1)):
+    if lay.sequence_parallel != (lay.tp > 1 and (lay.strategy.startswith("fsdp") or lay.pp > 1)):
         return "Megatron's sequence parallelism runs exactly where torch's DTensor plan splits layers"
     if lay.pp > 1 and (deepspeed or lay.sp > 1):
         return "a pipeline runs under one process's optimizer, DDP or FSDP2 only"
@@ -293,9 +294,10 @@ def test_the_default_enumeration_holds_only_layouts_train_py_runs_and_any_layout
     assert here and all(lay.runs_here and refused_by_train_py(lay) is None for lay in here)
     # Each axis the script runs is still there: AutoTP under ZeRO, FSDP2 x TP, DDP's and FSDP2's pipelines (with
     # tensor parallelism inside their stages), Ulysses under ZeRO.
-    assert {lay.strategy for lay in here if lay.tp > 1 and lay.pp == 1} == {"zero1", "zero2", "zero3", "fsdp"}
-    assert {lay.strategy for lay in here if lay.pp > 1} == {"ddp", "fsdp"}
-    assert {lay.strategy for lay in here if lay.pp > 1 and lay.tp > 1} == {"ddp", "fsdp"}
+    fsdp2 = {"fsdp", "fsdp-shard-grad-op"}  # FSDP2 gathering each unit twice a micro batch, or once
+    assert {lay.strategy for lay in here if lay.tp > 1 and lay.pp == 1} == {"zero1", "zero2", "zero3", *fsdp2}
+    assert {lay.strategy for lay in here if lay.pp > 1} == {"ddp", *fsdp2}
+    assert {lay.strategy for lay in here if lay.pp > 1 and lay.tp > 1} == {"ddp", *fsdp2}
     assert {lay.strategy for lay in here if lay.sp > 1} == set(st.WITH_SEQUENCE_PARALLEL)
     every = lay.layouts(CONFIG, gpus, 512, SEQ, any_layout=True)
     assert set(here) < set(every) and {lay for lay in every if lay.runs_here} == set(here)
@@ -524,6 +526,26 @@ def test_selective_recomputation_keeps_less_than_none_more_than_full_and_costs_h
     linear = 2 * st.layer_parameters(BIG) * BIG.num_hidden_layers * 2 * 4096  # the layers' forward GEMMs, 2 x 4096
     gemm = 0.5 * linear / 8 / (gpus.peak_flops * gpus.efficiency)  # half of them again, on each of 8 ranks' share
     assert times["selective"] - times["none"] > gemm * 0.99  # plus the memory-bound forward once more
+
+
+def test_torchtitans_whole_logits_loss_and_gathers_kept_under_a_pipeline_are_memory_the_layout_holds():
+    """torchtitan of December 2024 took its loss on the whole logits upcast to fp32 (`whole_loss`), and under a
+    pipeline kept each unit gathered from its forward to its backward (fsdp-shard-grad-op): the composed memory adds
+    the whole logits' bytes in place of the chunked loss's, and the rank's bf16 parameters whole; the step's time is
+    the same, and neither is this project's runtime."""
+    gpus, memory = cluster("h100", 64), lay.Memory(BIG, 4096)
+    base = Layout("fsdp", 8, tp=2, pp=4, micro_batch=1, micro_batches=8, sequence_parallel=True, selective=True)
+    chunked = memory(base)
+    whole = memory(replace(base, whole_loss=True))
+    assert chunked[1] == whole[1] == "composed"
+    logits = whole_logits_bytes(BIG, 1, 4096, 2) - logits_bytes(BIG, 1, 4096, 2)
+    assert whole[0] - chunked[0] == pytest.approx(logits / 2)  # a tp-th of the vocabulary on each rank
+    kept = memory(replace(base, strategy="fsdp-shard-grad-op"))[0]
+    assert kept - chunked[0] == 2 * st.rank_shape(BIG, base).parameters
+    plain = Layout("fsdp", 8, micro_batch=2)
+    assert plain.runs_here and not replace(plain, whole_loss=True).runs_here
+    steps = [predict_step(BIG, gpus, x, 4096)["step_seconds"] for x in (plain, replace(plain, whole_loss=True))]
+    assert steps[0] == steps[1]
 
 
 def test_fp8_speeds_the_layers_linear_gemms_only_and_pays_their_casts():

@@ -20,6 +20,7 @@ from training.plan.memory.activations import (
     layer_activation_bytes,
     logits_bytes,
     selective_layer_bytes,
+    whole_logits_bytes,
 )
 from training.plan.memory.layout import repo_json
 from training.plan.memory.planner import predict, zero_paper
@@ -85,6 +86,8 @@ class Memory:
         shape = rank_shape(c, layout)
         stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
+        if layout.typed.fsdp_sharding == "SHARD_GRAD_OP":  # every unit gathered from its forward to its backward
+            states += ACTIVATION_BYTES * shape.parameters
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
         layers, tp, sequence = layout.stage_layers(c), layout.tp, layout.sequence_parallel
         # Megatron-LM and this project gather the column-split inputs again in the backward; a compiled layer of this
@@ -103,7 +106,10 @@ class Memory:
             held *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages) if layout.virtual_stages > 1 else 1
             activations = held * layers * per_layer * tokens
             activations += layer * tokens if layout.checkpointing else 0
-        return states + activations + logits_bytes(c, layout.micro_batch, self.seq_len, e) / tp, "composed"
+        # the chunked loss's largest moment, or the whole logits where a run's loss takes them at once (torchtitan's of
+        # December 2024: bf16 logits upcast whole, log-softmax's fp32 output), a tp-th of the vocabulary each
+        loss = whole_logits_bytes if layout.whole_loss else logits_bytes
+        return states + activations + loss(c, layout.micro_batch, self.seq_len, e) / tp, "composed"
 
 
 # ---------------------------------------------------------------------------------------------- enumeration
@@ -197,7 +203,7 @@ def runtimes(lay: Layout) -> list[Layout]:
         here = replace(lay, tp_overlap=False, fp8=False).runs_here
         return [lay, megatron] if here else [megatron]
     both = [replace(lay, sequence_parallel=False), replace(lay, sequence_parallel=True)]
-    return both if tensor and lay.strategy == "fsdp" else [lay]
+    return both if tensor and lay.sharding == "fsdp" else [lay]
 
 
 def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len: int,
@@ -206,7 +212,7 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
     runs (`Layout.runs_here`), or with `any_layout` Megatron-LM's too. `fixed`: any of tp, pp, sp, dp (degrees),
     strategy, schedule, micro_batch, checkpointing pinned to a value."""
     fixed = fixed or {}
-    flags = {k: bool(fixed.get(k)) for k in ("tp_overlap", "fp8", "compiled")}
+    flags = {k: bool(fixed.get(k)) for k in ("tp_overlap", "fp8", "compiled", "whole_loss")}
     degrees = {k: fixed.get(k) for k in ("tp", "pp", "sp", "dp")}
     check_degrees(cluster.num_gpus, degrees)
     options = degree_options(config, cluster.num_gpus, cluster.gpus_per_node, seq_len, degrees)

@@ -236,22 +236,29 @@ def llama(name: str) -> ShardGPTConfig:
 # PaLM's count against the SXM peak (the page's own convention: 8B at 33-39%). FSDP2 (with TP: torchtitan's
 # SequenceParallel on the norms, Megatron's sequence parallelism); "selective" activation checkpointing as torchtitan's
 # per-op policy (step_time.SELECTIVE_RECOMPUTED_GEMMS), "full" as full; torch.compile, fp8 (torchao's float8 linears)
-# and async TP where stated; its pipelines' micro batches of one sequence, interleaving at two stages a rank
-# (torchtitan's default). Each row's "Memory(GiB)" is torchtitan's logged `max_reserved_gib` (the caching allocator's
-# reserved peak, torchtitan/metrics.py at the benchmarks' commit 9dec370): printed beside the planner's, not checked.
-# It holds what the planner does not model for that runtime: the loss's whole logits (train.py's uncompiled
-# `cross_entropy(pred.flatten(0, 1).float(), labels)`, compiling it "causes CUDA errors" there: the (tokens,
-# vocabulary) logits in bf16 and fp32 and log-softmax's fp32 output, 21 GB for the 8B's 16,384 tokens), the
-# allocator's cached blocks and, under a pipeline, each stage's parameters kept gathered between micro batches
-# (parallelize_llama's `reshard_after_forward=False` when pp is on). By June 2025 torchtitan compiles its loss
-# (components/loss.py at e7c0cae), and Trainy's H200 runs below come out as planned, within 1 GiB.
+# and async TP where stated. Its pipelines as torchtitan at the benchmarks' commit 9dec370 runs them where the page
+# states nothing more: the local batch split into as many micro batches as stages (pipelining_utils.py's
+# `pipeline_parallel_microbatches` default: 8 of 4 sequences for the 405B's local 32), interleaving at two stages a
+# rank, and FSDP2 keeping each stage's parameters gathered from a micro batch's forward to its backward
+# (parallelize_llama.py: `reshard_after_forward = False` when pp is on: "fsdp-shard-grad-op"). Each row's
+# "Memory(GiB)" is torchtitan's logged `max_reserved_gib` (the caching allocator's reserved peak,
+# torchtitan/metrics.py at 9dec370): printed beside the planner's, not checked. It holds what the planner does not
+# model otherwise: the loss's whole logits (train.py's uncompiled `cross_entropy(pred.flatten(0, 1).float(),
+# labels)`, compiling it "causes CUDA errors" there: the (tokens, vocabulary) logits in bf16 and fp32 and
+# log-softmax's fp32 output, 21 GB for the 8B's 16,384 tokens: planned as `whole_loss`), the allocator's cached
+# blocks and, under a pipeline, each stage's gradients accumulated unsharded in fp32 until the last micro batch
+# (torch's pipelining syncs them only there). By June 2025 torchtitan compiles its loss (components/loss.py at
+# e7c0cae), and Trainy's H200 runs below come out as planned, within 1 GiB.
 def torchtitan_run(parameters: str, model: str, gpus: int, batch: int, degrees: dict, full: bool,
                    options: tuple[str, ...], tokens_per_second: float, memory_gib: float | None = None,
-                   source: str = "torchtitan H100 (benchmarks)", gpu: str = "h100-hbm2e") -> TunedRun:  # fmt: skip
+                   source: str = "torchtitan H100 (benchmarks)", gpu: str = "h100-hbm2e",
+                   whole_loss: bool = False) -> TunedRun:  # fmt: skip
     """One of torchtitan's runs: FSDP2 with the stated degrees and options, Megatron's sequence parallelism with its
-    tensor parallelism, full or selective recomputation."""
+    tensor parallelism, full or selective recomputation; `whole_loss`: its loss uncompiled, on the whole logits."""
+    options = options + ("whole_loss",) if whole_loss else options
     sequence = {"sequence_parallel": True} if degrees.get("tp", 1) > 1 else {}
-    stated = {"strategy": "fsdp", "checkpointing": full, "selective": not full, **degrees, **sequence,
+    strategy = "fsdp-shard-grad-op" if degrees.get("pp", 1) > 1 else "fsdp"
+    stated = {"strategy": strategy, "checkpointing": full, "selective": not full, **degrees, **sequence,
               **dict.fromkeys(options, True)}  # fmt: skip
     return TunedRun(source, parameters, llama(model), gpu, gpus, batch, 8192, tokens_per_second, tuple(stated.items()),
                     published_memory_gib=memory_gib)  # fmt: skip
@@ -260,9 +267,9 @@ def torchtitan_run(parameters: str, model: str, gpus: int, batch: int, degrees: 
 EIGHT_B = {"dp": 8, "micro_batch": 2}
 EIGHT_B_128 = {"dp": 128, "micro_batch": 2}
 SEVENTY_B = {"dp": 32, "tp": 8, "micro_batch": 16}
-FOUR_OH_FIVE_B = {"dp": 8, "tp": 8, "pp": 8, "micro_batch": 1}
+FOUR_OH_FIVE_B = {"dp": 8, "tp": 8, "pp": 8, "micro_batch": 4}
 TORCHTITAN_H100 = [
-    torchtitan_run(*row)
+    torchtitan_run(*row, whole_loss=True)
     for row in (
         ("8B", "llama-3-8b", 8, 16, EIGHT_B, False, (), 5762, 82.4),
         ("8B", "llama-3-8b", 8, 16, EIGHT_B, False, ("compiled",), 6667, 77.0),

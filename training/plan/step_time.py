@@ -69,7 +69,10 @@ from training.plan.ring import (
 )
 
 # The data-parallel strategies a layout can use, by `Strategy.name`, and each one's wrapper (training/parallel/axes.py).
-DP_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero2-offload-cpu", "zero3-offload-cpu")
+# fsdp-shard-grad-op: FSDP2 keeping each unit gathered from its forward to its backward (reshard_after_forward=False),
+# a gather a micro batch where full sharding gathers twice (what torchtitan runs under a pipeline).
+DP_STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op", "zero1", "zero2", "zero3", "zero2-offload-cpu",
+                 "zero3-offload-cpu")  # fmt: skip
 WRAPPER = {name: wrapper(s.family, s.zero_stage) for name in DP_STRATEGIES for s in [Strategy.from_name(name)]}
 # The axes table's compositions: what recipes/train.py runs, and what published runs used beside it (Megatron-LM's
 # DDP, DeepSpeed's ZeRO-1 under its pipeline), which `any_layout` adds. Of the DeepSpeed stages AutoTP trains under, the
@@ -193,6 +196,7 @@ class Layout:
     fp8: bool = False  # the decoder layers' linear layers in fp8 (FP8)
     compiled: bool = False  # torch.compile fuses the memory-bound kernels (COMPILED_ELEMENTWISE_ACCESSES)
     selective: bool = False  # selective recomputation (SELECTIVE_RECOMPUTED_GEMMS)
+    whole_loss: bool = False  # the loss on the whole (tokens, vocabulary) logits in fp32, not in chunks (memory only)
 
     def stage_layers(self, config: ShardGPTConfig) -> int:
         """Decoder layers on the busiest pipeline rank: its `virtual_stages` stages of an equal share of the layers
@@ -226,7 +230,7 @@ class Layout:
         TP_WITH_PIPELINE_HERE): with this project's runtime (Megatron's sequence parallelism exactly where torch's
         DTensor plan splits the layers), none of the options it lacks (tensor-parallel overlap, fp8, selective
         recomputation); Megatron-LM's layouts (tensor parallelism with DDP, ZeRO-1 under a pipeline) do not."""
-        if self.stack != "shardgpt" or self.tp_overlap or self.fp8 or self.selective:
+        if self.stack != "shardgpt" or self.tp_overlap or self.fp8 or self.selective or self.whole_loss:
             return False
         # Megatron's sequence parallelism runs here wherever torch's DTensor plan splits the layers, always.
         if self.sequence_parallel != (self.tp > 1 and self.dtensor_parallel):
@@ -242,7 +246,7 @@ class Layout:
     def dtensor_parallel(self) -> bool:
         """Whether this project splits the layers with torch's DTensor plan (training/parallel/tensor.py): under
         FSDP2 and inside pipeline stages; DeepSpeed's AutoTP elsewhere."""
-        return self.strategy == "fsdp" or self.pp > 1
+        return self.sharding == "fsdp" or self.pp > 1
 
     @property
     def name(self) -> str:
@@ -253,6 +257,7 @@ class Layout:
         parts.append(f"micro {self.micro_batch} x{self.micro_batches}")
         options = [("SP", self.sequence_parallel), ("TP overlap", self.tp_overlap), ("fp8", self.fp8),
                    ("compiled", self.compiled), ("ckpt", self.checkpointing), ("selective", self.selective),
+                   ("whole-logits loss", self.whole_loss),
                    (self.stack, self.stack != "shardgpt")]  # fmt: skip
         return " ".join(parts + [word for word, on in options if on])
 
