@@ -471,8 +471,8 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         # input gathered again in the backward (Megatron's layout of the saved activations, half an all-reduce's ring
         # bytes a region) runs beside the weight gradients' compute in Megatron-LM (Korthikanti et al. 2022, 4.2.2) and
         # after it here (training/parallel/tensor.save_sequence_shards): exposed, but where checkpointing's
-        # recomputation gathers in its place or a compiled layer keeps the gathered input. Selective recomputation
-        # gathers it again too, in every runtime: its policy (torchtitan's per-op `_save_list`, models/llama3/
+        # recomputation gathers in its place or a compiled layer keeps the gathered input; selective recomputation
+        # gathers it again, compiled or not: torch's per-op policy (torchtitan's `_save_list`, models/llama3/
         # parallelize_llama.py) keeps the reduce-scatters' outputs but not the all-gathers', so the recomputed
         # forward runs the gathers again before the backward.
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
@@ -480,8 +480,8 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         per_module = layout.stack == "shardgpt" and not layout.sequence_parallel  # SP gathers each input once
         backward = styles.count("colwise") if per_module else styles.count("rowwise")
         per_layer = (2 if layout.checkpointing else 1) * styles.count("rowwise") + backward
-        regathered = layout.stack == "shardgpt" and not (layout.checkpointing or layout.compiled)
-        if layout.sequence_parallel and (regathered or layout.selective):
+        kept = layout.checkpointing or layout.compiled and not layout.selective
+        if layout.stack == "shardgpt" and layout.sequence_parallel and not kept:
             per_layer += styles.count("rowwise") / 2
         calls = per_layer * layout.stage_layers(config) * layout.micro_batches
         seconds = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
