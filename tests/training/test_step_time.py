@@ -236,6 +236,22 @@ def test_pipeline_stages_send_activations_forward_and_gradients_back():
     assert row["communication"]["pp_send_recv"] == pytest.approx(2 * (8 + 4 - 1) * message / 50e9)
 
 
+def test_under_a_pipeline_fsdp2_gathers_inside_the_stage_and_reduces_after_the_last_backward():
+    """A stage's FSDP2 units are gathered ahead of their use in every micro batch's forward and backward, as without a
+    pipeline; the gradients wait for the last backward (torch's pipelining syncs them only there), and DDP's flat
+    all-reduce for the flush (training/parallel/pipeline.py): exposed."""
+    gpus = cluster("h100", 64)
+    lay = Layout("fsdp", 8, pp=8, micro_batch=1, micro_batches=16)
+    rows = st.data_parallel_seconds(BIG, gpus, lay)
+    assert {w for k, _, w in rows if k == "all_gather"} == {"forward", "backward"}
+    assert {w for k, _, w in rows if k == "reduce_scatter"} == {None}
+    assert {w for _, _, w in st.data_parallel_seconds(BIG, gpus, replace(lay, strategy="ddp"))} == {None}
+    step = predict_step(BIG, gpus, lay, 4096)
+    exposed = sum(t for k, t, _ in rows if k == "reduce_scatter")
+    assert step["communication"]["dp_forward"] == step["communication"]["dp_backward"] == 0  # hidden by the stage
+    assert step["communication"]["dp_after_backward"] == pytest.approx(exposed)
+
+
 def test_offload_moves_the_partition_over_pcie():
     gpus = cluster("h100", 8)
     row = predict_step(CONFIG, gpus, Layout("zero2-offload-cpu", 8, micro_batches=2), SEQ)

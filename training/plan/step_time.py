@@ -124,8 +124,9 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 #   after the optimizer step, with nothing to hide behind (ZeRO paper, section 7).
 # - ZeRO-3 and FSDP prefetch the next layer's parameters during the current layer's forward and backward and
 #   reduce-scatter gradients during the backward (DeepSpeed `overlap_comm`, FSDP's prefetch: Zhao et al. 2023, 3.3).
-# - Under a pipeline the data-parallel reduction runs after the flush (training/parallel/pipeline.py; Megatron-LM 2021):
-# exposed.
+# - Under a pipeline the data-parallel reduction runs after the flush (training/parallel/pipeline.py; Megatron-LM 2021;
+#   torch's pipelining syncs FSDP2's gradients after the last backward only): exposed. FSDP2's gathers still run ahead
+#   of each unit's use inside the stage, in every micro batch's forward and backward.
 OVERLAP = {
     "ddp": {"all_reduce": "backward"},
     "zero1": {"all_reduce": None, "all_gather": None},
@@ -405,7 +406,10 @@ def data_parallel_seconds(
         repeats = nbytes / once[kind]  # how often a step sends one micro batch's share: once, or every micro batch
         calls = repeats * calls_per_step(family, kind, once[kind], shape, layers, per_tensor=deepspeed_2021)
         seconds = collective_seconds(kind, nbytes, layout.dp, bandwidth) + calls * ring_latency(kind, layout.dp, nodes)
-        window = OVERLAP[family].get(kind) if layout.pp == 1 else None
+        # Under a pipeline the reductions wait for the last backward; FSDP2 still gathers each unit ahead of its use
+        # (OVERLAP above).
+        prefetched = family == "fsdp" and kind == "all_gather"
+        window = OVERLAP[family].get(kind) if layout.pp == 1 or prefetched else None
         if megatron:  # each bucket reduced as it is ready; the parameters gathered during the first forward
             window = "backward" if kind in REDUCTIONS else "forward"
         if deepspeed_2021:  # each gather waits for the device, the reductions before it with it: all exposed
