@@ -323,6 +323,11 @@ def test_pipeline_stages_hold_their_layers_and_the_tied_embedding_on_the_first_a
         assert stage["detail"]["gpu:buffers.gradient_all_reduce"] == 4 * n  # 2 pipelines average their gradients
     sharded = pm.predict(config, pipeline("fsdp", 8, 4), "bf16", micro_batches=8)["stages"]
     assert [s["params"] for s in sharded] == [2 * n for n in psi]  # every row count here is even
+    # torch's pipelining syncs FSDP2's gradients after the last backward only: by then the stage is gathered (bf16)
+    # and its gradients accumulated whole in fp32, the reduce dtype (FSDP2's unsharded_accumulated_grad)
+    for stage, n in zip(sharded, psi, strict=True):
+        assert stage["detail"]["gpu:buffers.unsharded_params"] == 2 * n
+        assert stage["detail"]["gpu:buffers.unsharded_accumulated_grads"] == 4 * n
     assert all(s["logits"] == 0 for s in stages[:-1]) and stages[-1]["logits"] > 0
 
 

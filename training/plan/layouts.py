@@ -86,8 +86,13 @@ class Memory:
         shape = rank_shape(c, layout)
         stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
-        if layout.typed.fsdp_sharding == "SHARD_GRAD_OP":  # every unit gathered from its forward to its backward
+        # FSDP2's units gathered from a unit's forward to its backward (SHARD_GRAD_OP), and under a pipeline all of
+        # them by the last backward, with their gradients accumulated whole in fp32 until then (torch's pipelining
+        # syncs them there only: training/plan/memory/stages.stage_states)
+        if layout.sharding == "fsdp" and (layout.pp > 1 or layout.typed.fsdp_sharding == "SHARD_GRAD_OP"):
             states += ACTIVATION_BYTES * shape.parameters
+        if layout.sharding == "fsdp" and layout.pp > 1:
+            states += 4 * shape.parameters
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
         layers, tp, sequence = layout.stage_layers(c), layout.tp, layout.sequence_parallel
         # Megatron-LM and this project gather the column-split inputs again in the backward; a compiled layer of this

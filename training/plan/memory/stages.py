@@ -15,7 +15,6 @@ from training.plan.memory.activations import (
     loss_chunk_bytes,
     rotary_bytes,
     saved_loss_bytes,
-    temporaries,
 )
 from training.plan.memory.layout import BYTES, Layout, layout, ranks_to_check
 from training.plan.memory.states import Item, adam, bytes_by_category, fsdp_states
@@ -178,12 +177,19 @@ def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: boo
     """One rank's model states of the stage `lay` holds, and its temporaries: FSDP2's over the stage's
     data-parallel ranks, or the stage whole (fp32 weights, gradients and AdamW; autocast's weight copies in bf16; the
     flat copy of the gradients that their all-reduce over the data-parallel ranks averages). On CPU ranks, unfused
-    AdamW's two fp32 temporaries of the largest tensor it steps."""
+    AdamW's two fp32 temporaries of the largest tensor it steps.
+
+    Under FSDP2, torch's pipelining turns the gradient sync and the resharding after each backward off until the
+    step's last backward (pipelining/stage.py: `backward_maybe_with_nosync`, then `perform_reduce_grad`): by then every
+    unit of the stage is gathered, and its gradients are accumulated whole in the reduce dtype (FSDP2's
+    `unsharded_accumulated_grad`; fp32 in this project's policy, training/parallel/accelerator.fsdp_precision), until
+    the reduce-scatters after the last backward."""
     dp, e = strategy.data_parallel_size, BYTES[precision]
     if strategy.family == "fsdp":
         states = max((fsdp_states(lay, dp, r, offload=False) for r in ranks_to_check(strategy, dp)),
                      key=lambda items: sum(it.nbytes for it in items))  # fmt: skip
-        temps = temporaries(lay, strategy, dp, precision, None)
+        temps = [Item("buffers", "unsharded_params", e * lay.psi),
+                 Item("buffers", "unsharded_accumulated_grads", 4 * lay.psi)]  # fmt: skip
         if cpu_ranks:
             temps.append(adam_temporaries(lay, strategy, dp, None, e))
         return states, temps
