@@ -11,7 +11,8 @@ model's plan with sequence parallelism (training/parallel/tensor.split_stage), o
 
 Every rank also writes OUT/<spec>-states-rank<R>.json: the bytes of the parameters, gradients and Adam's states its
 stages hold as the optimizer steps at step 2 (training/plan/memory/ledger.py's walk), which the memory planner
-predicts per stage.
+predicts per stage; under FSDP2 also OUT/<spec>-gathered-rank<R>.json: what its stages hold gathered, and their
+gradients accumulated whole, as step 2's last backward ends.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from training.parallel.gradnorm import clip_, grad_norm
 from training.parallel.pipeline import build_pipeline, fsdp2_stages
 from training.parallel.ranks import run_rank
 from training.parallel.strategy import Strategy
-from training.plan.memory.ledger import Ledger, walk_fsdp
+from training.plan.memory.ledger import Ledger, walk_fsdp, walk_fsdp_gathered
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
 MEASURED_STEP = 2  # Adam's moments exist from the first update on
@@ -107,6 +108,26 @@ def snapshot_states(pipeline, optimizer, path: Path, step: list[int]) -> None:
     optimizer.register_step_pre_hook(hook)
 
 
+def snapshot_gathered(pipeline, path: Path, step: list[int]) -> None:
+    """At MEASURED_STEP, as torch's pipelining turns FSDP2's gradient sync back on after the step's last backward
+    (`PipelineStage.perform_reduce_grad`, before the reduce-scatters), write the bytes of each of this rank's stages'
+    units still gathered and of their gradients accumulated whole to `path`: what the memory planner counts at a
+    stage's peak."""
+    stages: dict[int, dict] = {}
+    for index, stage in zip(pipeline.local_stages, pipeline.stages, strict=True):
+        turn_on = stage.set_requires_gradient_sync  # FSDP2's public setter, shadowed on this module only
+
+        def hook(requires, *args, _index=index, _stage=stage, _turn_on=turn_on, **kwargs):
+            if requires and step[0] == MEASURED_STEP:
+                ledger = Ledger()
+                walk_fsdp_gathered(ledger, _stage)
+                stages[_index] = ledger.report()["detail"]
+                path.write_text(json.dumps(stages, indent=1))
+            return _turn_on(requires, *args, **kwargs)
+
+        stage.set_requires_gradient_sync = hook
+
+
 def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_batches: int,
               states: Path) -> dict:  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -121,6 +142,8 @@ def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_b
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     losses, norms, at = [], [], [0]
     snapshot_states(pipeline, optimizer, states, at)
+    if shard is not None:
+        snapshot_gathered(pipeline, states.with_name(states.name.replace("-states-", "-gathered-")), at)
     for step, tokens in enumerate(global_batches(micro_batches, dp), 1):
         at[0] = step
         micro = micro_batches_of(tokens, micro_batches, dp, rank % dp)

@@ -36,7 +36,8 @@ def assert_planned_states(out, spec: str, nproc: int, pp: int) -> None:
     """Each rank's parameters, gradients and Adam's states, as the optimizer steps (the worker's
     <spec>-states-rank<R>.json), equal the memory planner's for its stage to the byte
     (training/plan/memory/stages.py), for every layout it plans: one stage a rank under GPipe or 1F1B, whole, sharded
-    by FSDP2 or split over tensor-parallel ranks."""
+    by FSDP2 or split over tensor-parallel ranks. Under FSDP2, what the stage holds gathered and its gradients
+    accumulated whole as the last backward ends (<spec>-gathered-rank<R>.json) are the planner's too."""
     schedule, per_rank, data_parallel = (spec.split(":") + ["1", "ddp"][spec.count(":") :])[:3]
     family = {"fsdp": "fsdp", "tp": "single"}.get(data_parallel, "ddp")
     strategy = Strategy.of(family, nproc, pp=pp, tp=nproc // pp if data_parallel == "tp" else 1,
@@ -51,6 +52,10 @@ def assert_planned_states(out, spec: str, nproc: int, pp: int) -> None:
         held = {"params": measured["params"], "grads": measured["grads"],
                 "optimizer_states": measured["master_params"] + measured["optimizer_states"]}  # fmt: skip
         assert held == {k: planned[k] for k in held}, (spec, rank, record["detail"], planned["detail"])
+        if family == "fsdp":  # the stage gathered and its gradients whole by the last backward: the planner's peak
+            gathered = json.loads((out / f"{spec.replace(':', '-')}-gathered-rank{rank}.json").read_text())[str(stage)]
+            for label in ("unsharded_params", "unsharded_accumulated_grads"):
+                assert gathered[f"buffers.{label}"] == planned["detail"][f"gpu:buffers.{label}"], (spec, rank, label)
 
 
 def assert_like_one_process(record: dict, spec: str) -> None:

@@ -90,6 +90,20 @@ def walk_fsdp(ledger: Ledger, net, optimizer) -> None:
             ledger.add("buffers", "fsdp_unsharded_params", unsharded)
 
 
+def walk_fsdp_gathered(ledger: Ledger, net) -> None:
+    """FSDP2's units of `net` still gathered whole, and their gradients accumulated whole while the gradient sync is
+    off (a pipeline's micro batches until the reduction after the last backward), as allocated."""
+    for module in net.modules():
+        group = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            ledger.add("buffers", "unsharded_params", unsharded)
+            # in the parameters' dtype, or upcast to the reduce dtype where one is set
+            accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            grad = getattr(unsharded, "grad", None)
+            ledger.add("buffers", "unsharded_accumulated_grads", accumulated if accumulated is not None else grad)
+
+
 def walk_zero12(ledger: Ledger, engine) -> None:
     opt = engine.optimizer
     params = list(engine.module.parameters())
