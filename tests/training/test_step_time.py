@@ -291,7 +291,7 @@ def refused_by_train_py(lay: Layout) -> str | None:
     deepspeed = lay.strategy.startswith("zero")
     if lay.stack != "shardgpt" or lay.tp_overlap or lay.fp8 or lay.selective:
         return "Megatron-Core's runtime, TP overlap, fp8 and selective recomputation are not this project's"
-    if lay.sequence_parallel != (lay.tp > 1 and (lay.strategy.startswith("fsdp") or lay.pp > 1)):
+    if lay.sequence_parallel != (lay.tp > 1 and (lay.sharding == "fsdp" or lay.pp > 1)):
         return "Megatron's sequence parallelism runs exactly where torch's DTensor plan splits layers"
     if lay.pp > 1 and (deepspeed or lay.sp > 1):
         return "a pipeline runs under one process's optimizer, DDP or FSDP2 only"
