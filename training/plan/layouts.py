@@ -24,7 +24,7 @@ from training.plan.memory.activations import (
 )
 from training.plan.memory.layout import repo_json
 from training.plan.memory.planner import predict, zero_paper
-from training.plan.memory.stages import PIPELINE_SCHEDULES, in_flight
+from training.plan.memory.stages import PIPELINE_SCHEDULES, gathered_stage, in_flight
 from training.plan.ring import ACTIVATION_BYTES
 from training.plan.step_time import (
     DP_STRATEGIES,
@@ -86,14 +86,13 @@ class Memory:
         shape = rank_shape(c, layout)
         stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
-        # FSDP2's units gathered from a unit's forward to its backward (SHARD_GRAD_OP), and under a pipeline all of
-        # them by the last backward, with their gradients accumulated whole in fp32 until then (torch's pipelining
-        # syncs them there only: training/plan/memory/stages.stage_states)
-        if layout.sharding == "fsdp" and (layout.pp > 1 or layout.typed.fsdp_sharding == "SHARD_GRAD_OP"):
-            states += ACTIVATION_BYTES * shape.parameters
-        if layout.sharding == "fsdp" and layout.pp > 1:
-            states += 4 * shape.parameters
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
+        # FSDP2 under a pipeline: the stage gathered whole by the last backward, its gradients accumulated whole
+        # (the memory planner's stages); without one, keeping units gathered (SHARD_GRAD_OP) holds the parameters whole
+        if layout.sharding == "fsdp" and layout.pp > 1:
+            states += sum(item.nbytes for item in gathered_stage(shape.parameters, e))
+        elif layout.typed.fsdp_sharding == "SHARD_GRAD_OP":
+            states += e * shape.parameters
         layers, tp, sequence = layout.stage_layers(c), layout.tp, layout.sequence_parallel
         # Megatron-LM and this project gather the column-split inputs again in the backward; a compiled layer of this
         # project keeps torch's styles' layout, the gathered inputs whole

@@ -484,7 +484,7 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         per_module = layout.stack == "shardgpt" and not layout.sequence_parallel  # SP gathers each input once
         backward = styles.count("colwise") if per_module else styles.count("rowwise")
         per_layer = (2 if layout.checkpointing else 1) * styles.count("rowwise") + backward
-        kept = layout.checkpointing or layout.compiled and not layout.selective
+        kept = layout.checkpointing or (layout.compiled and not layout.selective)
         if layout.stack == "shardgpt" and layout.sequence_parallel and not kept:
             per_layer += styles.count("rowwise") / 2
         calls = per_layer * layout.stage_layers(config) * layout.micro_batches

@@ -83,25 +83,27 @@ def walk_fsdp(ledger: Ledger, net, optimizer) -> None:
     ledger.add("params", "local_shards", [p.data for p in params])
     ledger.add("grads", "local_shards", [p.grad for p in params])
     optimizer_states(ledger, optimizer)
-    for module in net.modules():  # unsharded parameters still allocated (freed after use when resharding)
-        group = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            ledger.add("buffers", "fsdp_unsharded_params", unsharded)
+    for fsdp_param in fsdp_params(net):  # unsharded parameters still allocated (freed after use when resharding)
+        ledger.add("buffers", "fsdp_unsharded_params", getattr(fsdp_param, "_unsharded_param", None))
 
 
 def walk_fsdp_gathered(ledger: Ledger, net) -> None:
     """FSDP2's units of `net` still gathered whole, and their gradients accumulated whole while the gradient sync is
     off (a pipeline's micro batches until the reduction after the last backward), as allocated."""
+    for fsdp_param in fsdp_params(net):
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        ledger.add("buffers", "unsharded_params", unsharded)
+        # in the parameters' dtype, or upcast to the reduce dtype where one is set
+        accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+        grad = getattr(unsharded, "grad", None)
+        ledger.add("buffers", "unsharded_accumulated_grads", accumulated if accumulated is not None else grad)
+
+
+def fsdp_params(net):
+    """FSDP2's per-parameter records of every unit in `net` (none outside FSDP2)."""
     for module in net.modules():
         group = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            ledger.add("buffers", "unsharded_params", unsharded)
-            # in the parameters' dtype, or upcast to the reduce dtype where one is set
-            accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
-            grad = getattr(unsharded, "grad", None)
-            ledger.add("buffers", "unsharded_accumulated_grads", accumulated if accumulated is not None else grad)
+        yield from getattr(group, "fsdp_params", [])
 
 
 def walk_zero12(ledger: Ledger, engine) -> None:

@@ -188,8 +188,7 @@ def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: boo
     if strategy.family == "fsdp":
         states = max((fsdp_states(lay, dp, r, offload=False) for r in ranks_to_check(strategy, dp)),
                      key=lambda items: sum(it.nbytes for it in items))  # fmt: skip
-        temps = [Item("buffers", "unsharded_params", e * lay.psi),
-                 Item("buffers", "unsharded_accumulated_grads", 4 * lay.psi)]  # fmt: skip
+        temps = gathered_stage(lay.psi, e)
         if cpu_ranks:
             temps.append(adam_temporaries(lay, strategy, dp, None, e))
         return states, temps
@@ -199,3 +198,9 @@ def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: boo
              Item("buffers", "gradient_all_reduce", 4 * lay.psi if dp > 1 else 0),
              Item("buffers", "adam_temporaries", 8 * max(lay.numels) if cpu_ranks else 0)]  # fmt: skip
     return states, temps
+
+
+def gathered_stage(psi: int, e: int) -> list[Item]:
+    """What an FSDP2 pipeline stage of `psi` parameters holds whole by its last backward (`stage_states`): its
+    parameters in the compute dtype (`e` bytes) and its gradients accumulated in fp32, the reduce dtype."""
+    return [Item("buffers", "unsharded_params", e * psi), Item("buffers", "unsharded_accumulated_grads", 4 * psi)]
