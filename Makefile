@@ -18,7 +18,8 @@ TORCH  ?=
 LOCK_TORCH ?= torch==2.13.0
 TORCH_LATEST ?= $(LOCK_TORCH)
 # The oldest torch supported (training/compat.py, pyproject.toml), and what `make test-floor` runs on it: the model
-# (compile included), the sharded builds, a launch of each strategy family, eager and compiled, and FSDP2 in bf16.
+# (compile included), the sharded builds, a launch of each strategy family, eager and compiled, FSDP2 in bf16, and
+# the pipeline warm-up this torch runs (whether a V-shaped schedule is refused on gloo).
 FLOOR_TORCH ?= torch==2.11.0
 FLOOR_TESTS ?= tests/model tests/training/test_step.py tests/training/test_sharded_construction.py \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-ddp-ddp]" \
@@ -26,7 +27,9 @@ FLOOR_TESTS ?= tests/model tests/training/test_step.py tests/training/test_shard
 	"tests/recipes/test_precision.py::test_bf16_trains_as_one_process_in_bf16[fsdp]" \
 	"tests/recipes/test_strategies.py::test_strategy_trains_the_same_model[accelerate-zero3-zero3]" \
 	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[fsdp]" \
-	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[zero3]"
+	"tests/recipes/test_precision.py::test_torch_compile_trains_the_same[zero3]" \
+	"tests/training/test_pipeline.py::test_the_installed_torch_is_read_for_its_pipeline_warm_up" \
+	"tests/training/test_pipeline.py::test_a_v_shaped_schedule_is_refused_on_gloo_where_torch_sends_to_its_own_rank"
 ARGS   ?=
 # The suite on both cores: pytest-xdist's 2 workers, every test that launches ranks in one group that one worker runs
 # one launch after another (tests/conftest.py), the in-process tests on the other; at the end the slowest tests and

@@ -24,6 +24,10 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   first module only (`_register_group_forward_hooks` runs the state's pre-forward once per group); 2.13 casts at each
   module. accelerate groups the final norm with the (tied) embedding and head, so on 2.11 the head received the last
   layer's fp32 output against its bf16 weight: see `cast_grouped_inputs` (no private API; keyed on the version).
+- whether torch's multi-stage pipeline schedules open each stage's links by sending to every neighbouring stage, its
+  own rank's included (torch < 2.13's `_get_init_p2p_neighbors_ops`; from 2.13 `PipelineScheduleMulti._warmup_p2p`
+  hands a same-rank neighbour its value in memory): gloo has no link from a rank to itself, see
+  `pipeline_sends_to_own_rank`.
 - DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
   out of a run whose optimizer is not Muon, see `skip_deepspeed_muon`.
 """
@@ -188,3 +192,14 @@ def cast_grouped_inputs(net: torch.nn.Module, dtype: torch.dtype) -> None:
     for module in net.modules():
         if module is not net and isinstance(module, FSDPModule):
             module.register_forward_pre_hook(cast)
+
+
+def pipeline_sends_to_own_rank() -> str | None:
+    """The installed torch's version where its multi-stage schedules open the links between stages with a send from
+    each stage to each neighbour, a neighbour on the same rank included, as torch 2.11 does; None where they hand a
+    same-rank neighbour its value in memory (2.13 and 2.14: `PipelineScheduleMulti._warmup_p2p`). gloo makes no send
+    from a rank to itself ("Pair is not connected", 2.11 and 2.13 alike), so a V-shaped schedule, whose middle stages
+    share a rank, fails there on the first step (training/parallel/schedules.check_schedule_on_gloo)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    return None if hasattr(PipelineScheduleMulti, "_warmup_p2p") else torch.__version__

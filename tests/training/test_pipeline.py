@@ -16,6 +16,7 @@ import re
 from unittest.mock import patch
 
 import pytest
+import torch
 from launching import ROOT, launch, launcher_command
 
 from model import ShardGPTConfig
@@ -232,3 +233,69 @@ def test_a_pipeline_built_otherwise_than_asked_is_refused(built, refusal):
         else:
             with pytest.raises(RuntimeError, match=re.escape(f"but the pipeline runs {refusal}")):
                 verify_pipeline(accelerator, layout, strategy)
+
+
+@pytest.mark.parametrize(("sending_torch", "gloo", "refused"), [("2.11.0", True, True), ("2.11.0", False, False),
+                                                                 (None, True, False)])  # fmt: skip
+def test_a_v_shaped_schedule_is_refused_on_gloo_where_torch_sends_to_its_own_rank(monkeypatch, sending_torch, gloo,
+                                                                                   refused):  # fmt: skip
+    """torch 2.11 opens the link between a rank's two V-shaped stages with a send to the rank itself, which gloo
+    cannot make (the run hangs); 2.13 hands the value over in memory. On CPU ranks under such a torch the launch is
+    refused before any process group, in one line naming the fix; NCCL (GPUs) and a newer torch go ahead."""
+    from training import compat
+    from training.parallel.launch import launched_data_parallel_size, requested_strategy
+
+    launch_env(monkeypatch, 2)
+    monkeypatch.setattr(compat, "pipeline_sends_to_own_rank", lambda: sending_torch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: not gloo)
+    cfg = run_config(pipeline_parallel_schedule="ZBVZeroBubble", config_overrides="num_hidden_layers=4",
+                     gradient_accumulation_steps=4)  # fmt: skip
+    cfg = cfg.resolve(launched_data_parallel_size(cfg))
+    if not refused:
+        assert requested_strategy(cfg, hidden_size=64).pp_schedule == "ZBVZeroBubble"
+        return
+    with pytest.raises(ValueError) as err:
+        requested_strategy(cfg, hidden_size=64)
+    message = str(err.value)
+    assert "ZBVZeroBubble on CPU ranks (gloo) with torch 2.11.0" in message and "use Interleaved1F1B" in message
+    assert "\n" not in message
+
+
+V_ON_ONE_GLOO_RANK = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+stages = [PipelineStage(torch.nn.Linear(4, 4), s, 2, torch.device("cpu")) for s in (0, 1)]
+schedule = ScheduleZBVZeroBubble(stages, 2, loss_fn=lambda out, target: out.pow(2).mean())
+try:
+    schedule.step(torch.randn(2, 4), target=torch.zeros(2, 4), losses=[])
+    print("trained")
+except Exception as e:
+    print("failed:", type(e).__name__, str(e).splitlines()[0][:200])
+os._exit(0)  # gloo's threads may outlive a failed send
+"""
+
+
+def test_the_installed_torch_is_read_for_its_pipeline_warm_up(tmp_path):
+    """The V-shaped schedule's two stages on one gloo rank (every link a send to the rank itself): the step trains
+    exactly where `compat.pipeline_sends_to_own_rank` finds the in-memory warm-up, and fails in gloo where it names
+    the torch (2.11). Runs on the floor's torch too (make test-floor)."""
+    import subprocess
+    import sys
+
+    from training import compat
+
+    script = tmp_path / "v_on_one_rank.py"
+    script.write_text(V_ON_ONE_GLOO_RANK)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)  # fmt: skip
+    outcome = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+    sending = compat.pipeline_sends_to_own_rank()
+    if sending is None:
+        assert outcome == "trained", outcome
+    else:
+        assert sending == torch.__version__ and outcome.startswith("failed:") and "Pair is not connected" in outcome, (
+            outcome
+        )

@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 from accelerate.utils import DeepSpeedPlugin
 
+from training import compat
 from training.config import RunConfig
 from training.parallel.axes import composes, wrapper
 from training.parallel.deepspeed_config import (
@@ -29,7 +30,7 @@ from training.parallel.launch_checks import (
     check_tensor_parallel_flag,
 )
 from training.parallel.mesh import FLAGS, Mesh, block_degree, parallelism_block
-from training.parallel.schedules import ZERO_BUBBLE
+from training.parallel.schedules import ZERO_BUBBLE, check_schedule_on_gloo
 from training.parallel.sequence import (
     check_context_parallel,
     check_sequence_parallel,
@@ -93,10 +94,13 @@ def requested_strategy(cfg: RunConfig, hidden_size: int) -> Strategy:
             fsdp_env, world, hybrid_replicas(world, cp, tp, cfg.pipeline_parallel_degree), cp=cp, tp=tp, **pipeline
         )
         check_pipeline_with_fsdp(cfg, strategy)
-        return strategy
-    if tp > 1 and cfg.pipeline_parallel_degree == 1:
-        return replicated_tensor_parallel(world, tp)
-    return replicated_strategy(world, pipeline, max(tp, cfg.tensor_parallel_degree))
+    elif tp > 1 and cfg.pipeline_parallel_degree == 1:
+        strategy = replicated_tensor_parallel(world, tp)
+    else:
+        strategy = replicated_strategy(world, pipeline, max(tp, cfg.tensor_parallel_degree))
+    if strategy.mesh.pp > 1:  # CPU ranks run gloo (training/parallel/accelerator.py)
+        check_schedule_on_gloo(strategy.pp_schedule, not torch.cuda.is_available(), compat.pipeline_sends_to_own_rank())
+    return strategy
 
 
 def replicated_tensor_parallel(world: int, tp: int) -> Strategy:

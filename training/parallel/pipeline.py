@@ -28,11 +28,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask
 
+from training import compat
 from training.parallel.build import local
 from training.parallel.busy_clock import BackwardMark, BusyClock
 from training.parallel.gradnorm import clip_, grad_norm
 from training.parallel.groups import new_groups
-from training.parallel.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
+from training.parallel.schedules import ZERO_BUBBLE, check_schedule_on_gloo, stage_layers, stage_ranks
 from training.parallel.strategy import Strategy
 from training.parallel.tensor import data_parallel_dims, device_mesh, split_modules, split_stage, tie_split_embedding
 
@@ -341,6 +342,7 @@ def build_pipeline(model: nn.Module, strategy: Strategy, rank: int, micro_batche
     `micro_batches` a step. Collective: creates the pipeline, data-parallel and tied-embedding process groups (every
     rank creates every group)."""
     mesh, schedule_name, per_rank = strategy.mesh, strategy.pp_schedule, strategy.pp_stages_per_rank
+    check_schedule_on_gloo(schedule_name, dist.get_backend() == "gloo", compat.pipeline_sends_to_own_rank())
     if mesh.world != mesh.pp * mesh.dp * mesh.tp:
         raise ValueError(f"a pipeline runs on pp x data-parallel x tensor-parallel ranks; the mesh is {mesh.shape}")
     pp, dp, pp_rank = mesh.pp, mesh.dp, mesh.coordinates(rank)["pp"]

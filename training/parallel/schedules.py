@@ -80,3 +80,17 @@ def check_pipeline(schedule: str, pp: int, per_rank: int, micro_batches: int, nu
             f"--gradient_accumulation_steps {micro_batches} with {schedule}: the schedule needs at least one micro "
             f"batch per stage ({stages}); pass --gradient_accumulation_steps {stages} or more"
         )
+
+
+def check_schedule_on_gloo(schedule: str, gloo: bool, sending_torch: str | None) -> None:
+    """A V-shaped schedule on gloo ranks under a torch whose schedules open each stage's links with a send to the
+    same-rank neighbour too (`sending_torch`: its version, from training/compat.pipeline_sends_to_own_rank): gloo has
+    no link from a rank to itself, so the ranks holding the middle stages fail and the rest wait for them for ever.
+    Checked before any process group (NCCL sends to its own rank: GPUs are not refused)."""
+    if schedule in V_SHAPED and gloo and sending_torch is not None:
+        raise ValueError(
+            f"--pipeline_parallel_schedule {schedule} on CPU ranks (gloo) with torch {sending_torch}: this torch opens "
+            "the link between a rank's two V-shaped stages with a send to its own rank, which gloo cannot make, and "
+            "the pipeline hangs; use Interleaved1F1B (two stages a rank, looped), or torch >= 2.13 "
+            "(pip install 'torch>=2.13')"
+        )
