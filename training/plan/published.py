@@ -294,6 +294,13 @@ TORCHTITAN_H100 = [
 # - Trainy on WhiteFiber's H200s (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md, June 2025): Llama 3.1 8B,
 #   FSDP over 4 and 8 nodes (32 and 64 GPUs, 400 Gb/s a GPU), local batch 2, compiled, fp8 tensorwise with float8
 #   all-gathers, llama3_8b.toml's selective ("op") recomputation at its commit e7c0cae.
+# - torchao's float8 training table (torchao/float8/README.md, pytorch/ao pull request 1793, March 2025): Llama 3 8B
+#   on 8 H100s, torchtitan 0.0.2 with torch 2.7.0a0, FSDP2, local batch 1, sequence 8192, compiled, per-op selective
+#   recomputation, bf16 and fp8 tensorwise with float8 all-gathers (its rowwise row left out, as above). Taken as Meta's
+#   H100s: torchao's own roofline (torchao/testing/training/roofline_utils.py) gives its H100 "2.4 TB per second,
+#   custom to Meta's H100 variant". torchtitan's loss then still ran uncompiled on the whole logits
+#   (torchtitan/components/loss.py at 0da8901, 2025-03-10; chunked and compiled from 2025-04-02): `whole_loss`. Its
+#   peak memory printed beside the planner's.
 EIGHT_B_TP8 = {"dp": 8, "tp": 8, "micro_batch": 12}
 TORCHTITAN_2025 = [
     torchtitan_run(*row, source="torchtitan async TP (2025)")
@@ -311,6 +318,10 @@ TORCHTITAN_2025 = [
     torchtitan_run("8B", "llama-3-8b", gpus, 2 * gpus, {"dp": gpus, "micro_batch": 2}, False, ("compiled", "fp8"),
                    tokens_per_second, memory_gib, source="Trainy H200 (torchtitan benchmarks)", gpu="h200")
     for gpus, tokens_per_second, memory_gib in ((32, 10938, 47.96), (64, 10753, 46.97))
+] + [
+    torchtitan_run("8B", "llama-3-8b", 8, 8, {"dp": 8, "micro_batch": 1}, False, options, tokens_per_second,
+                   memory_gib, source="torchao float8 (README)", whole_loss=True)
+    for options, tokens_per_second, memory_gib in ((("compiled",), 6150, 47.65), (("compiled", "fp8"), 7689.5, 47.77))
 ]  # fmt: skip
 
 

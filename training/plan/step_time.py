@@ -169,10 +169,13 @@ STACKS = ("shardgpt", "megatron-core", "megatron-lm-2021")
 # the backward, each read for its amax and read again and written in fp8 (2.5 two-byte accesses an element), and
 # both again in the transposed layout the weight's gradient GEMM takes (1.5); q, k and v each cast their (shared)
 # input, as gate and up do.
-# Selective recomputation as torch's selective activation checkpointing runs it (torchtitan's "op" policy): the
-# outputs of every other linear layer's GEMM and of attention are kept, the rest of the layer's forward (every
-# memory-bound kernel, and half the linear layers' GEMMs) runs again in the backward.
-SELECTIVE_RECOMPUTED_GEMMS = 0.5
+# Selective recomputation as torch's selective activation checkpointing runs it (torchtitan's "op" policy,
+# `_custom_policy` with `_save_list` in parallelize_llama.py, the same at 9dec370, 820504e and e7c0cae): the outputs
+# of attention, of the reduce-scatters and of every other `aten.mm` of a layer's forward are kept (the count's odd
+# ones: q, v, gate and down in the forward's order q, k, v, o, gate, up, down), the rest of the forward runs again in
+# the backward: every memory-bound kernel and the even GEMMs, k, o and up (`selective_recomputed_gemms`; o's output
+# rebuilds the residual the second norm takes, compiled or not).
+SELECTIVE_RECOMPUTED = ("k", "o", "up")
 FP8_SPEEDUP = 2.0
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 
@@ -196,7 +199,7 @@ class Layout:
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with their GEMMs (TP_OVERLAP)
     fp8: bool = False  # the decoder layers' linear layers in fp8 (FP8)
     compiled: bool = False  # torch.compile fuses the memory-bound kernels (COMPILED_ELEMENTWISE_ACCESSES)
-    selective: bool = False  # selective recomputation (SELECTIVE_RECOMPUTED_GEMMS)
+    selective: bool = False  # selective recomputation (SELECTIVE_RECOMPUTED)
     whole_loss: bool = False  # the loss on the whole (tokens, vocabulary) logits in fp32, not in chunks (memory only)
 
     def stage_layers(self, config: ShardGPTConfig) -> int:
@@ -318,13 +321,28 @@ def compute_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, se
     gemms = 6 * layer_parameters(config)  # a layer's linear layers, what fp8 speeds up
     linear = gemms / FP8_SPEEDUP if layout.fp8 else gemms
     flops = (stage * (layer_flops - gemms + linear) + head_flops) * passes
-    if layout.selective:  # half the linear layers' forward GEMMs again
-        flops += stage * SELECTIVE_RECOMPUTED_GEMMS * linear / 3
+    if layout.selective:  # the policy's even GEMMs of the forward again
+        flops += stage * selective_recomputed_gemms(config) * linear / 3
     flops /= layout.tp
     split = layout.tp if layout.sequence_parallel else 1  # what the hidden-wide kernels split over
     memory = stage * (layer_bytes / layout.tp + replicated * (1 / split - 1 / layout.tp))
     memory += head_bytes / layout.tp
     return tokens * (flops / (cluster.peak_flops * cluster.efficiency) + memory / cluster.hbm_bw)
+
+
+def layer_gemms(config: ShardGPTConfig) -> dict[str, int]:
+    """A decoder layer's linear layers in its forward's order, each one's matrix elements."""
+    h, f = config.hidden_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, g = config.num_attention_heads * d, config.num_key_value_heads * d
+    return {"q": h * q, "k": h * g, "v": h * g, "o": q * h, "gate": h * f, "up": h * f, "down": f * h}
+
+
+def selective_recomputed_gemms(config: ShardGPTConfig) -> float:
+    """The share of a layer's linear FLOPs that selective recomputation runs again (SELECTIVE_RECOMPUTED): for
+    Llama 3 8B 36.5%, where a GEMM of every two would be half."""
+    gemms = layer_gemms(config)
+    return sum(gemms[name] for name in SELECTIVE_RECOMPUTED) / sum(gemms.values())
 
 
 def fp8_cast_accesses(config: ShardGPTConfig) -> float:
@@ -478,15 +496,20 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         # recomputation gathers in its place or a compiled layer keeps the gathered input; selective recomputation
         # gathers it again, compiled or not: torch's per-op policy (torchtitan's `_save_list`, models/llama3/
         # parallelize_llama.py) keeps the reduce-scatters' outputs but not the all-gathers', so the recomputed
-        # forward runs the gathers again before the backward.
+        # forward runs the gathers again before the backward. With fp8 under sequence parallelism every all-gather
+        # carries the float8 cast, a byte an element, and the reduce-scatters bf16 (torchao's Float8ColwiseParallel,
+        # Float8RowwiseParallel and PrepareFloat8ModuleInput, torchtitan's tensorwise TP: the inputs cast before they
+        # are gathered, the output gradients cast before the backward gathers them).
         size = ACTIVATION_BYTES * micro_tokens // layout.sp * config.hidden_size
         styles = list(config.base_model_tp_plan.values())
         per_module = layout.stack == "shardgpt" and not layout.sequence_parallel  # SP gathers each input once
         backward = styles.count("colwise") if per_module else styles.count("rowwise")
-        per_layer = (2 if layout.checkpointing else 1) * styles.count("rowwise") + backward
+        gathered = 0.5 if layout.fp8 and layout.sequence_parallel else 1.0  # a gather's bytes against bf16's
+        pair = (gathered + 1) / 2  # an all-gather and a reduce-scatter against an all-reduce's ring bytes
+        per_layer = pair * ((2 if layout.checkpointing else 1) * styles.count("rowwise") + backward)
         kept = layout.checkpointing or (layout.compiled and not layout.selective)
         if layout.stack == "shardgpt" and layout.sequence_parallel and not kept:
-            per_layer += styles.count("rowwise") / 2
+            per_layer += gathered * styles.count("rowwise") / 2
         calls = per_layer * layout.stage_layers(config) * layout.micro_batches
         seconds = calls * all_reduce_seconds(size, layout.tp, cluster.link_bandwidth(layout.tp))
         if layout.tp_overlap:  # one chunk in tp exposed, the rest hidden up to the compute (TP_OVERLAP above)
