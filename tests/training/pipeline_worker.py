@@ -7,7 +7,8 @@ model; rank 0 writes both runs' losses and gradient norms to OUT/<spec>.json.
 
 DATA_PARALLEL, over the world / PP pipelines: ddp (the default: an all-reduce of whole copies) or fsdp (FSDP2
 shards each stage over the data-parallel ranks); or tp: the world / PP ranks of a stage split its layers by the
-model's plan with sequence parallelism (training/parallel/tensor.split_stage), one pipeline.
+model's plan with sequence parallelism (training/parallel/tensor.split_stage), one pipeline; or fsdp-tp: pairs of
+ranks split each stage's layers so, and FSDP2 shards the slices over the world / (2 PP) pairs (FSDP2 x TP x PP).
 
 Every rank also writes OUT/<spec>-states-rank<R>.json: the bytes of the parameters, gradients and Adam's states its
 stages hold as the optimizer steps at step 2 (training/plan/memory/ledger.py's walk), which the memory planner
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.adamw import param_groups
@@ -108,6 +110,23 @@ def snapshot_states(pipeline, optimizer, path: Path, step: list[int]) -> None:
     optimizer.register_step_pre_hook(hook)
 
 
+def snapshot_whole_gradients(pipeline, path: Path, step: list[int]) -> None:
+    """At MEASURED_STEP, as the schedule ends and before the split parameters' gradients are laid out as their
+    parameters (`Pipeline.settle_split_gradients`, without FSDP2), write to `path` the bytes this rank's gradients
+    hold beyond its slices: what comes back whole from torch's backward (the embedding's rows)."""
+    settle = pipeline.settle_split_gradients
+
+    def hook():
+        if step[0] == MEASURED_STEP:
+            beyond = sum((p.grad.to_local().numel() - p.to_local().numel()) * p.grad.element_size()
+                         for p in pipeline.model.parameters()
+                         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements)  # fmt: skip
+            path.write_text(json.dumps({"beyond_slices": beyond}))
+        settle()
+
+    pipeline.settle_split_gradients = hook
+
+
 def snapshot_gathered(pipeline, path: Path, step: list[int]) -> None:
     """At MEASURED_STEP, as torch's pipelining turns FSDP2's gradient sync back on after the step's last backward
     (`PipelineStage.perform_reduce_grad`, before the reduce-scatters), write the bytes of each of this rank's stages'
@@ -128,15 +147,21 @@ def snapshot_gathered(pipeline, path: Path, step: list[int]) -> None:
         stage.set_requires_gradient_sync = hook
 
 
+def degrees(data_parallel: str, world: int, pp: int) -> tuple[str, int, int]:
+    """The strategy family, the tensor-parallel and the data-parallel degree of a DATA_PARALLEL mode."""
+    tp = {"tp": world // pp, "fsdp-tp": 2}.get(data_parallel, 1)
+    family = {"fsdp": "fsdp", "fsdp-tp": "fsdp", "tp": "single"}.get(data_parallel, "ddp")
+    return family, tp, world // pp // tp
+
+
 def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_batches: int,
               states: Path) -> dict:  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp = world // pp if data_parallel == "tp" else 1
-    dp = world // pp // tp
+    family, tp, dp = degrees(data_parallel, world, pp)
     net = model().train()
-    shard = fsdp2_stages(MixedPrecisionPolicy(), True, "cpu") if data_parallel == "fsdp" else None
-    family = {"fsdp": "fsdp", "tp": "single"}.get(data_parallel, "ddp")
-    strategy = Strategy.of(family, world, pp=pp, tp=tp, pp_schedule=schedule, pp_stages_per_rank=per_rank)
+    shard = fsdp2_stages(MixedPrecisionPolicy(), True, "cpu") if family == "fsdp" else None
+    strategy = Strategy.of(family, world, pp=pp, tp=tp, pp_schedule=schedule, pp_stages_per_rank=per_rank,
+                           **({"fsdp_version": 2} if family == "fsdp" else {}))  # fmt: skip
     pipeline = build_pipeline(net, strategy, rank, micro_batches, torch.device("cpu"), shard)
     optimizer = adamw(net)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -144,9 +169,11 @@ def pipelined(schedule: str, per_rank: int, pp: int, data_parallel: str, micro_b
     snapshot_states(pipeline, optimizer, states, at)
     if shard is not None:
         snapshot_gathered(pipeline, states.with_name(states.name.replace("-states-", "-gathered-")), at)
+    elif tp > 1:
+        snapshot_whole_gradients(pipeline, states.with_name(states.name.replace("-states-", "-whole-")), at)
     for step, tokens in enumerate(global_batches(micro_batches, dp), 1):
         at[0] = step
-        micro = micro_batches_of(tokens, micro_batches, dp, rank % dp)
+        micro = micro_batches_of(tokens, micro_batches, dp, strategy.data_parallel_rank(rank))
         result = pipelined_step(pipeline, micro, optimizer, scheduler, MAX_GRAD_NORM, step, nullcontext)
         losses.append(result.loss)
         norms.append(result.grad_norm)
@@ -165,7 +192,7 @@ def main() -> list:
         schedule, per_rank, data_parallel = (spec.split(":") + ["1", "ddp"][spec.count(":") :])[:3]
         per_rank = int(per_rank)
         micro_batches = 2 * pp * per_rank  # enough for every schedule's rule
-        dp = 1 if data_parallel == "tp" else dist.get_world_size() // pp
+        dp = degrees(data_parallel, dist.get_world_size(), pp)[2]
         try:
             states = Path(out, f"{spec.replace(':', '-')}-states-rank{dist.get_rank()}.json")
             run = pipelined(schedule, per_rank, pp, data_parallel, micro_batches, states)

@@ -26,7 +26,8 @@ from training.plan.memory.planner import predict
 
 
 def run_worker(tmp_path, nproc: int, pp: int, specs: list[str]) -> dict[str, dict]:
-    """One launch of the worker for every spec (`SCHEDULE[:STAGES_PER_RANK[:ddp|fsdp]]`); each spec's record."""
+    """One launch of the worker for every spec (`SCHEDULE[:STAGES_PER_RANK[:ddp|fsdp|tp|fsdp-tp]]`); each spec's
+    record."""
     cmd = launcher_command("torchrun", nproc=nproc)
     cmd[-1] = str(ROOT / "tests" / "training" / "pipeline_worker.py")
     launch(cmd, [str(pp), *specs], tmp_path)
@@ -38,11 +39,15 @@ def assert_planned_states(out, spec: str, nproc: int, pp: int) -> None:
     <spec>-states-rank<R>.json), equal the memory planner's for its stage to the byte
     (training/plan/memory/stages.py), for every layout it plans: one stage a rank under GPipe or 1F1B, whole, sharded
     by FSDP2 or split over tensor-parallel ranks. Under FSDP2, what the stage holds gathered and its gradients
-    accumulated whole as the last backward ends (<spec>-gathered-rank<R>.json) are the planner's too."""
+    accumulated whole as the last backward ends (<spec>-gathered-rank<R>.json) are the planner's too; with tensor
+    parallelism, the first stage's embedding gradient held whole until the schedule ends (torch's embedding backward
+    has no row-wise strategy: <spec>-whole-rank<R>.json under DDP or none, the accumulated gradients under FSDP2)."""
+    from pipeline_worker import degrees
+
     schedule, per_rank, data_parallel = (spec.split(":") + ["1", "ddp"][spec.count(":") :])[:3]
-    family = {"fsdp": "fsdp", "tp": "single"}.get(data_parallel, "ddp")
-    strategy = Strategy.of(family, nproc, pp=pp, tp=nproc // pp if data_parallel == "tp" else 1,
-                           pp_schedule=schedule, **({"fsdp_version": 2} if family == "fsdp" else {}))  # fmt: skip
+    family, tp, _ = degrees(data_parallel, nproc, pp)
+    strategy = Strategy.of(family, nproc, pp=pp, tp=tp, pp_schedule=schedule,
+                           **({"fsdp_version": 2} if family == "fsdp" else {}))  # fmt: skip
     assert per_rank == "1", spec
     config = ShardGPTConfig.from_preset("debug", num_hidden_layers=4, vocab_size=256)  # the worker's model
     stages = predict(config, strategy, "fp32", 2, 32, micro_batches=2 * pp, cpu_ranks=True)["stages"]
@@ -57,6 +62,10 @@ def assert_planned_states(out, spec: str, nproc: int, pp: int) -> None:
             gathered = json.loads((out / f"{spec.replace(':', '-')}-gathered-rank{rank}.json").read_text())[str(stage)]
             for label in ("unsharded_params", "unsharded_accumulated_grads"):
                 assert gathered[f"buffers.{label}"] == planned["detail"][f"gpu:buffers.{label}"], (spec, rank, label)
+        elif tp > 1:  # the embedding's gradient whole on each tensor-parallel rank until the schedule ends
+            whole = json.loads((out / f"{spec.replace(':', '-')}-whole-rank{rank}.json").read_text())["beyond_slices"]
+            assert whole == planned["detail"].get("gpu:buffers.embedding_gradient_whole", 0), (spec, rank, whole)
+            assert whole > 0 or stage > 0, (spec, rank)
 
 
 def assert_like_one_process(record: dict, spec: str) -> None:
@@ -101,6 +110,18 @@ def test_pipelines_with_ddp_and_fsdp2_train_like_one_process(tmp_path):
         assert_like_one_process(record, spec)
     for spec in ("1F1B", "GPipe:1:fsdp", "1F1B:1:fsdp", "1F1B:1:tp"):  # the layouts the memory planner plans
         assert_planned_states(tmp_path, spec, 4, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp2_x_tensor_x_pipeline_model_states_are_the_planners_to_the_byte(tmp_path):
+    """pp 2 x dp 2 x tp 2 on 8 ranks under 1F1B: each stage's layers split over a pair of ranks with sequence
+    parallelism, FSDP2 sharding the slices over the two pairs. It trains like one process, and every rank's
+    parameters, gradients and Adam's states as the optimizer steps, and what its stage holds gathered with its
+    gradients accumulated whole as the last backward ends, are the memory planner's to the byte."""
+    for spec, record in run_worker(tmp_path, 8, 2, ["1F1B:1:fsdp-tp"]).items():
+        assert_like_one_process(record, spec)
+    assert_planned_states(tmp_path, "1F1B:1:fsdp-tp", 8, 2)
 
 
 def test_stages_are_laid_out_looped_or_v_shaped():

@@ -87,11 +87,18 @@ class Memory:
         stage = {"ddp": 0, "fsdp": 3}.get(layout.sharding) or layout.typed.zero_stage
         states = zero_paper(shape.parameters, layout.dp, stage, "bf16")
         e, tokens = ACTIVATION_BYTES, layout.micro_batch * self.seq_len // layout.sp
+        # torch's DTensor pipelines (this project's, torchtitan's) hold the first stage's embedding gradient whole on
+        # each tensor-parallel rank until the schedule ends (the memory planner's `embedding_gradient_rows`), in fp32
+        whole_rows = 0
+        if layout.pp > 1 and layout.tp > 1 and layout.stack == "shardgpt":
+            whole_rows = c.vocab_size * c.hidden_size - c.vocab_size * c.hidden_size // layout.tp
         # FSDP2 under a pipeline: the stage gathered whole by the last backward, its gradients accumulated whole
         # (the memory planner's stages); without one, keeping units gathered (SHARD_GRAD_OP) holds the parameters whole
         if layout.sharding == "fsdp" and layout.pp > 1:
-            states += sum(item.nbytes for item in gathered_stage(shape.parameters, e))
-        elif layout.typed.fsdp_sharding == "SHARD_GRAD_OP":
+            states += sum(item.nbytes for item in gathered_stage(shape.parameters, e, whole_rows))
+        else:
+            states += 4 * whole_rows
+        if layout.pp == 1 and layout.typed.fsdp_sharding == "SHARD_GRAD_OP":
             states += e * shape.parameters
         layers, tp, sequence = layout.stage_layers(c), layout.tp, layout.sequence_parallel
         # Megatron-LM and this project gather the column-split inputs again in the backward; a compiled layer of this

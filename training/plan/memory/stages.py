@@ -141,7 +141,9 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     stages = []
     for stage in range(pp):
         lay = stage_layout(sliced, pp, stage)
-        states, temps = stage_states(lay, strategy, precision, cpu_ranks)
+        # the first stage looks the tokens up: under tensor parallelism its embedding's gradient comes back whole
+        whole_rows = embedding_gradient_rows(config, lay, tp) if stage == 0 else 0
+        states, temps = stage_states(lay, strategy, precision, cpu_ranks, whole_rows)
         boundaries = (stage > 0) + (stage < pp - 1)
         shard = tokens * h // tp  # under tensor parallelism a rank receives its sequence shard
         temps.append(Item("buffers", "pipeline_receive_buffers", boundaries * micro_batches * shard * hidden))
@@ -173,11 +175,26 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     return stages
 
 
-def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: bool) -> tuple[list[Item], list[Item]]:
+def embedding_gradient_rows(config: ShardGPTConfig, lay: Layout, tp: int) -> int:
+    """Elements of the embedding's gradient a tensor-parallel rank holds beyond its vocabulary rows while a pipeline's
+    schedule runs: torch's DTensor has no row-wise strategy for the embedding's backward (`embedding_dense_backward`:
+    replicated, column-wise or partial, torch 2.11 and 2.13), so the vocabulary-parallel embedding's gradient comes
+    back whole on each rank and is cut to its rows once a step, after the schedule
+    (training/parallel/pipeline.settle_split_gradients); under FSDP2 it is accumulated whole. Measured to the byte
+    (tests/training/test_pipeline.py, FSDP2 x TP x PP)."""
+    if tp == 1 or "model.embed_tokens.weight" not in lay.names:
+        return 0
+    rows = lay.numels[lay.names.index("model.embed_tokens.weight")]
+    return config.vocab_size * config.hidden_size - rows
+
+
+def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: bool,
+                 whole_rows: int = 0) -> tuple[list[Item], list[Item]]:  # fmt: skip
     """One rank's model states of the stage `lay` holds, and its temporaries: FSDP2's over the stage's
     data-parallel ranks, or the stage whole (fp32 weights, gradients and AdamW; autocast's weight copies in bf16; the
     flat copy of the gradients that their all-reduce over the data-parallel ranks averages). On CPU ranks, unfused
-    AdamW's two fp32 temporaries of the largest tensor it steps.
+    AdamW's two fp32 temporaries of the largest tensor it steps. `whole_rows`: the embedding's gradient elements a
+    tensor-parallel rank holds beyond its own rows while the schedule runs (`embedding_gradient_rows`), in fp32.
 
     Under FSDP2, torch's pipelining turns the gradient sync and the resharding after each backward off until the
     step's last backward (pipelining/stage.py: `backward_maybe_with_nosync`, then `perform_reduce_grad`): by then every
@@ -188,7 +205,7 @@ def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: boo
     if strategy.family == "fsdp":
         states = max((fsdp_states(lay, dp, r, offload=False) for r in ranks_to_check(strategy, dp)),
                      key=lambda items: sum(it.nbytes for it in items))  # fmt: skip
-        temps = gathered_stage(lay.psi, e)
+        temps = gathered_stage(lay.psi, e, whole_rows)
         if cpu_ranks:
             temps.append(adam_temporaries(lay, strategy, dp, None, e))
         return states, temps
@@ -196,11 +213,14 @@ def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: boo
     adam(states, lay.psi, len(lay.numels), "gpu")
     temps = [Item("buffers", "autocast_weight_copies", e * lay.psi if precision != "fp32" else 0),
              Item("buffers", "gradient_all_reduce", 4 * lay.psi if dp > 1 else 0),
-             Item("buffers", "adam_temporaries", 8 * max(lay.numels) if cpu_ranks else 0)]  # fmt: skip
+             Item("buffers", "adam_temporaries", 8 * max(lay.numels) if cpu_ranks else 0),
+             Item("buffers", "embedding_gradient_whole", 4 * whole_rows)]  # fmt: skip
     return states, temps
 
 
-def gathered_stage(psi: int, e: int) -> list[Item]:
+def gathered_stage(psi: int, e: int, whole_rows: int = 0) -> list[Item]:
     """What an FSDP2 pipeline stage of `psi` parameters holds whole by its last backward (`stage_states`): its
-    parameters in the compute dtype (`e` bytes) and its gradients accumulated in fp32, the reduce dtype."""
-    return [Item("buffers", "unsharded_params", e * psi), Item("buffers", "unsharded_accumulated_grads", 4 * psi)]
+    parameters in the compute dtype (`e` bytes) and its gradients accumulated in fp32, the reduce dtype, the
+    embedding's whole under tensor parallelism (`whole_rows` more: `embedding_gradient_rows`)."""
+    return [Item("buffers", "unsharded_params", e * psi),
+            Item("buffers", "unsharded_accumulated_grads", 4 * (psi + whole_rows))]  # fmt: skip
