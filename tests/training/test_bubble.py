@@ -24,10 +24,12 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_one_per_stage():
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_the_models_stages_hold_for_their_backward_what_the_planner_predicts():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_models_stages_hold_for_their_backward_what_the_planner_predicts(tp):
     """The `debug` model in 2 stages (a layer each, the tied embedding on both), 4 micro batches of 2 x 32 tokens,
     fp32: the peak bytes each stage holds for its backward (autograd's saved tensors and the stage's kept outputs,
-    counted live) equal the planner's to the byte, under GPipe (4 micro batches in flight) and 1F1B (2, then 1)."""
+    counted live) equal the planner's to the byte, under GPipe (4 micro batches in flight) and 1F1B (2, then 1);
+    with tp 2 on each of the stage's two ranks, its layers split by the model's plan with sequence parallelism."""
 
     from model import ShardGPTConfig
     from training.loop.bubble import ModelCase, measure_model
@@ -35,11 +37,12 @@ def test_the_models_stages_hold_for_their_backward_what_the_planner_predicts():
     from training.plan.memory import planner as pm
 
     case, m = ModelCase("debug", {}, micro_batch=2, seq_len=32), 4
-    records = measure_model(2, [("GPipe", m), ("1F1B", m)], case, steps=1, timeout=120)
+    records = measure_model(2, [("GPipe", m), ("1F1B", m)], case, steps=1, timeout=180, tp=tp)
+    assert len(records) == 2 * 2 * tp  # a record per schedule and rank
     config = ShardGPTConfig.from_preset(case.preset)
     held = {}
     for schedule in ("GPipe", "1F1B"):
-        strategy = Strategy.of("single", 2, pp=2, pp_schedule=schedule)
+        strategy = Strategy.of("single", 2 * tp, pp=2, tp=tp, pp_schedule=schedule)
         stages = pm.predict(config, strategy, "fp32", case.micro_batch, case.seq_len, micro_batches=m)["stages"]
         for r in (r for r in records if r["schedule"] == schedule):
             assert r["peak_held_bytes"] == stages[r["stage"]]["held_for_backward"], r

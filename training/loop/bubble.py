@@ -182,7 +182,7 @@ def _run_ranks(target, pp: int, records: int, args: tuple, timeout: float = 600)
                 p.join()
     if len(got) < pp * records or any(p.exitcode for p in processes):
         raise RuntimeError(f"a stage's process failed or hung: exit codes {[p.exitcode for p in processes]}")
-    return sorted(got, key=lambda r: (r["schedule"], r["micro_batches"], r["stage"]))
+    return sorted(got, key=lambda r: (r["schedule"], r["micro_batches"], r["stage"], r.get("rank", 0)))
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -214,33 +214,36 @@ class ModelCase:
     seq_len: int = 64
 
 
-def _model_rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], model: ModelCase, steps: int,
-                queue) -> None:  # fmt: skip
+def _model_rank(rank: int, world: int, store: str, cases: list[tuple[str, int]], model: ModelCase, steps: int,
+                tp: int, queue) -> None:  # fmt: skip
     from model import ShardGPTConfig, ShardGPTForCausalLM
     from training.parallel.pipeline import build_pipeline
     from training.parallel.strategy import Strategy
     from training.plan.memory.saved import HeldBytes
 
-    torch.set_num_threads(1)  # one core per stage: P = 2 ranks on 2 cores time honestly
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=pp)
+    torch.set_num_threads(1)  # one core per rank: P = 2 ranks on 2 cores time honestly
+    pp = world // tp
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     config = ShardGPTConfig.from_preset(model.preset, **model.overrides)
     for schedule, m in cases:
         torch.manual_seed(0)  # every rank builds one process's model, then keeps its stage
         net = ShardGPTForCausalLM(config).train()
-        strategy = Strategy.of("single", pp, pp=pp, pp_schedule=schedule)  # one stage per rank, no data parallelism
+        # one stage per tp ranks (its layers split over them), no data parallelism
+        strategy = Strategy.of("single", world, pp=pp, tp=tp, pp_schedule=schedule)
         pipeline = build_pipeline(net, strategy, rank, m, torch.device("cpu"), None)  # collective
         ids = torch.randint(0, config.vocab_size, (m * model.micro_batch, model.seq_len))  # (M * micro, T)
         pipeline.loss_scale = 1 / ids.numel()
         held = HeldBytes(net.parameters())
-        if rank < pp - 1:  # the stage keeps its output for the micro batch's backward
+        stage = pipeline.pp_rank
+        if stage < pp - 1:  # the stage keeps its output for the micro batch's backward
             pipeline.stages[0].register_forward_hook(functools.partial(_keep_output, held))
         runs = []
         for i in range(steps + 1):  # the first step infers shapes and allocates the stage's buffers: not kept
             dist.barrier()  # collective: every stage starts the step together
             held.reset()
             t0 = time.perf_counter()
-            with held.saving():  # collective: the schedule's point-to-point sends
-                pipeline.schedule.step(*((ids,) if rank == 0 else ()), target=ids, losses=[], shift_labels=ids)
+            with held.saving():  # collective: the schedule's point-to-point sends (and the stages' tp collectives)
+                pipeline.schedule.step(*((ids,) if stage == 0 else ()), target=ids, losses=[], shift_labels=ids)
             t1 = time.perf_counter()
             dist.barrier()  # collective: the step ends when its last stage is done
             busy = pipeline.clock.busy_fraction(t0, t1) * (t1 - t0)
@@ -248,8 +251,9 @@ def _model_rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], mo
             if i:
                 runs.append((time.perf_counter() - t0, busy, held.peak, held.now))
         step, busy, peak, left = min(runs)  # the least disturbed step: the others only add noise from this machine
-        queue.put({"schedule": schedule, "pp": pp, "micro_batches": m, "stage": rank, "step_seconds": step,
-                   "busy_seconds": busy, "peak_held_bytes": peak, "held_after_step": left})  # fmt: skip
+        queue.put({"schedule": schedule, "pp": pp, "tp": tp, "micro_batches": m, "stage": stage, "rank": rank,
+                   "step_seconds": step, "busy_seconds": busy, "peak_held_bytes": peak,
+                   "held_after_step": left})  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -258,9 +262,10 @@ def _keep_output(held, _module: nn.Module, _args, output: torch.Tensor) -> None:
         held.keep_until_freed(output)
 
 
-def measure_model(pp: int, cases: list[tuple[str, int]], model: ModelCase, steps: int = 3,
-                  timeout: float = 600) -> list[dict]:  # fmt: skip
-    """Each (schedule, micro batches) of `cases` on `pp` stages of `model`, one process per stage: per stage, the
-    step time (the fastest of `steps`), the time its stage computed in that step (forward and backward), and the
-    most bytes it held for its backward at once (and what it still held after the step: nothing)."""
-    return _run_ranks(_model_rank, pp, len(cases), (cases, model, steps), timeout)
+def measure_model(pp: int, cases: list[tuple[str, int]], model: ModelCase, steps: int = 3, timeout: float = 600,
+                  tp: int = 1) -> list[dict]:  # fmt: skip
+    """Each (schedule, micro batches) of `cases` on `pp` stages of `model`, one process per stage, or `tp` whose
+    stage's layers the model's plan splits (with sequence parallelism): per rank, the step time (the fastest of
+    `steps`), the time its stage computed in that step (forward and backward), and the most bytes it held for its
+    backward at once (and what it still held after the step: nothing)."""
+    return _run_ranks(_model_rank, pp * tp, len(cases), (cases, model, steps, tp), timeout)

@@ -76,10 +76,10 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
     first stage's token ids, 8 bytes per token of the whole step (the schedule's micro batches are views of the
     step's ids, whose storage any of them keeps), and with checkpointing the one layer being recomputed.
     Measured to the byte on the model's own stages (tests/training/test_bubble.py), fp32, without tensor
-    parallelism; with it (`tp` ranks a stage, with Megatron's sequence parallelism: training/parallel/tensor.py's
-    `split_stage`) each layer saves `layer_activation_bytes`' sequence-parallel share, measured to the byte outside
-    pipelines (training/loop/tensor_memory.py), and the input kept with checkpointing and the output sent on are the
-    rank's sequence shard."""
+    parallelism and with it (`tp` ranks a stage, with Megatron's sequence parallelism: training/parallel/tensor.py's
+    `split_stage`), where each layer saves `layer_activation_bytes`' sequence-parallel share (measured outside
+    pipelines too: training/loop/tensor_memory.py), and the input kept with checkpointing and the output sent on are
+    the rank's sequence shard."""
     c = config
     tokens = micro_batch * seq_len
     first, last = stage == 0, stage == pp - 1
