@@ -24,6 +24,22 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_one_per_stage():
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_interleaved_1f1b_holds_its_warm_up_and_one_more_on_each_rank():
+    """torch's Interleaved1F1B, two fixed-cost stages a rank on 2 and 4 ranks: the most stage-micro-batches each rank
+    holds at once is the planner's count (warm-up forwards, then one more; every one of them where the micro batches
+    are no more than the ranks), which the step-time planner's interleaved memory takes."""
+    from training.plan.memory.stages import interleaved_in_flight
+
+    for pp, micro_batches in ((2, (2, 4, 8)), (4, (4, 8))):
+        for r in measure(pp, [("Interleaved1F1B", m) for m in micro_batches], 0.002, steps=1):
+            want = interleaved_in_flight(pp, 2, r["micro_batches"], r["stage"])
+            assert r["peak_micro_batches_held"] == want, r
+    assert interleaved_in_flight(4, 2, 4, 0) == 8 < 4 * (1 + 3 / 8) * 2  # capped: every micro batch in both stages
+    assert interleaved_in_flight(4, 2, 8, 0) == 4 * (1 + 3 / 8) * 2  # Korthikanti et al.'s, M a multiple of P
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_models_stages_hold_for_their_backward_what_the_planner_predicts(tp):
     """The `debug` model in 2 stages (a layer each, the tied embedding on both), 4 micro batches of 2 x 32 tokens,

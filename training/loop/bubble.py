@@ -65,11 +65,11 @@ class _FixedCost(torch.autograd.Function):
 class FixedCostStage(nn.Module):
     """A stage whose forward takes `seconds` and backward 2 x `seconds`, whatever its input."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, held: InFlight | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(WIDTH))
         self.seconds = seconds
-        self.held = InFlight()
+        self.held = held if held is not None else InFlight()  # shared by the stages of one rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FixedCost.apply(x * self.weight, self.seconds, self.held)
@@ -130,32 +130,39 @@ def save_against_micro_batches(fig, axes, micro_batches: list[int], path: str, l
 
 
 def _rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], seconds: float, steps: int, queue) -> None:
+    from training.parallel.schedules import stage_ranks, stages_per_rank
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=pp)
     for schedule, m in cases:
-        stage = FixedCostStage(seconds)
-        pipeline = PipelineStage(stage, rank, pp, torch.device("cpu"))
-        run = get_schedule_class(schedule)(pipeline, n_microbatches=m, loss_fn=lambda out, _: out.sum())
+        per_rank = stages_per_rank(schedule, None)  # a multi-stage schedule's 2 stages a rank, placed as torch does
+        owners = stage_ranks(schedule, pp, per_rank)
+        held = InFlight()  # what the rank's stages hold together: a micro batch in a stage of it at each forward
+        stages = [PipelineStage(FixedCostStage(seconds, held), s, len(owners), torch.device("cpu"))
+                  for s, owner in enumerate(owners) if owner == rank]  # fmt: skip
+        run = get_schedule_class(schedule)(stages if per_rank > 1 else stages[0], n_microbatches=m,
+                                           loss_fn=lambda out, _: out.sum())  # fmt: skip
         x = torch.ones(m, WIDTH)
         times = []
         for i in range(steps + 1):  # the first step infers shapes: not timed
             dist.barrier()  # collective: every stage starts the step together
             t0 = time.perf_counter()
-            run.step(*((x,) if rank == 0 else ()), target=x if rank == pp - 1 else None)
+            run.step(*((x,) if owners[0] == rank else ()), target=x if owners[-1] == rank else None)
             dist.barrier()  # collective: the step ends when its last stage is done
             if i:
                 times.append(time.perf_counter() - t0)
             else:  # the shape inference's forward holds nothing for a backward
-                stage.held.now = stage.held.peak = 0
+                held.now = held.peak = 0
         step = min(times)  # the least disturbed step: the others only add noise from this machine
         queue.put({"schedule": schedule, "pp": pp, "micro_batches": m, "stage": rank, "step_seconds": step,
-                   "busy_seconds": m * 3 * seconds, "peak_micro_batches_held": stage.held.peak})  # fmt: skip
+                   "busy_seconds": m * 3 * seconds * per_rank, "peak_micro_batches_held": held.peak})  # fmt: skip
     dist.destroy_process_group()
 
 
 def measure(pp: int, cases: list[tuple[str, int]], seconds: float = 0.05, steps: int = 3) -> list[dict]:
-    """Each (schedule, micro batches) of `cases` on `pp` fixed-cost stages, one process per stage: per stage, the
-    step time (the fastest of `steps`), its busy fraction and the most micro batches it held at once."""
+    """Each (schedule, micro batches) of `cases` on `pp` ranks of fixed-cost stages, one process per rank (two stages
+    a rank under a multi-stage schedule): per rank, the step time (the fastest of `steps`), its busy fraction and the
+    most micro batches its stages held at once (a micro batch in two of its stages counts twice)."""
     return _run_ranks(_rank, pp, len(cases), (cases, seconds, steps))
 
 

@@ -24,7 +24,7 @@ from training.plan.memory.activations import (
 )
 from training.plan.memory.layout import repo_json
 from training.plan.memory.planner import predict, zero_paper
-from training.plan.memory.stages import PIPELINE_SCHEDULES, gathered_stage, in_flight
+from training.plan.memory.stages import PIPELINE_SCHEDULES, gathered_stage, in_flight, interleaved_in_flight
 from training.plan.ring import ACTIVATION_BYTES
 from training.plan.step_time import (
     DP_STRATEGIES,
@@ -112,9 +112,12 @@ class Memory:
             per_layer = e * c.hidden_size // (tp if sequence else 1) if layout.checkpointing else layer
             per_layer = selective_layer_bytes(c, e, tp, sequence, gathered) if layout.selective else per_layer
             held = in_flight(layout.memory_schedule, layout.pp, layout.micro_batches, 0) if layout.pp > 1 else 1
-            # Interleaving holds more on the first rank: its layers' activations of 1 + (P - 1) / (P v) times as
-            # many micro batches (Korthikanti et al. 2022, section 4.2.3).
-            held *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages) if layout.virtual_stages > 1 else 1
+            # Interleaving: the first rank holds its warm-up's stage-micro-batches and one more, each a v-th of its
+            # layers (up to 1 + (P - 1) / (P v) times 1F1B's, Korthikanti et al. 2022, section 4.2.3; with as few
+            # micro batches as ranks, every one of them: torch's and Megatron-Core's schedules)
+            if layout.virtual_stages > 1:
+                v = layout.virtual_stages
+                held = interleaved_in_flight(layout.pp, v, layout.micro_batches, 0) / v
             activations = held * layers * per_layer * tokens
             activations += layer * tokens if layout.checkpointing else 0
         # the chunked loss's largest moment, or the whole logits where a run's loss takes them at once (torchtitan's of

@@ -37,6 +37,19 @@ def in_flight(schedule: str, pp: int, micro_batches: int, stage: int) -> int:
     raise ValueError(f"the planner models {' and '.join(PIPELINE_SCHEDULES)}'s activations, not {schedule}'s")
 
 
+def interleaved_in_flight(pp: int, per_rank: int, micro_batches: int, rank: int) -> int:
+    """Stage-micro-batches (a micro batch in one of its stages) rank `rank` of `pp` holds at once under torch's
+    Interleaved1F1B with `per_rank` stages a rank: its warm-up forwards, (v - 1) x the micro batches of a round plus
+    2 for each rank after it (`_get_warmup_ops`: a round is M / max(1, M // P) micro batches), then one forward before
+    each backward, at most every micro batch in every stage (M v, where M <= P leaves no steady state: GPipe's
+    count). Where M is a multiple of P this is Korthikanti et al. 2022's P (1 + (P - 1) / (P v)) x v on the first
+    rank, and Megatron-Core's schedule's. Measured with torch's schedule: tests/training/test_bubble.py."""
+    rounds = max(1, micro_batches // pp)
+    warmup = (per_rank - 1) * (micro_batches // rounds) + 2 * (pp - 1 - rank)
+    every = micro_batches * per_rank
+    return every if warmup >= every else warmup + 1
+
+
 def stage_layout(lay: Layout, num_stages: int, stage: int) -> Layout:
     """The parameters stage `stage` keeps (training/parallel/pipeline.keep_stages): its decoder layers, the embedding on
     the
