@@ -28,6 +28,10 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   own rank's included (torch < 2.13's `_get_init_p2p_neighbors_ops`; from 2.13 `PipelineScheduleMulti._warmup_p2p`
   hands a same-rank neighbour its value in memory): gloo has no link from a rank to itself, see
   `pipeline_sends_to_own_rank`.
+- the operators torchtitan's per-op selective recomputation keeps (the flash and memory-efficient attention kernels,
+  sdpa's CPU kernel, the functional reduce-scatter: `torch.ops.aten._scaled_dot_product_*`,
+  `torch.ops._c10d_functional.reduce_scatter_tensor`) and torch's pytree leaves of an op's output, for the measurement
+  of what that policy keeps (training/plan/memory/saved.PerOpPolicy): see `selective_kept_ops`, `tensor_leaves`.
 - DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
   out of a run whose optimizer is not Muon, see `skip_deepspeed_muon`.
 """
@@ -203,3 +207,18 @@ def pipeline_sends_to_own_rank() -> str | None:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
     return None if hasattr(PipelineScheduleMulti, "_warmup_p2p") else torch.__version__
+
+
+def selective_kept_ops() -> set:
+    """The operators besides matrix multiplies whose outputs torchtitan's per-op selective recomputation keeps
+    (`_save_list` in its parallelize_llama.py): attention's kernels, flash and memory-efficient, with sdpa's CPU
+    kernel for CPU ranks, and the functional collectives' reduce-scatter."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default}  # fmt: skip
+
+
+def tensor_leaves(tree) -> list:
+    """The leaves of an op's output (a tensor, or a tuple or list of them)."""
+    return torch.utils._pytree.tree_leaves(tree)

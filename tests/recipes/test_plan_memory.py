@@ -88,6 +88,58 @@ def test_activation_formula_is_what_autograd_saves(dtype, layers):
     assert saved_activation_bytes(config, dtype, batch, seq) == expected
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.skipif(
+    not hasattr(torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False), "op_output"),
+    reason="the policy's view of an op's output (SelectiveCheckpointContext.op_output) is torch 2.13's",
+)
+@pytest.mark.parametrize(("tp", "sequence_parallel"), [(1, False), (2, True), (2, False)])
+def test_selective_recomputation_keeps_what_the_per_op_policy_saves(tp, sequence_parallel):
+    """Each decoder layer under torch's selective activation checkpointing with torchtitan's per-op policy keeps, per
+    token and on each rank, the planner's selective count: the layer's input, q, v, gate and down's outputs,
+    attention's output and log-sum-exp, e (4h + g + f) + 4a for the `debug` preset in fp32 (not the norms' outputs
+    nor k, which it recomputes); split by the model's plan over 2 ranks, q, v, gate and attention's over tp, down's
+    output whole (its partial sum before the reduction) and, under sequence parallelism, the input a sequence shard
+    and the two reduce-scatters' outputs kept."""
+    from training.loop.tensor_memory import measure
+
+    row = measure(tp, sequence_parallel, "debug", 2, 64, selective=True)
+    assert row["per_token"] == row["selective_per_token"], row
+    assert len(set(row["layer_bytes_per_rank"][0])) == 1 and len({r[-1] for r in row["layer_bytes_per_rank"]}) == 1
+    if tp == 1:
+        config = ShardGPTConfig.from_preset("debug")
+        h, f, a, g = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                      config.num_key_value_heads * config.head_dim)  # fmt: skip
+        assert row["per_token"] == 4 * (4 * h + g + f) + 4 * a
+
+
+@pytest.mark.slow
+def test_the_whole_logits_loss_saves_its_log_probabilities_eager_and_its_logits_compiled():
+    """A cross-entropy on the whole bf16 logits upcast to fp32 (torchtitan's): eager it saves the fp32
+    log-probabilities, 4 bytes an entry; compiled (inductor fuses the upcast and the softmax) the bf16 logits
+    themselves, 2, and a log-sum-exp a token. With the logits and their gradient: the planner's (e + 8) and 2e."""
+    from training.plan.memory.activations import whole_logits_bytes
+    from training.plan.memory.saved import HeldBytes
+
+    def loss(pred, labels):
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    tokens, vocab = 256, 1000
+    saved = {}
+    for name, fn in (("eager", loss), ("compiled", torch.compile(loss))):
+        pred = torch.randn(1, tokens, vocab, dtype=torch.bfloat16, requires_grad=True)
+        held = HeldBytes()
+        with held.saving():
+            out = fn(pred, torch.randint(0, vocab, (1, tokens)))  # its graph holds the saved tensors
+        saved[name] = held.now
+        del out
+    assert saved["eager"] // (tokens * vocab) == 4 and saved["compiled"] // (tokens * vocab) == 2, saved
+    config = ShardGPTConfig.from_preset("debug", vocab_size=vocab)
+    per_entry = {c: whole_logits_bytes(config, 1, tokens, 2, c) // (tokens * vocab) for c in (False, True)}
+    assert per_entry == {False: 2 + 4 + 4, True: 2 + 2}  # the logits, what is saved, the gradient
+
+
 def test_activation_checkpointing_keeps_one_input_per_layer():
     config = ShardGPTConfig.from_preset("llama-1b")
     full = activation_bytes(config, 1, 2048, 2, False)

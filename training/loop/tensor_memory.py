@@ -15,17 +15,23 @@ from __future__ import annotations
 import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from training.plan.memory.activations import activation_bytes, layer_activation_bytes, saved_loss_bytes
-from training.plan.memory.saved import HeldBytes
+from training.plan.memory.activations import (
+    activation_bytes,
+    layer_activation_bytes,
+    saved_loss_bytes,
+    selective_layer_bytes,
+)
+from training.plan.memory.saved import HeldBytes, PerOpPolicy
 from training.plan.memory.spawned import config_for, join, run_ranks
 
 
 def _rank(rank: int, tp: int, port: int, queue, sequence_parallel: bool, preset: str, micro: int, block: int,
-          dtype: str) -> None:  # fmt: skip
+          dtype: str, selective: bool) -> None:  # fmt: skip
     join(rank, tp, port)
     config = config_for(preset, block)
     torch.manual_seed(0)  # the same weights and batch on every rank
     net = ShardGPTForCausalLM(config).to(getattr(torch, dtype)).train()
+    policy = PerOpPolicy() if selective else None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
@@ -40,15 +46,21 @@ def _rank(rank: int, tp: int, port: int, queue, sequence_parallel: bool, preset:
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))  # collective
         plan = sequence_parallel_plan(config) if sequence_parallel else torch_plan(config)
         parallelize_module(net, mesh, plan)  # collective: each rank keeps its slices
-        if sequence_parallel:
+        if sequence_parallel and not selective:
             save_sequence_shards(net.model.layers)  # as the training script
         tie_split_embedding(net)
+    if policy is not None:  # torchtitan's per-op selective recomputation over each decoder layer
+        net.model.layers = policy.wrap(net.model.layers)
     tokens = torch.randint(0, config.vocab_size, (micro, block + 1))
     counter = HeldBytes(net.parameters())
+
+    def held() -> int:
+        return counter.now + (policy.kept if policy is not None else 0)
+
     layers: list[int] = []
     for layer in net.model.layers:  # what each layer's forward adds to the held bytes
-        layer.register_forward_pre_hook(lambda *_: layers.append(-counter.now))
-        layer.register_forward_hook(lambda *_: layers.__setitem__(-1, layers[-1] + counter.now))
+        layer.register_forward_pre_hook(lambda *_: layers.append(-held()))
+        layer.register_forward_hook(lambda *_: layers.__setitem__(-1, layers[-1] + held()))
     with counter.saving():
         loss = net(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss  # collectives inside: the layers'
     queue.put((rank, (layers, counter.peak)))
@@ -69,15 +81,17 @@ def korthikanti_bytes(config: ShardGPTConfig, e: int, tp: int, sequence_parallel
     return scale * h * (10 + 24 / tp)
 
 
-def measure(tp: int, sequence_parallel: bool, preset: str, micro: int, block: int, dtype: str = "float32") -> dict:
+def measure(tp: int, sequence_parallel: bool, preset: str, micro: int, block: int, dtype: str = "float32",
+            selective: bool = False) -> dict:  # fmt: skip
     """One case: what each decoder layer's forward saved on each of the `tp` ranks (the most over the ranks), beside
-    the planner's figure and Korthikanti et al.'s, per token."""
+    the planner's figure and Korthikanti et al.'s, per token; `selective`: each layer under torchtitan's per-op
+    selective recomputation (`saved.PerOpPolicy`), what it keeps, beside `selective_layer_bytes`."""
     from training.parallel.tensor import check_tensor_parallel
 
     config, e = config_for(preset, block), torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     check_tensor_parallel(config, tp, flag="tp")  # a layer the degree does not split: refused
-    got = run_ranks(_rank, tp, sequence_parallel, preset, micro, block, dtype,
-                    what=f"tp={tp} sequence_parallel={sequence_parallel}")  # fmt: skip
+    got = run_ranks(_rank, tp, sequence_parallel, preset, micro, block, dtype, selective,
+                    what=f"tp={tp} sequence_parallel={sequence_parallel} selective={selective}")  # fmt: skip
     tokens = micro * block
     layer = max(layers[-1] for layers, _ in got.values())  # the last: the first also holds rotary's cos and sin
     sequence = sequence_parallel and tp > 1
@@ -91,4 +105,5 @@ def measure(tp: int, sequence_parallel: bool, preset: str, micro: int, block: in
         "per_token": layer / tokens, "planned_per_token": layer_activation_bytes(config, e, tp, sequence),
         "gathered_per_token": layer_activation_bytes(config, e, tp, sequence, gathered=True),
         "korthikanti_per_token": korthikanti_bytes(config, e, tp, sequence),
+        "selective_per_token": selective_layer_bytes(config, e, tp, sequence),
     }  # fmt: skip

@@ -110,7 +110,7 @@ class Memory:
         else:
             layer = layer_activation_bytes(c, e, tp, sequence, gathered)
             per_layer = e * c.hidden_size // (tp if sequence else 1) if layout.checkpointing else layer
-            per_layer = selective_layer_bytes(c, e, tp, sequence, gathered) if layout.selective else per_layer
+            per_layer = selective_layer_bytes(c, e, tp, sequence) if layout.selective else per_layer
             held = in_flight(layout.memory_schedule, layout.pp, layout.micro_batches, 0) if layout.pp > 1 else 1
             # Interleaving: the first rank holds its warm-up's stage-micro-batches and one more, each a v-th of its
             # layers (up to 1 + (P - 1) / (P v) times 1F1B's, Korthikanti et al. 2022, section 4.2.3; with as few
@@ -120,10 +120,13 @@ class Memory:
                 held = interleaved_in_flight(layout.pp, v, layout.micro_batches, 0) / v
             activations = held * layers * per_layer * tokens
             activations += layer * tokens if layout.checkpointing else 0
-        # the chunked loss's largest moment, or the whole logits where a run's loss takes them at once (torchtitan's of
-        # December 2024: bf16 logits upcast whole, log-softmax's fp32 output), a tp-th of the vocabulary each
-        loss = whole_logits_bytes if layout.whole_loss else logits_bytes
-        return states + activations + loss(c, layout.micro_batch, self.seq_len, e) / tp, "composed"
+        # the chunked loss's largest moment, or the whole logits where a run's loss takes them at once (torchtitan's:
+        # bf16 logits upcast whole, eager in 2024, compiled from April 2025), a tp-th of the vocabulary each
+        if layout.whole_loss:
+            loss = whole_logits_bytes(c, layout.micro_batch, self.seq_len, e, layout.compiled_loss)
+        else:
+            loss = logits_bytes(c, layout.micro_batch, self.seq_len, e)
+        return states + activations + loss / tp, "composed"
 
 
 # ---------------------------------------------------------------------------------------------- enumeration
@@ -226,7 +229,7 @@ def layouts(config: ShardGPTConfig, cluster: Cluster, global_batch: int, seq_len
     runs (`Layout.runs_here`), or with `any_layout` Megatron-LM's too. `fixed`: any of tp, pp, sp, dp (degrees),
     strategy, schedule, micro_batch, checkpointing pinned to a value."""
     fixed = fixed or {}
-    flags = {k: bool(fixed.get(k)) for k in ("tp_overlap", "fp8", "compiled", "whole_loss")}
+    flags = {k: bool(fixed.get(k)) for k in ("tp_overlap", "fp8", "compiled", "whole_loss", "compiled_loss")}
     degrees = {k: fixed.get(k) for k in ("tp", "pp", "sp", "dp")}
     check_degrees(cluster.num_gpus, degrees)
     options = degree_options(config, cluster.num_gpus, cluster.gpus_per_node, seq_len, degrees)

@@ -231,31 +231,33 @@ def llama(name: str) -> ShardGPTConfig:
     return llama_config(str(ROOT / "model" / "configs" / f"{name}.json"))
 
 
-# torchtitan on H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1, 3, 4 and 5): Llama
-# 3.1 at sequence 8192 on Meta's 96 GB HBM2e H100s ("h100-hbm2e"), tokens/s per GPU as published, turned into MFU by
-# PaLM's count against the SXM peak (the page's own convention: 8B at 33-39%). FSDP2 (with TP: torchtitan's
-# SequenceParallel on the norms, Megatron's sequence parallelism); "selective" activation checkpointing as torchtitan's
-# per-op policy (step_time.SELECTIVE_RECOMPUTED_GEMMS), "full" as full; torch.compile, fp8 (torchao's float8 linears)
-# and async TP where stated. Its pipelines as torchtitan at the benchmarks' commit 9dec370 runs them where the page
-# states nothing more: the local batch split into as many micro batches as stages (pipelining_utils.py's
+# torchtitan on H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1, 3, 4 and 5): Llama 3.1
+# at sequence 8192 on Meta's 96 GB HBM2e H100s ("h100-hbm2e"), tokens/s per GPU as published, turned into MFU by PaLM's
+# count against the SXM peak (the page's own convention: 8B at 33-39%). FSDP2 (with TP: torchtitan's SequenceParallel on
+# the norms, Megatron's sequence parallelism); "selective" activation checkpointing as torchtitan's per-op policy
+# (step_time.SELECTIVE_RECOMPUTED, activations.selective_layer_bytes), "full" as full; torch.compile, fp8 (torchao's
+# float8 linears) and async TP where stated. Its pipelines as torchtitan at the benchmarks' commit 9dec370 runs them
+# where the page states nothing more: the local batch split into as many micro batches as stages (pipelining_utils.py's
 # `pipeline_parallel_microbatches` default: 8 of 4 sequences for the 405B's local 32), interleaving at two stages a
 # rank, and FSDP2 keeping each stage's parameters gathered from a micro batch's forward to its backward
-# (parallelize_llama.py: `reshard_after_forward = False` when pp is on: "fsdp-shard-grad-op"). Each row's
-# "Memory(GiB)" is torchtitan's logged `max_reserved_gib` (the caching allocator's reserved peak,
-# torchtitan/metrics.py at 9dec370): printed beside the planner's, not checked. It holds what the planner does not
-# model otherwise: the loss's whole logits (train.py's uncompiled `cross_entropy(pred.flatten(0, 1).float(),
-# labels)`, compiling it "causes CUDA errors" there: the (tokens, vocabulary) logits in bf16 and fp32 and
-# log-softmax's fp32 output, 21 GB for the 8B's 16,384 tokens: planned as `whole_loss`), the allocator's cached
-# blocks and, under a pipeline, each stage's gradients accumulated unsharded in fp32 until the last micro batch
-# (torch's pipelining syncs them only there). By June 2025 torchtitan compiles its loss (components/loss.py at
-# e7c0cae), and Trainy's H200 runs below come out as planned, within 1 GiB.
+# (parallelize_llama.py: `reshard_after_forward = False` when pp is on: "fsdp-shard-grad-op"). Each row's "Memory(GiB)"
+# is torchtitan's logged `max_reserved_gib` (the caching allocator's reserved peak, torchtitan/metrics.py at 9dec370):
+# printed beside the planner's, not checked. It holds what the planner does not model otherwise: the loss's whole logits
+# (train.py's uncompiled `cross_entropy(pred.flatten(0, 1).float(), labels)`, compiling it "causes CUDA errors" there:
+# the (tokens, vocabulary) logits in bf16 and fp32 and log-softmax's fp32 output, 21 GB for the 8B's 16,384 tokens:
+# planned as `whole_loss`), the allocator's cached blocks and, under a pipeline, each stage's gradients accumulated
+# unsharded in fp32 until the last micro batch (torch's pipelining syncs them only there). From April 2025 torchtitan
+# compiles its loss, still on the whole logits (components/loss.py at 820504e and e7c0cae: `compiled_loss`, the bf16
+# logits and their gradient).
 def torchtitan_run(parameters: str, model: str, gpus: int, batch: int, degrees: dict, full: bool,
                    options: tuple[str, ...], tokens_per_second: float, memory_gib: float | None = None,
                    source: str = "torchtitan H100 (benchmarks)", gpu: str = "h100-hbm2e",
-                   whole_loss: bool = False) -> TunedRun:  # fmt: skip
+                   whole_loss: bool = False, compiled_loss: bool = False) -> TunedRun:  # fmt: skip
     """One of torchtitan's runs: FSDP2 with the stated degrees and options, Megatron's sequence parallelism with its
-    tensor parallelism, full or selective recomputation; `whole_loss`: its loss uncompiled, on the whole logits."""
+    tensor parallelism, full or selective recomputation; `whole_loss`: its loss on the whole logits, uncompiled or
+    (`compiled_loss`) compiled."""
     options = options + ("whole_loss",) if whole_loss else options
+    options = options + ("compiled_loss",) if compiled_loss else options
     sequence = {"sequence_parallel": True} if degrees.get("tp", 1) > 1 else {}
     strategy = "fsdp-shard-grad-op" if degrees.get("pp", 1) > 1 else "fsdp"
     stated = {"strategy": strategy, "checkpointing": full, "selective": not full, **degrees, **sequence,
@@ -294,16 +296,18 @@ TORCHTITAN_H100 = [
 # - Trainy on WhiteFiber's H200s (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md, June 2025): Llama 3.1 8B,
 #   FSDP over 4 and 8 nodes (32 and 64 GPUs, 400 Gb/s a GPU), local batch 2, compiled, fp8 tensorwise with float8
 #   all-gathers, llama3_8b.toml's selective ("op") recomputation at its commit e7c0cae.
+#   Both on the whole logits, compiled (`components/loss.py` at 820504e and e7c0cae: `cross_entropy` on `pred.float()`,
+#   `torch.compile`d with the model): `whole_loss` and `compiled_loss` (the bf16 logits kept and their gradient).
 # - torchao's float8 training table (torchao/float8/README.md, pytorch/ao pull request 1793, March 2025): Llama 3 8B
 #   on 8 H100s, torchtitan 0.0.2 with torch 2.7.0a0, FSDP2, local batch 1, sequence 8192, compiled, per-op selective
 #   recomputation, bf16 and fp8 tensorwise with float8 all-gathers (its rowwise row left out, as above). Taken as Meta's
 #   H100s: torchao's own roofline (torchao/testing/training/roofline_utils.py) gives its H100 "2.4 TB per second,
 #   custom to Meta's H100 variant". torchtitan's loss then still ran uncompiled on the whole logits
-#   (torchtitan/components/loss.py at 0da8901, 2025-03-10; chunked and compiled from 2025-04-02): `whole_loss`. Its
+#   (torchtitan/components/loss.py at 0da8901, 2025-03-10; compiled from 2025-04-02): `whole_loss`. Its
 #   peak memory printed beside the planner's.
 EIGHT_B_TP8 = {"dp": 8, "tp": 8, "micro_batch": 12}
 TORCHTITAN_2025 = [
-    torchtitan_run(*row, source="torchtitan async TP (2025)")
+    torchtitan_run(*row, source="torchtitan async TP (2025)", whole_loss=True, compiled_loss=True)
     for row in (
         ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled",), 597.3),
         ("70B", "llama-3-70b", 256, 512, SEVENTY_B, True, ("compiled", "tp_overlap"), 652.4),
@@ -316,7 +320,8 @@ TORCHTITAN_2025 = [
     )
 ] + [
     torchtitan_run("8B", "llama-3-8b", gpus, 2 * gpus, {"dp": gpus, "micro_batch": 2}, False, ("compiled", "fp8"),
-                   tokens_per_second, memory_gib, source="Trainy H200 (torchtitan benchmarks)", gpu="h200")
+                   tokens_per_second, memory_gib, source="Trainy H200 (torchtitan benchmarks)", gpu="h200",
+                   whole_loss=True, compiled_loss=True)
     for gpus, tokens_per_second, memory_gib in ((32, 10938, 47.96), (64, 10753, 46.97))
 ] + [
     torchtitan_run("8B", "llama-3-8b", 8, 8, {"dp": 8, "micro_batch": 1}, False, options, tokens_per_second,

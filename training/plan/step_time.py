@@ -201,6 +201,7 @@ class Layout:
     compiled: bool = False  # torch.compile fuses the memory-bound kernels (COMPILED_ELEMENTWISE_ACCESSES)
     selective: bool = False  # selective recomputation (SELECTIVE_RECOMPUTED)
     whole_loss: bool = False  # the loss on the whole (tokens, vocabulary) logits in fp32, not in chunks (memory only)
+    compiled_loss: bool = False  # that loss compiled on its own: its logits kept, not their fp32 copies (memory only)
 
     def stage_layers(self, config: ShardGPTConfig) -> int:
         """Decoder layers on the busiest pipeline rank: its `virtual_stages` stages of an equal share of the layers
@@ -261,7 +262,7 @@ class Layout:
         parts.append(f"micro {self.micro_batch} x{self.micro_batches}")
         options = [("SP", self.sequence_parallel), ("TP overlap", self.tp_overlap), ("fp8", self.fp8),
                    ("compiled", self.compiled), ("ckpt", self.checkpointing), ("selective", self.selective),
-                   ("whole-logits loss", self.whole_loss),
+                   ("compiled whole-logits loss" if self.compiled_loss else "whole-logits loss", self.whole_loss),
                    (self.stack, self.stack != "shardgpt")]  # fmt: skip
         return " ".join(parts + [word for word, on in options if on])
 

@@ -88,19 +88,20 @@ def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence
     return e * (4 * h + (2 * h + 2 * g + 4 * f) // tp) + 8 * h + 4 * a // tp + 8
 
 
-def selective_layer_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_parallel: bool = False,
-                          gathered: bool = False) -> int:  # fmt: skip
-    """What one decoder layer keeps per token under selective recomputation (its GEMMs' inputs and attention's
-    output kept, the memory-bound kernels between them recomputed): the layer's input and middle residual and the
-    two norms' outputs (4 e h, whole on each tensor-parallel rank unless sequence parallelism splits them; the norms'
-    outputs gathered whole under torch's DTensor styles, `gathered`, as in `layer_activation_bytes`), q, k, v and the
-    attention output with its fp32 log-sum-exp (e (2h + 2g) + 4a, over tp), the down projection's input (e f, over
-    tp)."""
+def selective_layer_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """What one decoder layer keeps per token under torch's per-op selective recomputation as torchtitan's policy
+    runs it (`_save_list`: the outputs of attention, of the reduce-scatters and of every other matrix multiply are
+    kept, everything else recomputed): the layer's input (what the checkpoint keeps: a sequence shard under sequence
+    parallelism), q, v and gate (the first, third and fifth matrix multiplies, over tp), the down projection's output
+    (the seventh: whole, under tensor parallelism the partial sum before its reduction), attention's output with its
+    fp32 log-sum-exp (over tp) and, under sequence parallelism, the two reduce-scatters' outputs (sequence shards):
+    e (2h + (q + g + f) / tp) + (e q + 4a) / tp, q = a x head_dim. Measured on CPU without tensor parallelism
+    (tests/recipes/test_plan_memory.py: the policy's saved outputs and the checkpoint's input, per layer and token)."""
     h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
-    g = config.num_key_value_heads * config.head_dim
-    norm_outputs = 2 * e * h // (tp if sequence_parallel and not gathered else 1)  # the GEMMs' inputs
-    hidden = 2 * e * h // (tp if sequence_parallel else 1) + norm_outputs  # the input and the middle residual
-    return hidden + (e * (2 * h + 2 * g + f) + 4 * a) // tp
+    q, g = a * config.head_dim, config.num_key_value_heads * config.head_dim
+    split = tp if sequence_parallel else 1
+    kept = e * h // split + e * (q + g + f) // tp + e * h + (e * q + 4 * a) // tp
+    return kept + (2 * e * h // tp if sequence_parallel and tp > 1 else 0)
 
 
 def final_norm_bytes(config: ShardGPTConfig, e: int) -> int:
@@ -135,12 +136,15 @@ def loss_chunk_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     return (4 + e) * chunk * v + e * v * h
 
 
-def whole_logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int) -> int:
-    """The loss without chunks, which the model computes when tensor parallelism replaced its head (DeepSpeed
-    AutoTP's vocabulary-parallel layer): the (tokens, vocab) logits in the compute dtype, and transformers'
-    cross-entropy's fp32 log-probabilities and their gradient, at most (e + 8) x tokens x vocab (an upper bound:
-    not measured)."""
-    return (e + 8) * micro_batch * seq_len * config.vocab_size
+def whole_logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, compiled: bool = False) -> int:
+    """The loss without chunks, on the whole (tokens, vocab) logits in the compute dtype upcast to fp32 (the model's
+    when tensor parallelism replaced its head, DeepSpeed AutoTP's vocabulary-parallel layer; torchtitan's): eager,
+    the logits, the fp32 log-probabilities cross-entropy saves and their fp32 gradient, (e + 8) x tokens x vocab at
+    most; compiled, inductor's fused kernels save the logits themselves (and a log-sum-exp a token) and write their
+    gradient in the compute dtype, 2e x tokens x vocab. What each saves is measured on CPU
+    (tests/recipes/test_plan_memory.py: 4 and e bytes an entry)."""
+    per_entry = 2 * e if compiled else e + 8
+    return per_entry * micro_batch * seq_len * config.vocab_size
 
 
 def saved_loss_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, tp: int = 1) -> int:

@@ -90,3 +90,60 @@ class HeldBytes:
     @staticmethod
     def _unpack(saved: _Saved) -> torch.Tensor:
         return saved.tensor
+
+
+class PerOpPolicy:
+    """torch's selective activation checkpointing with a per-op policy as torchtitan's (its `_save_list`): each
+    checkpointed region keeps the outputs of attention, of the reduce-scatters and of every other matrix multiply of
+    its forward (the first, third, ...), and recomputes everything else in the backward. `wrap` puts each module of
+    a list under it; `kept` is the bytes of the outputs its forwards kept (a DTensor's by its local shard, each
+    storage once), counted as the policy keeps them (its view of an op's output, `ctx.op_output`, is torch 2.13's).
+    What the regions' checkpoints keep themselves (their inputs) autograd's hooks see: `HeldBytes.saving`."""
+
+    def __init__(self):
+        from training.compat import selective_kept_ops
+
+        self.storages: dict[int, int] = {}
+        self.saved = selective_kept_ops()
+
+    def context(self):
+        from collections import defaultdict
+
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        from training.compat import tensor_leaves
+
+        count: dict[bool, int] = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            if func == torch.ops.aten.mm.default:
+                count[ctx.is_recompute] += 1
+                keep = count[ctx.is_recompute] % 2 == 1
+            else:
+                keep = func in self.saved
+            if keep and not ctx.is_recompute:
+                for out in tensor_leaves(ctx.op_output):
+                    if isinstance(out, torch.Tensor):
+                        storage = _local(out).untyped_storage()
+                        self.storages[storage.data_ptr()] = storage.nbytes()
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    @property
+    def kept(self) -> int:
+        return sum(self.storages.values())
+
+    def wrap(self, modules: torch.nn.ModuleList) -> torch.nn.ModuleList:
+        return torch.nn.ModuleList(_Checkpointed(module, self.context) for module in modules)
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, context):
+        super().__init__()
+        self.module, self.context = module, context
+
+    def forward(self, hidden, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.module, hidden, use_reentrant=False, context_fn=self.context, **kwargs)
