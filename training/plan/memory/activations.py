@@ -95,8 +95,9 @@ def selective_layer_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_
     parallelism), q, v and gate (the first, third and fifth matrix multiplies, over tp), the down projection's output
     (the seventh: whole, under tensor parallelism the partial sum before its reduction), attention's output with its
     fp32 log-sum-exp (over tp) and, under sequence parallelism, the two reduce-scatters' outputs (sequence shards):
-    e (2h + (q + g + f) / tp) + (e q + 4a) / tp, q = a x head_dim. Measured on CPU without tensor parallelism
-    (tests/recipes/test_plan_memory.py: the policy's saved outputs and the checkpoint's input, per layer and token)."""
+    e (2h + (q + g + f) / tp) + (e q + 4a) / tp without sequence parallelism, q = a x head_dim. Measured to the byte
+    on CPU at tp 1, and at tp 2 with and without sequence parallelism (training/loop/tensor_memory.py's `selective`:
+    the policy's kept outputs and the checkpoint's input, per layer and token; tests/recipes/test_plan_memory.py)."""
     h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     q, g = a * config.head_dim, config.num_key_value_heads * config.head_dim
     split = tp if sequence_parallel else 1
