@@ -235,20 +235,20 @@ def llama(name: str) -> ShardGPTConfig:
 # at sequence 8192 on Meta's 96 GB HBM2e H100s ("h100-hbm2e"), tokens/s per GPU as published, turned into MFU by PaLM's
 # count against the SXM peak (the page's own convention: 8B at 33-39%). FSDP2 (with TP: torchtitan's SequenceParallel on
 # the norms, Megatron's sequence parallelism); "selective" activation checkpointing as torchtitan's per-op policy
-# (step_time.SELECTIVE_RECOMPUTED, activations.selective_layer_bytes), "full" as full; torch.compile, fp8 (torchao's
-# float8 linears) and async TP where stated. Its pipelines as torchtitan at the benchmarks' commit 9dec370 runs them
-# where the page states nothing more: the local batch split into as many micro batches as stages (pipelining_utils.py's
-# `pipeline_parallel_microbatches` default: 8 of 4 sequences for the 405B's local 32), interleaving at two stages a
-# rank, and FSDP2 keeping each stage's parameters gathered from a micro batch's forward to its backward
-# (parallelize_llama.py: `reshard_after_forward = False` when pp is on: "fsdp-shard-grad-op"). Each row's "Memory(GiB)"
-# is torchtitan's logged `max_reserved_gib` (the caching allocator's reserved peak, torchtitan/metrics.py at 9dec370):
-# printed beside the planner's, not checked. It holds what the planner does not model otherwise: the loss's whole logits
-# (train.py's uncompiled `cross_entropy(pred.flatten(0, 1).float(), labels)`, compiling it "causes CUDA errors" there:
-# the (tokens, vocabulary) logits in bf16 and fp32 and log-softmax's fp32 output, 21 GB for the 8B's 16,384 tokens:
-# planned as `whole_loss`), the allocator's cached blocks and, under a pipeline, each stage's gradients accumulated
-# unsharded in fp32 until the last micro batch (torch's pipelining syncs them only there). From April 2025 torchtitan
-# compiles its loss, still on the whole logits (components/loss.py at 820504e and e7c0cae: `compiled_loss`, the bf16
-# logits and their gradient).
+# (step_time.selective_recomputed_gemms, activations.selective_layer_bytes), "full" as full; torch.compile, fp8
+# (torchao's float8 linears) and async TP where stated. Its pipelines as torchtitan at the benchmarks' commit 9dec370
+# runs them where the page states nothing more: the local batch split into as many micro batches as stages
+# (pipelining_utils.py's `pipeline_parallel_microbatches` default: 8 of 4 sequences for the 405B's local 32),
+# interleaving at two stages a rank, and FSDP2 keeping each stage's parameters gathered from a micro batch's forward to
+# its backward (parallelize_llama.py: `reshard_after_forward = False` when pp is on: "fsdp-shard-grad-op"). Each row's
+# "Memory(GiB)" is torchtitan's logged `max_reserved_gib` (the caching allocator's reserved peak, torchtitan/metrics.py
+# at 9dec370): printed beside the planner's, not checked. It holds what the planner does not model otherwise: the loss's
+# whole logits (train.py's uncompiled `cross_entropy(pred.flatten(0, 1).float(), labels)`, compiling it "causes CUDA
+# errors" there: the (tokens, vocabulary) logits in bf16 and fp32 and log-softmax's fp32 output, 21 GB for the 8B's
+# 16,384 tokens: planned as `whole_loss`), the allocator's cached blocks and, under a pipeline, each stage's gradients
+# accumulated unsharded in fp32 until the last micro batch (torch's pipelining syncs them only there). From April 2025
+# torchtitan compiles its loss, still on the whole logits (components/loss.py at 820504e and e7c0cae: `compiled_loss`,
+# the bf16 logits and their gradient).
 def torchtitan_run(parameters: str, model: str, gpus: int, batch: int, degrees: dict, full: bool,
                    options: tuple[str, ...], tokens_per_second: float, memory_gib: float | None = None,
                    source: str = "torchtitan H100 (benchmarks)", gpu: str = "h100-hbm2e",
