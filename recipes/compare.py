@@ -60,7 +60,6 @@ from training.compare.report import (
     rel,
     write_report,
 )
-from training.parallel.mesh import block_degree, exported
 from training.paths import ROOT
 
 BIN = Path(sys.executable).parent
@@ -93,8 +92,8 @@ def single_node_configs() -> list[str]:
 
 
 def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
+    from training.axes.table import AXES, composes
     from training.doctor.launch import read_launch_config
-    from training.parallel.axes import AXES, composes
 
     script = ROOT / "recipes" / "train.py"
     names = single_node_configs() if strategies == "all" else [s.strip() for s in strategies.split(",") if s.strip()]
@@ -120,8 +119,10 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
                 )
             elif launch.get("num_processes", 1) == 1 or launch.get("distributed_type") == "NO":
                 spec.nproc = 1  # one process: its micro batch is scaled up to keep the global batch
-            spec.tp = tensor_parallel_size(launch) * sequence_parallel_size(launch)
-            held_by = launch_wrapper(launch) if spec.pp > 1 else None
+            read = launched(path, spec.nproc)
+            degrees = read.degrees() if read is not None else {"tp": 1, "sp": 1}
+            spec.tp = degrees["tp"] * degrees["sp"]  # ranks that share one micro batch
+            held_by = read.wrapper if read is not None and spec.pp > 1 else None
             if held_by is not None and not spec.error and not composes("pp", held_by):
                 spec.error = (f"{name}: {AXES['pp'].name} does not train under {held_by} (it trains under "
                               f"{', '.join(AXES['pp'].trains_under)}): pick one of those configs")  # fmt: skip
@@ -142,48 +143,17 @@ def make_specs(strategies: str, nproc: int, trainer: bool) -> list[Spec]:
     return specs
 
 
-def launch_json(launch: dict) -> dict | None:
-    """The DeepSpeed JSON an accelerate config names (`deepspeed_config_file`, relative to the repository): None where
-    it names none, {} where it cannot be read (the launch itself fails and reports why)."""
-    from training.parallel.deepspeed_config import load_json
+def launched(path: Path, nproc: int):
+    """What an accelerate config launches on `nproc` ranks, read as the training script reads it
+    (training/launch.py's `Launched`, from the environment accelerate's launcher makes of the YAML); None where its
+    DeepSpeed JSON cannot be read (the launch itself fails and reports why)."""
+    from training.environment import Environment
+    from training.launch import Launched
 
-    ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
-    if not ds_file:
-        return None
     try:
-        return load_json(ds_file if Path(ds_file).is_absolute() else ROOT / ds_file)
+        return Launched.read(None, Environment.of_accelerate_config(path, nproc))
     except (OSError, ValueError):
-        return {}
-
-
-def launch_wrapper(launch: dict) -> str:
-    """The data-parallel wrapper of an accelerate config (training/parallel/axes.py): fsdp, zeroN, or ddp."""
-    from training.parallel.axes import wrapper
-    from training.parallel.deepspeed_config import zero_stage
-
-    if launch.get("distributed_type") == "FSDP":
-        return "fsdp"
-    if launch.get("distributed_type") != "DEEPSPEED":
-        return "ddp"
-    ds = launch_json(launch)
-    if ds is None:  # the stage written inline in the accelerate config
-        return wrapper("deepspeed", int((launch.get("deepspeed_config") or {}).get("zero_stage", 0)))
-    return wrapper("deepspeed", zero_stage(ds)) if ds else "deepspeed"
-
-
-def tensor_parallel_size(launch: dict) -> int:
-    """Ranks each layer is split over in an accelerate config: its DeepSpeed JSON's autotp_size, or its
-    parallelism_config's tp size."""
-    from training.parallel.deepspeed_config import autotp_size
-
-    ds = launch_json(launch)
-    return autotp_size(ds) if ds is not None else block_degree("tp_size", environ=exported(launch))
-
-
-def sequence_parallel_size(launch: dict) -> int:
-    """Ranks each sequence is split over in an accelerate config (its parallelism_config's sp size): they train on
-    one micro batch, as a tensor-parallel group does."""
-    return block_degree("sp_size", environ=exported(launch))
+        return None
 
 
 def launch_command(spec: Spec, port: int | None) -> list[str]:
@@ -312,7 +282,7 @@ def predict_memory(res: Result, out: Path, args) -> None:
     except ImportError:
         res.prediction_note = "recipes/plan_memory.py not found"
         return
-    from training.parallel.strategy import Strategy
+    from training.strategy import Strategy
 
     try:
         strategy = Strategy.from_name(res.strategy, res.world_size)  # what the run recorded in strategy.json
@@ -345,7 +315,7 @@ def predict_memory(res: Result, out: Path, args) -> None:
 def pipeline_strategy(strategy, run: dict):
     """`strategy` with the schedule and stages per rank of the run's flags (`run_config.json`), or None where the
     planner does not model that pipeline."""
-    from training.parallel.schedules import stages_per_rank
+    from training.axes.schedules import stages_per_rank
     from training.plan.memory.stages import models_pipeline
 
     schedule = run["pipeline_parallel_schedule"]

@@ -20,6 +20,7 @@ import json
 import sys
 
 from training.arguments import ArgumentParser
+from training.core.ops import CPU_OPS, GPU_OPS
 from training.doctor.launch import check_launch_config, check_training
 from training.doctor.machine import (
     check_bf16,
@@ -33,7 +34,6 @@ from training.doctor.machine import (
     gpus,
 )
 from training.doctor.report import Report, render
-from training.parallel.ops import CPU_OPS, GPU_OPS
 
 # ---------------------------------------------------------------------------------------------- main
 

@@ -50,12 +50,11 @@ from dataclasses import replace
 
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
+from training.deepspeed_config import load_json
 from training.flops import PEAK_FLOPS
-from training.parallel.deepspeed_config import load_json
-from training.parallel.strategy import Strategy
 from training.plan.hardware import GPU_KINDS, cluster
 from training.plan.layouts import llama_config, plan
-from training.plan.memory.fit import Capacity, Launch, capacity, largest_that_fits, needs
+from training.plan.memory.fit import Capacity, Planned, capacity, largest_that_fits, needs
 from training.plan.memory.layout import BYTES, STRATEGIES, GiB, layout
 from training.plan.memory.planner import predict
 from training.plan.memory.stages import PIPELINE_SCHEDULES
@@ -76,6 +75,7 @@ from training.plan.published import (
 )
 from training.plan.step_time import ATTN_IMPLEMENTATIONS, DP_STRATEGIES, STACKS
 from training.report.console import configure_console
+from training.strategy import Strategy
 
 OVERRIDES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
              "vocab_size")  # fmt: skip
@@ -116,7 +116,7 @@ def largest(args, overrides: dict, strategies: list[Strategy], ds: dict | None) 
     lines = [f"{args.num_gpus} ranks, {per_host} per host; free: " + ", ".join(
         f"{where} {n / GiB:.1f} GiB" for where, n in free.items() if n is not None)]  # fmt: skip
     for s in strategies:
-        launch = Launch(s, per_host, args.precision, args.micro_batch, args.seq_len, args.activation_checkpointing,
+        launch = Planned(s, per_host, args.precision, args.micro_batch, args.seq_len, args.activation_checkpointing,
                         ds if s.family == "deepspeed" else None, args.bf16_gradient_reduction)  # fmt: skip
         found = largest_that_fits(launch, have, overrides)
         if found is None:
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
             "ddp",
             "fsdp",
             "fsdp-shard-grad-op",
-        )  # what a pipeline's stages run under (training/parallel/pipeline.py)
+        )  # what a pipeline's stages run under (training/axes/pipeline.py)
         names = (pipelined if pp > 1 else STRATEGIES) if args.strategy == "all" else args.strategy.split(",")
         strategies = [Strategy.from_name(name, args.num_gpus) for name in names]
         if pp > 1:

@@ -9,7 +9,7 @@ recipes/train.py draws the same picture at the end of every run.
 from __future__ import annotations
 
 from training.arguments import ArgumentParser
-from training.parallel.ranks import run_rank
+from training.core.ranks import run_rank
 from training.report.curves import plot_training_curves
 
 

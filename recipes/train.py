@@ -30,7 +30,11 @@ from training import faults
 from training.arguments import parse_run_config
 from training.checkpoints.checkpoint import CheckpointSpaceError, check_resume, load_checkpoint, resolve_resume_once
 from training.compat import check_versions
+from training.core.accelerator import make_accelerator
+from training.core.launch_checks import check_deepspeed_ops, check_fsdp_wrap
+from training.core.ranks import BAD_INPUT, run_rank
 from training.flops import flops_per_token, peak_flops
+from training.launch import resolve_launch
 from training.loop.comms import StepCommunication
 from training.loop.engine import prepare
 from training.loop.metrics import MetricsWriter, StepLog, format_record
@@ -38,15 +42,6 @@ from training.loop.preemption import Preempted, PreemptionWatch, stop_message
 from training.loop.profiling import make_profiler
 from training.loop.step import NonFiniteLossError, ZeroGradientError, check_gradients_flow
 from training.loop.watchdog import make_watchdog
-from training.parallel.accelerator import make_accelerator
-from training.parallel.launch import (
-    launch_precision,
-    launched_data_parallel_size,
-    launched_world_size,
-    requested_strategy,
-)
-from training.parallel.launch_checks import check_deepspeed_ops, check_fsdp_wrap
-from training.parallel.ranks import BAD_INPUT, run_rank
 from training.plan.memory.fit import check_launch_fits
 from training.report.console import configure_console, no_transformers_bars
 from training.report.curves import plot_training_curves
@@ -63,21 +58,21 @@ def main(argv: list[str] | None = None) -> object:
     clock = WallClock()  # this launch's phases: start-up (the imports) until now, set-up, training, export
     configure_console()  # the project's lines on rank 0; third-party messages known to be harmless, filtered
     check_versions()  # torch, transformers, accelerate and deepspeed at least the tested floors
-    cfg = parse_run_config(argv)  # a mistyped choice or flag ends in one `error:` line
-    world = launched_world_size()
-    # The run's final config: every flag checked; the accumulation --global_batch_size gives over the data-parallel
-    # ranks (world / tensor-parallel degree), the checkpoint's own tokenizer and the accelerate config's precision
-    # filled in. Nothing changes it afterwards.
-    cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())
+    # The launch, resolved once (training/launch.py): the flags (a mistyped choice or flag ends in one `error:` line),
+    # the launcher's environment and the DeepSpeed JSON, read here and never again. Its run config is final: every
+    # flag checked; the accumulation --global_batch_size gives over the data-parallel ranks, the checkpoint's own
+    # tokenizer and the accelerate config's precision filled in. Its strategy holds the mesh of every axis's degree
+    # and the resolved DeepSpeed config.
+    launch = resolve_launch(parse_run_config(argv))
+    cfg, strategy, world = launch.cfg, launch.strategy, launch.world
     config = cfg.model_config()
-    strategy = requested_strategy(cfg, config.hidden_size)  # reads and resolves the DeepSpeed JSON
     check_resume(cfg, strategy)  # the global batch, and a checkpoint of another strategy converts
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
     with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
         check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(config))
-    check_launch_fits(cfg, config, strategy)  # the planner's prediction against this host's free memory and disk
+    check_launch_fits(launch, config)  # the planner's prediction against this host's free memory and disk
 
-    accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
+    accelerator = make_accelerator(cfg, strategy, launch.environment)  # collective: initialises the process group
     is_main = accelerator.is_main_process
     set_seed(cfg.seed)  # same seed on every rank: identical initial weights without a broadcast
     out = Path(cfg.output_dir)

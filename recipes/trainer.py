@@ -7,7 +7,7 @@ the loop of the Trainer.
     accelerate launch --config_file accelerate_configs/zero2.yaml recipes/trainer.py
 
 Its per-step losses equal recipes/train.py's for the same flags (docs/trainer.md): the same initial weights
-(training/parallel/build.py), data order (data.EpochSampler), AdamW groups and schedule (training/loop/optim.py), and
+(training/core/build.py), data order (data.EpochSampler), AdamW groups and schedule (training/loop/optim.py), and
 the same loss, the token mean over the global batch however it is split into micro batches and ranks.
 """
 
@@ -24,7 +24,11 @@ from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 from data import BlockDataset, prepare_data
 from training.arguments import parse_run_config
 from training.compat import check_versions
+from training.core.build import build_model
+from training.core.launch_checks import check_deepspeed_ops
+from training.core.ranks import run_rank
 from training.flops import flops_per_token, peak_flops
+from training.launch import resolve_launch
 from training.loop.hf_trainer import (
     MetricsCallback,
     PreemptionCallback,
@@ -34,10 +38,6 @@ from training.loop.hf_trainer import (
 )
 from training.loop.preemption import Preempted, stop_message
 from training.loop.profiling import make_profiler
-from training.parallel.build import build_model
-from training.parallel.launch import launch_precision, launched_data_parallel_size, requested_strategy
-from training.parallel.launch_checks import check_deepspeed_ops
-from training.parallel.ranks import run_rank
 from training.report.console import configure_console, no_transformers_bars
 from training.report.curves import plot_training_curves
 from training.report.sample import generation_config, print_samples
@@ -52,17 +52,17 @@ def main(argv: list[str] | None = None) -> object:
             f"--pipeline_parallel_degree {cfg.pipeline_parallel_degree} needs recipes/train.py: the HF Trainer has no "
             "pipeline engine (it prepares the whole model on every rank); launch recipes/train.py with the same flags"
         )
-    cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())  # the final config, as train.py's
+    launch = resolve_launch(cfg)  # the flags, the launcher's environment and the JSON, read once, as train.py's
+    cfg, strategy = launch.cfg, launch.strategy
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
     if cfg.step_timeout:
         raise ValueError(f"--step_timeout {cfg.step_timeout:g} needs recipes/train.py: the Trainer has no watchdog")
     config = cfg.model_config()
-    strategy = requested_strategy(cfg, config.hidden_size)  # the same checks of the JSON as recipes/train.py
     if strategy.sp_size > 1:
         # transformers' Trainer computes each rank's loss as the whole sequence's, from the gathered per-rank losses:
         # under ZeRO-1/2, which divide by world / sp, every gradient is sp times too large
-        # (training/parallel/sequence.py).
+        # (training/axes/sequence.py).
         raise ValueError(
             f"sequence parallelism (sp_size {strategy.sp_size}) needs recipes/train.py: the HF Trainer's Ulysses loss "
             f"gives gradients {strategy.sp_size} times too large under ZeRO-1/2 (its clipping and logged norms "
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> object:
         )
     if strategy.family != "deepspeed" and strategy.tp_size > 1:
         # The Trainer prepares the model through accelerate, whose FSDP2 x TP preparation cannot import with
-        # transformers 5 (training/parallel/tensor.py); recipes/train.py applies the plan itself.
+        # transformers 5 (training/axes/tensor.py); recipes/train.py applies the plan itself.
         raise ValueError(
             f"tensor parallelism of degree {strategy.tp_size} under {strategy.family.upper()} needs recipes/train.py: "
             "the HF Trainer prepares it through accelerate, which cannot with transformers 5; launch recipes/train.py "

@@ -297,25 +297,23 @@ def deepspeed_ops(cmd: list[str], args: list[str]) -> tuple[str, ...]:
     """The DeepSpeed ops a launch loads on CPU ranks: those its DeepSpeed JSON needs (--deepspeed's, which wins as
     in the training script, else its accelerate config's deepspeed_config_file, read as recipes/compare.py reads
     it); none for a JSON that cannot be read (the launch refuses it first); every CPU op where no JSON is named."""
-    import yaml
-
-    from recipes.compare import launch_json
-    from training.parallel.deepspeed_config import load_json
-    from training.parallel.ops import CPU_OPS, launch_ops
+    from training.core.ops import CPU_OPS, launch_ops
+    from training.environment import Environment
+    from training.launch import Launched
 
     if not uses_deepspeed(cmd, args):
         return ()
     named = [a.split("=", 1)[1] for a in args if a.startswith("--deepspeed=")]
     named += [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--deepspeed"]
+    configs = [Path(a) for a in cmd if a.endswith(".yaml")]
     try:
-        ds = load_json(named[-1]) if named else None
+        env = Environment.of_accelerate_config(configs[0]) if configs and not named else Environment()
+        ds = Launched.read(named[-1] if named else None, env).deepspeed
     except (OSError, ValueError):
         return ()
-    for config in (Path(a) for a in cmd if a.endswith(".yaml") and ds is None):
-        ds = launch_json(yaml.safe_load(config.read_text()) or {})
     if ds is None:
         return CPU_OPS
-    return launch_ops(ds, on_gpu=False) if ds and isinstance(ds, dict) else ()
+    return launch_ops(ds.raw, on_gpu=False) if isinstance(ds.raw, dict) else ()
 
 
 def build_deepspeed_ops(ops: tuple[str, ...]) -> None:

@@ -83,13 +83,14 @@ def test_no_import_circles():
 # facts of the mesh, the axes table and the pipeline schedules: it imports no runtime.
 CONFIGURATION = {
     "training", "training.adamw", "training.arguments", "training.compat", "training.config", "training.faults",
-    "training.flops", "training.limits", "training.paths", "training.pretrained", "training.parallel.axes",
-    "training.parallel.mesh", "training.parallel.schedules",
+    "training.flops", "training.limits", "training.paths", "training.pretrained", "training.axes.table",
+    "training.mesh", "training.axes.schedules", "training.strategy", "training.deepspeed_config",
+    "training.environment",
 }  # fmt: skip
-LAYERS = {"training.parallel": 1, "training.plan": 2, "training.checkpoints": 2, "training.loop": 3,
-          "training.report": 4, "training.compare": 5, "training.doctor": 5}  # fmt: skip
+LAYERS = {"training.core": 1, "training.axes": 1, "training.launch": 2, "training.plan": 2, "training.checkpoints": 2, "training.loop": 3,
+          "training.report": 4, "training.compare": 5, "training.doctor": 5, "training.measure": 5}  # fmt: skip
 # What the planners may read of the parallel layer: the launch's description, not a runtime of it.
-PLANNERS_READ = {"training.parallel.strategy", "training.parallel.deepspeed_config", "training.parallel.sequence"}
+PLANNERS_READ = {"training.strategy", "training.deepspeed_config", "training.axes.sequence"}
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -97,6 +98,7 @@ def layer_of(module: str) -> tuple[int, str]:
     if module in CONFIGURATION:
         return 0, "configuration"
     package = ".".join(module.split(".")[:2])
+    package = "training.core" if package == "training.axes" else package
     assert package in LAYERS, f"{module} is in no layer of tests/test_layout.py: give its subpackage one"
     return LAYERS[package], package
 
@@ -141,7 +143,7 @@ def test_nothing_in_the_library_is_a_script():
 
 # ---------------------------------------------------------------------------------------------- strategy names
 
-# Methods that read a string in parts. A strategy's facts are fields of `training.parallel.strategy.Strategy`; only that
+# Methods that read a string in parts. A strategy's facts are fields of `training.strategy.Strategy`; only that
 # module spells a name or reads one back (`Strategy.name`, `Strategy.from_name`).
 AFFIXES = {"startswith", "endswith", "removeprefix", "removesuffix"}
 STRING_PARTS = AFFIXES | {"replace", "find", "index", "count"}
@@ -204,9 +206,9 @@ def test_the_name_checks_find_what_they_look_for():
 
 
 def test_only_the_strategy_module_reads_strategy_names():
-    """Facts are typed, not spelled: outside training/parallel/strategy.py nothing reads a strategy's name in parts
+    """Facts are typed, not spelled: outside training/strategy.py nothing reads a strategy's name in parts
     (`startswith("zero")`, `"offload" in strategy.name`) or keeps a table of its spellings (`ALIASES`)."""
-    allowed = ROOT / "training" / "parallel" / "strategy.py"
+    allowed = ROOT / "training" / "strategy.py"
     found = [f"{path.relative_to(ROOT)}:{line}: {code}" for path in sources() if path != allowed
              for line, code in name_parsing(path.read_text())]  # fmt: skip
     assert not found, found

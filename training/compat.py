@@ -16,8 +16,8 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   (`_resolve_process_group`): to count every collective a step calls, in bytes (training/loop/comms.py); checked on
   2.13.
 - torch's functional collectives' `AsyncCollectiveTensor`: a DTensor redistribution's output not waited for yet,
-  whose storage cannot be read; the saved-tensor counter waits for it (`arrived`, training/plan/memory/saved.py),
-  and a compiled first decoder layer takes it arrived (`is_in_flight`, training/parallel/tensor.py).
+  whose storage cannot be read; the saved-tensor counter waits for it (`arrived`, training/measure/saved.py),
+  and a compiled first decoder layer takes it arrived (`is_in_flight`, training/axes/tensor.py).
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
 - torch < 2.13's grouped `fully_shard([a, b, ...])` casts forward inputs to the policy's `param_dtype` at the group's

@@ -6,7 +6,7 @@
 `RunConfig.resolve` turns the parsed flags into the run's final config once, before any process group: every flag
 checked, then the accumulation --global_batch_size gives, the checkpoint's own tokenizer and the launch's precision
 filled in. The config is frozen: nothing changes it afterwards. The DeepSpeed JSON's `"auto"` values are resolved
-from it in `training/parallel/deepspeed_config.py`.
+from it in `training/deepspeed_config.py`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from data.arguments import DataArguments, flag
 from model import PRESETS, ShardGPTConfig
 from training.adamw import recipe_learning_rate
+from training.axes.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
 from training.limits import GPU_STEP_TIMEOUT, HUNG, parse_steps
-from training.parallel.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
 
 PRESET_NAMES = tuple(PRESETS)
 Preset = Literal[PRESET_NAMES]
@@ -215,7 +215,7 @@ class RunConfig(DataArguments):
         """The run's final config, made once before any process group: every flag checked (`validate`), then
         what the flags and the launch settle, in a new RunConfig that nothing changes afterwards: the
         accumulation --global_batch_size gives over `data_parallel_size` ranks (the launch's world over its
-        tensor-parallel degree: `training.parallel.strategy.launched_data_parallel_size`), the tokenizer of
+        tensor-parallel degree: `training.strategy.launched_data_parallel_size`), the tokenizer of
         --model_name_or_path's folder (unless --tokenizer_name), and the precision of the accelerate config's
         mixed_precision (`launch_precision`: "no" where it sets none)."""
         self.validate(data_parallel_size)
@@ -355,7 +355,7 @@ class RunConfig(DataArguments):
 
     def check_pipeline(self, micro_batches: int) -> None:
         """The pipeline flags against torch's schedules (`micro_batches`: the accumulation in force) and the model's
-        depth (training/parallel/pipeline.py)."""
+        depth (training/axes/pipeline.py)."""
         if self.pipeline_parallel_degree < 1:
             raise ValueError(f"--pipeline_parallel_degree {self.pipeline_parallel_degree} must be at least 1")
         if self.pipeline_parallel_degree == 1:

@@ -35,8 +35,8 @@ import transformers
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from model.export import to_llama
+from training.core.build import compile_blocks
 from training.flops import flops_per_token, peak_flops
-from training.parallel.build import compile_blocks
 
 
 class Timer:

@@ -4,7 +4,7 @@
     python recipes/measure/grad_norm_cost.py --presets llama-1b --micro 1 --block 512
 
 For each preset: one forward and backward in one process fills every gradient; then the norm of all of them, timed
-`--repeats` times each way: training/parallel/gradnorm.py's (every rank's squares summed in float64, chunk by chunk;
+`--repeats` times each way: training/core/gradnorm.py's (every rank's squares summed in float64, chunk by chunk;
 what every strategy logs and clips by) and torch's `get_total_norm` (float32, foreach), with the step's own forward and
 backward time beside them and each norm's value (the float32 one reads low on CPU: pytorch issue 151761).
 """
@@ -18,7 +18,7 @@ import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.arguments import ArgumentParser
-from training.parallel.gradnorm import grad_norm
+from training.core.gradnorm import grad_norm
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:

@@ -38,9 +38,9 @@ import gc
 import json
 from pathlib import Path
 
-from training.loop.synthetic import synthetic_run
-from training.parallel.ranks import run_rank
-from training.plan.memory.ledger import Ledger, unattributed, walk_ddp, walk_fsdp, walk_zero3, walk_zero12
+from training.core.ranks import run_rank
+from training.measure.ledger import Ledger, unattributed, walk_ddp, walk_fsdp, walk_zero3, walk_zero12
+from training.measure.synthetic import synthetic_run
 
 MEASURED_STEP = 2  # Adam's moments exist from the first step's update on
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     (out / f"memory_rank{accelerator.process_index}.json").write_text(json.dumps(record, indent=2))
     accelerator.wait_for_everyone()  # collective: nobody tears the group down while another still steps
     accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/core/ranks.py)
 
 
 if __name__ == "__main__":

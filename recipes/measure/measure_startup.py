@@ -19,10 +19,10 @@ import resource
 import psutil
 import torch
 
+from training.core.build import build_model
+from training.core.ranks import run_rank
 from training.loop.optim import make_optimizer, make_scheduler
-from training.loop.synthetic import StandInTokenizer, set_up
-from training.parallel.build import build_model
-from training.parallel.ranks import run_rank
+from training.measure.synthetic import StandInTokenizer, set_up
 
 GiB = 2**30
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"| resident after prepare {now / GiB:.2f}")  # fmt: skip
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/core/ranks.py)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from training.measure.measured import launch_command, load, paper, planned
 from training.paths import ROOT
-from training.plan.memory.measured import launch_command, load, paper, planned
 from training.plan.memory.states import bytes_by_category
 from training.report.figures import save_against_ranks
 

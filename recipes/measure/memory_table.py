@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from training.measure.measured import LAUNCHES, format_table, launch_command, rows
 from training.paths import ROOT
-from training.plan.memory.measured import LAUNCHES, format_table, launch_command, rows
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,16 +4,16 @@
     python recipes/measure/pipeline_bubble.py --pp 2 4 8 --micro_batches 4 8 16 32 --plot /tmp/bubble.png
     python recipes/measure/pipeline_bubble.py --rows rows.json       # table and plot of an earlier run's --json
 
-Each stage is one process (gloo) whose forward sleeps --seconds and backward twice that (training/loop/bubble.py), run
-by torch.distributed.pipelining's GPipe and 1F1B. The bubble is the share of a step no stage works: 1 - M x 3 seconds /
-step, beside (P - 1) / (M + P - 1); the activations held are the most micro batches any stage held at once (GPipe:
-all M; 1F1B: at most P). More processes than cores is fine: the stages sleep.
+Each stage is one process (gloo) whose forward sleeps --seconds and backward twice that (training/measure/bubble.py),
+run by torch.distributed.pipelining's GPipe and 1F1B. The bubble is the share of a step no stage works: 1 - M x 3
+seconds / step, beside (P - 1) / (M + P - 1); the activations held are the most micro batches any stage held at once
+(GPipe: all M; 1F1B: at most P). More processes than cores is fine: the stages sleep.
 """
 
 from __future__ import annotations
 
 from training.arguments import ArgumentParser
-from training.loop.bubble import add_run_flags, measure, run_recipe, save_against_micro_batches, summarize
+from training.measure.bubble import add_run_flags, measure, run_recipe, save_against_micro_batches, summarize
 from training.paths import ROOT
 
 

@@ -5,7 +5,7 @@ under GPipe and 1F1B, measured beside the memory planner's prediction.
     python recipes/measure/pipeline_memory.py --pp 2 4 --micro_batches 4 8 16 --json rows.json
     python recipes/measure/pipeline_memory.py --rows rows.json  # table and plot of an earlier run's --json
 
-One process per stage (gloo, one thread each), training/parallel/pipeline.py's stages of the model run by torch's
+One process per stage (gloo, one thread each), training/axes/pipeline.py's stages of the model run by torch's
 schedules (training/loop/bubble.measure_model). Per stage: the step (the fastest of --steps), the share of it the stage
 computed (its forward and backward, the training's busy clock) against M / (M + P - 1), and the most bytes it held for
 its backward at once (autograd's saved tensors and the stage's kept outputs, counted live), against the planner's
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
-from training.loop.bubble import ModelCase, add_run_flags, measure_model, run_recipe, save_against_micro_batches
-from training.parallel.strategy import Strategy
+from training.measure.bubble import ModelCase, add_run_flags, measure_model, run_recipe, save_against_micro_batches
 from training.paths import ROOT
 from training.plan.memory.planner import predict
+from training.strategy import Strategy
 
 MiB = 2**20
 

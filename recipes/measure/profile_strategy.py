@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from training.loop.synthetic import synthetic_run
-from training.parallel.ranks import run_rank
+from training.core.ranks import run_rank
+from training.measure.synthetic import synthetic_run
 
 WARMUP = 2  # the first steps create Adam's state and fill DeepSpeed's and FSDP's buffers
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     run.accelerator.wait_for_everyone()  # collective: nobody tears the group down while another still steps
     run.accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/core/ranks.py)
 
 
 if __name__ == "__main__":

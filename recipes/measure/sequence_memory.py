@@ -4,7 +4,7 @@
     python recipes/measure/sequence_memory.py --preset tiny --block_sizes 1024 4096 --budget_mb 512
 
 Each case runs sp processes (gloo) that register DeepSpeed's Ulysses attention as training does and take one
-training forward of the same micro batch, each on its slice of the positions (training/plan/memory/ulysses.py): the most
+training forward of the same micro batch, each on its slice of the positions (training/measure/ulysses.py): the most
 bytes any rank held for its backward, beside what the planner plans for a rank of seq_len / sp positions. Then the
 longest block (doubling from the smallest) whose measured bytes fit --budget_mb, at sp 1 and sp 2. Model states do
 not depend on sp (ZeRO partitions over every rank): this is the part of a rank's memory that sp divides.
@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 
 from training.arguments import ArgumentParser
+from training.measure.ulysses import measure
 from training.paths import ROOT
-from training.plan.memory.ulysses import measure
 
 MiB = 2**20
 

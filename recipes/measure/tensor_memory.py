@@ -5,7 +5,7 @@ Megatron's sequence parallelism, against the planner and Korthikanti et al. 2022
     python recipes/measure/tensor_memory.py --dtype float32 --json runs/tensor_memory.json
 
 Each case runs tp processes (gloo) that split the model by its plan as training does and take one training forward
-of the same micro batch (training/loop/tensor_memory.py): the bytes the last decoder layer's forward saved (the first
+of the same micro batch (training/measure/tensor_memory.py): the bytes the last decoder layer's forward saved (the first
 also holds rotary's cos and sin), and the most bytes any rank held for its backward, beside the planner's figures and
 Korthikanti et al.'s for their GPT layer at this hidden size. Model states are not in it (docs/memory.md has them).
 """
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from training.arguments import ArgumentParser
-from training.loop.tensor_memory import measure
+from training.measure.tensor_memory import measure
 from training.paths import ROOT
 from training.report.figures import save_against_ranks
 

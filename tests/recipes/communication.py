@@ -8,8 +8,8 @@ import json
 from dataclasses import replace
 
 from model import ShardGPTConfig
-from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape, paper_volume, step_payloads
+from training.strategy import Strategy
 
 # The all-reduces of the step's loss and gradient norm (and DeepSpeed's overflow check): a few scalars, 84 bytes at
 # most as measured (FSDP2: the loss and a norm per parameter tensor, 21 floats); the bound leaves room for a few more.

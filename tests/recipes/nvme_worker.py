@@ -14,21 +14,22 @@ from transformers import HfArgumentParser
 
 import model as shardgpt
 from training.config import RunConfig
+from training.core.accelerator import make_accelerator
+from training.core.inspection import verify_strategy
+from training.core.ranks import run_rank
+from training.launch import resolve_launch
 from training.loop.optim import make_optimizer, make_scheduler
-from training.parallel.accelerator import make_accelerator
-from training.parallel.inspection import verify_strategy
-from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
-from training.parallel.ranks import run_rank
 
 VOCAB = 16384  # x hidden 64 = 1,048,576 embedding elements: half per rank, 2 MiB in fp32
 
 
 def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
-    cfg = cfg.resolve(launched_world_size(), launch_precision())
+    launch = resolve_launch(cfg)  # the flags, the launcher's environment and the JSON, read once
+    cfg = launch.cfg
     config = shardgpt.ShardGPTConfig.from_preset(cfg.preset, vocab_size=VOCAB)
-    strategy = requested_strategy(cfg, config.hidden_size)
-    accelerator = make_accelerator(cfg, strategy)  # collective
+    strategy = launch.strategy
+    accelerator = make_accelerator(cfg, strategy, launch.environment)  # collective
     set_seed(cfg.seed)
     net = shardgpt.ShardGPTForCausalLM(config)
     before = {name: p.detach().clone() for name, p in net.named_parameters()}
@@ -59,7 +60,7 @@ def main() -> dict:
         (out / "nvme.json").write_text(json.dumps(record))
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/core/ranks.py)
 
 
 if __name__ == "__main__":

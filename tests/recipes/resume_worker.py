@@ -14,7 +14,7 @@ import torch
 
 from recipes import train
 from training.checkpoints.portable import gather_neutral
-from training.parallel.ranks import run_rank
+from training.core.ranks import run_rank
 
 load_checkpoint = train.load_checkpoint
 

@@ -80,8 +80,8 @@ def test_verify_refuses_a_world_size_mismatch():
 
     import torch
 
-    from training.parallel.inspection import verify_strategy
-    from training.parallel.strategy import Strategy
+    from training.core.inspection import verify_strategy
+    from training.strategy import Strategy
 
     net = torch.nn.Linear(4, 4)
     fake = SimpleNamespace(num_processes=1, distributed_type="DistributedType.NO", unwrap_model=lambda m: m)
@@ -177,7 +177,7 @@ def test_a_launched_rank_ends_with_its_status_and_all_its_output(body, code, str
     import subprocess
     import sys
 
-    script = f"from training.parallel.ranks import run_rank\ndef main():\n    {body}\nrun_rank(main)\n"
+    script = f"from training.core.ranks import run_rank\ndef main():\n    {body}\nrun_rank(main)\n"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env.update(WORLD_SIZE="2", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

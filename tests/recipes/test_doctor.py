@@ -14,10 +14,10 @@ import torch
 
 from recipes import doctor
 from training.compat import build_lock_blocks
+from training.core import ops
 from training.doctor import launch as launches
 from training.doctor import machine
 from training.doctor.report import Report
-from training.parallel import ops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,15 +122,20 @@ def test_write_speed_on_tmp_path(tmp_path):
     "name", ["zero1", "fsdp", "fsdp_shard_grad_op", "zero3_offload_cpu", "fsdp_hybrid_multinode", "fsdp1", "autotp"]
 )
 def test_strategy_names_match_the_training_script(name):
-    """The name doctor prints is the one training/parallel/strategy.py reports in strategy.json."""
+    """The name doctor prints is the one training/strategy.py reports in strategy.json: both resolve the launch in
+    training/launch.py, the doctor from the environment accelerate's launcher makes of the YAML."""
+    from training.config import RunConfig
+    from training.launch import resolve_launch
+
     launch = launches.read_launch_config(ROOT / "accelerate_configs" / f"{name}.yaml")
-    ds_file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
-    ds = json.loads((ROOT / ds_file).read_text()) if ds_file else None
+    launch["_path"] = ROOT / "accelerate_configs" / f"{name}.yaml"
     expected = {"zero1": "zero1", "fsdp": "fsdp", "fsdp_shard_grad_op": "fsdp-shard-grad-op",
                 "zero3_offload_cpu": "zero3-offload-cpu", "fsdp_hybrid_multinode": "fsdp-hybrid", "fsdp1": "fsdp1",
                 "autotp": "zero1-autotp"}  # fmt: skip
     world = launch["num_processes"]  # as written: 16 for the multi-node YAML, 2 for the others
-    assert launches.launched_strategy(launch, ds, world).name == expected[name]
+    env = launches.launched_environment(launch, world)
+    cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", per_device_train_batch_size=2)
+    assert resolve_launch(cfg, env).strategy.name == expected[name]
 
 
 @pytest.mark.parametrize(("name", "world", "expected"), [("fsdp", 4, "fsdp-pp2"), ("ddp", 2, "single-pp2"),
@@ -139,10 +144,13 @@ def test_pipeline_launches_are_named_as_the_training_script_names_them(name, wor
     """With --pipeline_parallel_degree 2 the doctor's strategy and the script's agree: pp outermost, the rest data
     parallel (one pipeline on 2 ranks has no data parallelism: single-pp2)."""
     from training.arguments import parse_run_config
+    from training.launch import resolve_launch
 
     launch = launches.read_launch_config(ROOT / "accelerate_configs" / f"{name}.yaml")
-    cfg = parse_run_config(["--pipeline_parallel_degree", "2"])
-    assert launches.launched_strategy(launch, None, world, cfg).name == expected
+    launch["_path"] = ROOT / "accelerate_configs" / f"{name}.yaml"
+    cfg = parse_run_config(["--pipeline_parallel_degree", "2", "--gradient_accumulation_steps", "2",
+                            "--output_dir", "/nonexistent/shardgpt-test"])  # fmt: skip
+    assert resolve_launch(cfg, launches.launched_environment(launch, world)).strategy.name == expected
 
 
 def test_a_lock_file_left_by_a_killed_build_is_reported_not_waited_on(tmp_path, monkeypatch):
@@ -223,7 +231,7 @@ def test_the_doctor_counts_the_modules_autotp_splits_as_the_launch_measures_them
     from collections import Counter
 
     from model import ShardGPTConfig, ShardGPTForCausalLM
-    from training.parallel.inspection import tp_plan_styles
+    from training.core.inspection import tp_plan_styles
 
     with torch.device("meta"):
         net = ShardGPTForCausalLM(ShardGPTConfig.from_preset("debug"))

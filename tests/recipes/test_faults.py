@@ -32,8 +32,8 @@ from training.checkpoints.checkpoint import (
     manifest,
     resolve_resume,
 )
+from training.core.ranks import PREEMPTED, Preempted, run_rank
 from training.loop.preemption import SIGNALS, PreemptionWatch
-from training.parallel.ranks import PREEMPTED, Preempted, run_rank
 
 STEPS = 12
 TRAIN = [

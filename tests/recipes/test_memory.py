@@ -18,9 +18,9 @@ from launching import ROOT, launch, launcher_command
 from parity import DDP_TP_YAML, with_replicas
 
 from model import ShardGPTConfig
+from training.measure.measured import deviations, load, planned, planner_inputs
 from training.plan.memory import planner as pm
 from training.plan.memory.activations import temporaries
-from training.plan.memory.measured import deviations, load, planned, planner_inputs
 from training.plan.memory.states import bytes_by_category
 
 TINY = ["--preset=tiny", "--per_device_train_batch_size=1", "--block_size=64"]

@@ -12,14 +12,14 @@ import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from recipes import plan_memory
-from training.parallel.deepspeed_config import load_json
-from training.parallel.strategy import Strategy
+from training.deepspeed_config import load_json
 from training.paths import ROOT
 from training.plan.memory import planner as pm
 from training.plan.memory.activations import activation_bytes, saved_loss_bytes
 from training.plan.memory.layout import Layout, layout, zero_config
 from training.plan.memory.stages import in_flight
 from training.plan.memory.states import persistent, zero3_groups, zero12_partitions
+from training.strategy import Strategy
 
 GB = 1e9
 named = Strategy.from_name
@@ -102,7 +102,7 @@ def test_selective_recomputation_keeps_what_the_per_op_policy_saves(tp, sequence
     nor k, which it recomputes); split by the model's plan over 2 ranks, q, v, gate and attention's over tp, down's
     output whole (its partial sum before the reduction) and, under sequence parallelism, the input a sequence shard
     and the two reduce-scatters' outputs kept."""
-    from training.loop.tensor_memory import measure
+    from training.measure.tensor_memory import measure
 
     row = measure(tp, sequence_parallel, "debug", 2, 64, selective=True)
     assert row["per_token"] == row["selective_per_token"], row
@@ -119,8 +119,8 @@ def test_the_whole_logits_loss_saves_its_log_probabilities_eager_and_its_logits_
     """A cross-entropy on the whole bf16 logits upcast to fp32 (torchtitan's): eager it saves the fp32
     log-probabilities, 4 bytes an entry; compiled (inductor fuses the upcast and the softmax) the bf16 logits
     themselves, 2, and a log-sum-exp a token. With the logits and their gradient: the planner's (e + 8) and 2e."""
+    from training.measure.saved import HeldBytes
     from training.plan.memory.activations import whole_logits_bytes
-    from training.plan.memory.saved import HeldBytes
 
     def loss(pred, labels):
         return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
@@ -425,7 +425,7 @@ def test_ulysses_activations_are_what_each_rank_holds():
     """Under Ulysses (sp 2, DeepSpeed's attention registered as training registers it) each rank holds what the
     planner plans for seq_len / sp positions: measured within 1e-5 here (recipes/measure/sequence_memory.py, the
     docs' table: within 0.2 % at micro batch 1), and about half of one process's."""
-    from training.plan.memory.ulysses import measure
+    from training.measure.ulysses import measure
 
     one, split = measure(1, "debug", 2, 128), measure(2, "debug", 2, 128)
     for row in (one, split):
@@ -445,7 +445,7 @@ def test_tensor_parallel_activations_are_what_each_layer_saves(sequence_parallel
     projections keep their input's sequence shard and gather it again in the backward (Megatron-LM's layout), so a
     layer saves Korthikanti et al.'s all-over-tp, less than torch's styles (which keep the gathered input whole): a
     planner that counted those would miss here."""
-    from training.loop.tensor_memory import measure
+    from training.measure.tensor_memory import measure
 
     row = measure(2, sequence_parallel, "debug", 2, 64)
     assert row["per_token"] == row["planned_per_token"], row

@@ -39,8 +39,8 @@ from safetensors.torch import load_file
 from recipes.compare import parse_args, train_flags
 from training.compare.report import Result, Spec, add_loss_differences, per_precision
 from training.config import RunConfig
-from training.parallel.accelerator import fsdp_precision
-from training.parallel.deepspeed_config import load_json, resolve_deepspeed
+from training.core.accelerator import fsdp_precision
+from training.deepspeed_config import load_json, resolve_deepspeed
 
 STEPS = 4
 TRAIN = [
@@ -307,7 +307,7 @@ def test_compiled_ddp_is_read_through_not_rewritten(tmp_path):
     rank in this process; nothing is compiled until a forward, which this test does not run."""
     from torch.distributed import FileStore, destroy_process_group, init_process_group
 
-    from training.parallel.inspection import observe_strategy, uncompiled
+    from training.core.inspection import observe_strategy, uncompiled
 
     init_process_group("gloo", store=FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

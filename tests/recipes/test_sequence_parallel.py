@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism trains the one process's model, by configuration alone (training/parallel/sequence.py).
+"""Ulysses sequence parallelism trains the one process's model, by configuration alone (training/axes/sequence.py).
 
 Each launch splits every sequence over 2 ranks (sp 2) with the global batch of the reference (8 sequences): the
 loader slices the positions, DeepSpeed's attention exchanges them, and the loss of each slice is its share of the
@@ -59,7 +59,7 @@ def sp_json(path, zero_json: str, sp: int = 2) -> str:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """Plain one process, micro batch 8: the losses and gradient norms every sequence-parallel launch must
-    reproduce. Its norm is summed in float64 as DeepSpeed sums its own (training/parallel/gradnorm.py): torch's fp32
+    reproduce. Its norm is summed in float64 as DeepSpeed sums its own (training/core/gradnorm.py): torch's fp32
     `vector_norm` on CPU accumulates the squares one by one and reads 1.7e-4 low on the tied embedding's
     heavy-tailed gradient (pytorch issue 151761), which would hide a wrong gradient of that size."""
     out = tmp_path_factory.mktemp("reference")

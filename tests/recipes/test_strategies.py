@@ -7,7 +7,7 @@ Tolerance: fp32 throughout; the ranks' partial gradients are summed by gloo in a
 batched matmuls, which perturbs each step by a few ulps, and Adam's normalisation carries that forward. Measured on
 2 CPU cores: at most 1.2e-7 relative over 20 steps for every launch below; the test allows 1e-6 at step 1 and 1e-5
 after (10-100x margin for other CPUs' kernels). The gradient norm before clipping (clipping acts at every step:
---max_grad_norm 1.0 is below every norm here) is summed in float64 by every strategy (training/parallel/gradnorm.py, as
+--max_grad_norm 1.0 is below every norm here) is summed in float64 by every strategy (training/core/gradnorm.py, as
 DeepSpeed sums its own): within NORM_RTOL = 1e-6 of one process's at every step. The exported weights after 20
 steps (magnitudes up to about 1) differ from the single process's by at most 1.0e-5 (measured, every launch below);
 the test allows EXPORT_ATOL = 1e-4, read in a fresh process without the project, as the Hub loads the folder
@@ -271,7 +271,7 @@ def test_autotp_under_zero2_and_zero3_trains_the_same_model(stage, corpus, refer
     assert_same_training(run, reference)
 
 
-# Pipeline parallelism through the training script (training/parallel/pipeline.py; every schedule's own proof is
+# Pipeline parallelism through the training script (training/axes/pipeline.py; every schedule's own proof is
 # tests/training/test_pipeline.py): (launcher, config, ranks, schedule, micro batch, strategy). The micro batches of a
 # step are the accumulation, 2 here: the reference's global batch of 8 is micro x 2 x the data-parallel ranks.
 PIPELINES = [

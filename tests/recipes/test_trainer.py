@@ -22,7 +22,7 @@ from launching import launch, launcher_command
 from parity import cell_args, cell_run
 from transformers import AutoModelForCausalLM
 
-from training.parallel.deepspeed_config import cpu_capped
+from training.deepspeed_config import cpu_capped
 
 STEPS = 12
 TRAIN = [
@@ -124,7 +124,7 @@ def test_micro_batches_are_weighted_by_tokens(tmp_path):
     from model import ShardGPTConfig, ShardGPTForCausalLM
     from training.config import RunConfig
     from training.loop.hf_trainer import ShardGPTTrainer
-    from training.parallel.strategy import Strategy
+    from training.strategy import Strategy
 
     torch.manual_seed(0)
     net = ShardGPTForCausalLM(ShardGPTConfig.from_preset("debug"))

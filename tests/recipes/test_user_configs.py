@@ -283,7 +283,7 @@ def test_default_warmup_never_refuses_a_short_run():
 )  # fmt: skip
 def test_deepspeed_scheduler_values_deepspeed_rejects_are_refused(scheduler, field, fix):
     from training.config import RunConfig
-    from training.parallel.deepspeed_config import resolve_deepspeed
+    from training.deepspeed_config import resolve_deepspeed
 
     cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", max_steps=10)
     with pytest.raises(ValueError) as refused:
@@ -295,7 +295,7 @@ def test_inline_deepspeed_yaml_resolves_like_a_json(monkeypatch):
     """What `accelerate launch` exports for an inline `deepspeed_config` becomes accelerate's own JSON for those
     fields, resolved by the same checks as a file: batch sizes and clipping from the flags, offload as written."""
     from training.config import RunConfig
-    from training.parallel.launch import launch_precision, requested_strategy
+    from training.launch import resolve_launch
 
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "WORLD_SIZE": "2",
            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
@@ -303,10 +303,8 @@ def test_inline_deepspeed_yaml_resolves_like_a_json(monkeypatch):
            "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false", "ACCELERATE_MIXED_PRECISION": "bf16"}  # fmt: skip
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", gradient_accumulation_steps=2).resolve(
-        2, launch_precision()
-    )
-    strategy = requested_strategy(cfg, hidden_size=64)
+    launch = resolve_launch(RunConfig(output_dir="/nonexistent/shardgpt-test", gradient_accumulation_steps=2))
+    cfg, strategy = launch.cfg, launch.strategy
     ds = strategy.deepspeed
     assert strategy.name == "zero3-offload-cpu" and cfg.bf16 and ds["bf16"]["enabled"] is True
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (
@@ -349,8 +347,8 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
 
     import model as shardgpt
     from training.config import RunConfig
-    from training.parallel.launch import requested_strategy
-    from training.parallel.launch_checks import check_fsdp_wrap
+    from training.core.launch_checks import check_fsdp_wrap
+    from training.launch import resolve_launch
 
     env, field, fix = FSDP_REFUSED[name]
     env = dict(env)
@@ -360,7 +358,7 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
         monkeypatch.setenv(key, value)
     cfg = RunConfig(output_dir="/nonexistent/shardgpt-test", preset="debug", **flags)
     with pytest.raises(ValueError) as refused:
-        strategy = requested_strategy(cfg, hidden_size=64)
+        strategy = resolve_launch(cfg).strategy
         with torch.device("meta"):
             check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(cfg.model_config()))
     assert field in str(refused.value) and fix in str(refused.value), refused.value
@@ -369,13 +367,13 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
 def test_inline_deepspeed_accumulation_that_disagrees_with_the_flag_is_refused(monkeypatch):
     """`gradient_accumulation_steps: 4` inline in the YAML, the flag at its default 1: refused like a JSON's."""
     from training.config import RunConfig
-    from training.parallel.launch import requested_strategy
+    from training.launch import resolve_launch
 
     for key, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "WORLD_SIZE": "2",
                        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError) as refused:
-        requested_strategy(RunConfig(output_dir="/nonexistent/shardgpt-test"), hidden_size=64)
+        resolve_launch(RunConfig(output_dir="/nonexistent/shardgpt-test"))
     message = str(refused.value)
     assert "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 1" in message, message
     assert "pass --gradient_accumulation_steps 4" in message, message

@@ -12,23 +12,24 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 from training.config import RunConfig
+from training.core import inspection
+from training.core.accelerator import make_accelerator
+from training.core.build import build_model
+from training.core.inspection import verify_strategy
+from training.core.ranks import run_rank
+from training.launch import resolve_launch
 from training.loop.optim import make_optimizer
-from training.loop.synthetic import StandInTokenizer
-from training.parallel import inspection
-from training.parallel.accelerator import make_accelerator
-from training.parallel.build import build_model
-from training.parallel.inspection import verify_strategy
-from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
-from training.parallel.ranks import run_rank
-from training.parallel.strategy import Strategy
+from training.measure.synthetic import StandInTokenizer
+from training.strategy import Strategy
 
 
 def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
-    cfg = cfg.resolve(launched_world_size(), launch_precision())
+    launch = resolve_launch(cfg)  # the flags, the launcher's environment and the JSON, read once
+    cfg = launch.cfg
     config = cfg.model_config()
-    strategy = requested_strategy(cfg, config.hidden_size)
-    accelerator = make_accelerator(cfg, strategy)  # collective: the process group
+    strategy = launch.strategy
+    accelerator = make_accelerator(cfg, strategy, launch.environment)  # collective: the process group
     set_seed(cfg.seed)
     net = build_model(config, StandInTokenizer(128))
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
@@ -62,7 +63,7 @@ def main() -> dict:
         (Path(cfg.output_dir) / "refusals.json").write_text(json.dumps(seen, indent=2))
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/core/ranks.py)
 
 
 def check(accelerator, net, asked: Strategy) -> str:

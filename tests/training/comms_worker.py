@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from training.core.ranks import run_rank
 from training.loop.comms import CommCounter
-from training.parallel.ranks import run_rank
 
 K = 1000  # elements of one rank's share
 # torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single, which older releases lack.

@@ -15,32 +15,33 @@ from accelerate.utils import set_seed
 from torch.distributed.tensor import DTensor
 from transformers import HfArgumentParser
 
-import training.parallel.build
+import training.core.build
 from model import ShardGPTForCausalLM
 from training.config import RunConfig
+from training.core.accelerator import make_accelerator
+from training.core.build import build_model
+from training.core.ranks import run_rank
+from training.launch import resolve_launch
 from training.loop.optim import make_optimizer, make_scheduler
-from training.loop.synthetic import StandInTokenizer
-from training.parallel.accelerator import make_accelerator
-from training.parallel.build import build_model
-from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
-from training.parallel.ranks import run_rank
+from training.measure.synthetic import StandInTokenizer
 from training.pretrained import start_config
 
 
 def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
-    cfg = cfg.resolve(launched_world_size(), launch_precision())
+    launch = resolve_launch(cfg)  # the flags, the launcher's environment and the JSON, read once
+    cfg = launch.cfg
     config = cfg.model_config()
-    accelerator = make_accelerator(cfg, requested_strategy(cfg, config.hidden_size))  # collective
+    accelerator = make_accelerator(cfg, launch.strategy, launch.environment)  # collective
     set_seed(cfg.seed)
     on_meta = []  # whether every parameter was still on meta when construction ended, before the sharding
-    shard = training.parallel.build.shard_on_meta
+    shard = training.core.build.shard_on_meta
 
     def spy(accelerator, net):
         on_meta.append(all(p.is_meta for p in net.parameters()))
         return shard(accelerator, net)
 
-    training.parallel.build.shard_on_meta = spy
+    training.core.build.shard_on_meta = spy
     net = build_model(config, StandInTokenizer(config.vocab_size), accelerator=accelerator)  # collective
     after = torch.rand(4)  # the global RNG after construction: a plain build's on every rank
     optimizer = make_optimizer(cfg, net, None, fused=False)
@@ -73,7 +74,7 @@ def main() -> dict:
         keys = ("built_on_meta", "held_fraction", "optimizer_on_shards", "same_weights", "same_rng_after", "same_read")
         (out / "fsdp_init.json").write_text(json.dumps([dict(zip(keys, row, strict=True)) for row in every]))
     accelerator.wait_for_everyone()  # collective
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/core/ranks.py)
 
 
 if __name__ == "__main__":

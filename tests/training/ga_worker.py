@@ -13,12 +13,12 @@ from transformers import HfArgumentParser
 
 import model as shardgpt
 from training.config import RunConfig
+from training.core.accelerator import make_accelerator
+from training.core.inspection import verify_strategy
+from training.core.ranks import run_rank
+from training.launch import resolve_launch
 from training.loop.optim import make_optimizer, make_scheduler
 from training.loop.step import train_step
-from training.parallel.accelerator import make_accelerator
-from training.parallel.inspection import verify_strategy
-from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
-from training.parallel.ranks import run_rank
 
 STEPS, SEQ = 6, 32
 
@@ -44,11 +44,11 @@ def rank_micro_batches(ids, labels, micro: int, accumulation: int, world: int, r
 
 def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
-    world = launched_world_size()
-    cfg = cfg.resolve(world, launch_precision())
+    launch = resolve_launch(cfg)  # the flags, the launcher's environment and the JSON, read once
+    cfg, world = launch.cfg, launch.world
     config = shardgpt.ShardGPTConfig.from_preset(cfg.preset)
-    strategy = requested_strategy(cfg, config.hidden_size)
-    accelerator = make_accelerator(cfg, strategy)  # collective
+    strategy = launch.strategy
+    accelerator = make_accelerator(cfg, strategy, launch.environment)  # collective
     set_seed(cfg.seed)
     net = shardgpt.ShardGPTForCausalLM(config)
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused=False)
@@ -72,7 +72,7 @@ def main() -> dict:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "final.pt")
     accelerator.wait_for_everyone()  # collective
     accelerator.end_training()
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/core/ranks.py)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Launched by tests/training/test_pipeline.py with torchrun: a few AdamW steps of a 4-layer `debug` model under each
-pipeline schedule asked for (training/parallel/pipeline.py), and, on rank 0, the same steps in one process on the whole
+pipeline schedule asked for (training/axes/pipeline.py), and, on rank 0, the same steps in one process on the whole
 model; rank 0 writes both runs' losses and gradient norms to OUT/<spec>.json.
 
     torchrun --nproc_per_node 4 tests/training/pipeline_worker.py PP SCHEDULE[:STAGES_PER_RANK[:DATA_PARALLEL]] ... \
@@ -11,7 +11,7 @@ model's plan with sequence parallelism (training/parallel/tensor.split_stage), o
 ranks split each stage's layers so, and FSDP2 shards the slices over the world / (2 PP) pairs (FSDP2 x TP x PP).
 
 Every rank also writes OUT/<spec>-states-rank<R>.json: the bytes of the parameters, gradients and Adam's states its
-stages hold as the optimizer steps at step 2 (training/plan/memory/ledger.py's walk), which the memory planner
+stages hold as the optimizer steps at step 2 (training/measure/ledger.py's walk), which the memory planner
 predicts per stage; under FSDP2 also OUT/<spec>-gathered-rank<R>.json: what its stages hold gathered, and their
 gradients accumulated whole, as step 2's last backward ends.
 """
@@ -31,12 +31,12 @@ from torch.distributed.tensor import DTensor
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.adamw import param_groups
+from training.axes.pipeline import build_pipeline, fsdp2_stages
+from training.core.gradnorm import clip_, grad_norm
+from training.core.ranks import run_rank
 from training.loop.step import pipelined_step
-from training.parallel.gradnorm import clip_, grad_norm
-from training.parallel.pipeline import build_pipeline, fsdp2_stages
-from training.parallel.ranks import run_rank
-from training.parallel.strategy import Strategy
-from training.plan.memory.ledger import Ledger, walk_fsdp, walk_fsdp_gathered
+from training.measure.ledger import Ledger, walk_fsdp, walk_fsdp_gathered
+from training.strategy import Strategy
 
 STEPS, MICRO, BLOCK, LAYERS = 3, 2, 32, 4
 MEASURED_STEP = 2  # Adam's moments exist from the first update on
@@ -86,7 +86,7 @@ def one_process(micro_batches: int, data_parallel: int) -> dict:
             total += loss.item()
         norm = grad_norm(
             list(net.parameters()), torch.device("cpu")
-        )  # one process's: float64 (training/parallel/gradnorm.py)
+        )  # one process's: float64 (training/core/gradnorm.py)
         clip_(list(net.parameters()), MAX_GRAD_NORM, norm)
         norms.append(norm.item())
         optimizer.step()

@@ -1,4 +1,4 @@
-"""The axes table (training/parallel/axes.py) is what its readers act on: the launch checks refuse an axis under a
+"""The axes table (training/axes/table.py) is what its readers act on: the launch checks refuse an axis under a
 wrapper the table does not list and let the listed ones through, and the planners, recipes/compare.py and the doctor
 say what it says."""
 
@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from training.axes.table import AXES, DEEPSPEED, WRAPPERS, composes, wrapper
 from training.config import RunConfig
-from training.parallel.axes import AXES, DEEPSPEED, WRAPPERS, composes, wrapper
+from training.environment import Environment
 from training.paths import ROOT
 
 CFG = {"output_dir": "/nonexistent/shardgpt-test"}
@@ -18,32 +19,32 @@ CFG = {"output_dir": "/nonexistent/shardgpt-test"}
 
 @pytest.mark.parametrize("held_by", DEEPSPEED)
 def test_a_pipeline_under_a_deepspeed_engine_is_refused_as_the_table_says(held_by):
-    from training.parallel.launch import check_pipeline_with_deepspeed
+    from training.launch import DeepSpeedJSON, check_pipeline_with_deepspeed
 
     raw = {"zero_optimization": {"stage": int(held_by[4])}}
     cfg = RunConfig(**CFG, pipeline_parallel_degree=2)
     assert not composes("pp", held_by)
     with pytest.raises(ValueError, match=r"--pipeline_parallel_degree 2 with the DeepSpeed config"):
-        check_pipeline_with_deepspeed(cfg, raw, "ds.json")
+        check_pipeline_with_deepspeed(cfg, DeepSpeedJSON(raw, "ds.json"))
 
 
 @pytest.mark.parametrize("held_by", WRAPPERS)
 def test_sequence_parallelism_trains_under_the_wrappers_the_table_lists(held_by):
     from model import ShardGPTConfig
-    from training.parallel.sequence import check_sequence_parallel
+    from training.axes.sequence import check_sequence_parallel
 
     config = ShardGPTConfig.from_preset("debug")
     cfg = RunConfig(**CFG)
     if composes("sp", held_by):
-        check_sequence_parallel(cfg, config, 2, 2, held_by)  # no refusal
+        check_sequence_parallel(cfg, config, 2, 2, held_by, Environment())  # no refusal
     else:
         with pytest.raises(ValueError, match=r"sequence parallelism \(sp_size 2\) needs DeepSpeed"):
-            check_sequence_parallel(cfg, config, 2, 2, held_by)
+            check_sequence_parallel(cfg, config, 2, 2, held_by, Environment())
 
 
 @pytest.mark.parametrize("held_by", WRAPPERS)
 def test_context_parallelism_trains_under_the_wrappers_the_table_lists(held_by):
-    from training.parallel.sequence import check_context_parallel
+    from training.axes.sequence import check_context_parallel
 
     cfg = RunConfig(**CFG, block_size=64)
     if composes("cp", held_by):
@@ -54,9 +55,9 @@ def test_context_parallelism_trains_under_the_wrappers_the_table_lists(held_by):
 
 
 def test_the_planners_model_what_the_table_trains():
-    from training.parallel.strategy import Strategy
     from training.plan import step_time as st
     from training.plan.memory.stages import models_pipeline
+    from training.strategy import Strategy
 
     for family, extra in (("ddp", {}), ("fsdp", {"fsdp_version": 2}), ("deepspeed", {"zero_stage": 1}),
                           ("deepspeed", {"zero_stage": 3})):  # fmt: skip
@@ -85,7 +86,7 @@ def test_compare_refuses_a_pipeline_under_a_wrapper_the_table_does_not_list(monk
 def test_the_doctor_reads_the_table():
     from training.doctor.launch import axes
     from training.doctor.report import Report
-    from training.parallel.strategy import Strategy
+    from training.strategy import Strategy
 
     report = Report()
     axes(report, Strategy.of("fsdp", 4, pp=2), 2)

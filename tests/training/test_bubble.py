@@ -1,4 +1,4 @@
-"""The bubble measurement (training/loop/bubble.py) on 2 fixed-cost stages: what the schedules hold is exact, and a
+"""The bubble measurement (training/measure/bubble.py) on 2 fixed-cost stages: what the schedules hold is exact, and a
 step can only be longer than the papers' (M + P - 1) x (forward + backward). The bubble's size against
 (P - 1) / (M + P - 1) is a measured number: recipes/measure/pipeline_bubble.py prints it (docs/strategies.md).
 On the model's own 2 stages, the bytes each holds for its backward are the memory planner's, to the byte."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.loop.bubble import measure, summarize, theory
+from training.measure.bubble import measure, summarize, theory
 
 
 @pytest.mark.slow
@@ -48,9 +48,9 @@ def test_the_models_stages_hold_for_their_backward_what_the_planner_predicts(tp)
     with tp 2 on each of the stage's two ranks, its layers split by the model's plan with sequence parallelism."""
 
     from model import ShardGPTConfig
-    from training.loop.bubble import ModelCase, measure_model
-    from training.parallel.strategy import Strategy
+    from training.measure.bubble import ModelCase, measure_model
     from training.plan.memory import planner as pm
+    from training.strategy import Strategy
 
     case, m = ModelCase("debug", {}, micro_batch=2, seq_len=32), 4
     records = measure_model(2, [("GPipe", m), ("1F1B", m)], case, steps=1, timeout=180, tp=tp)

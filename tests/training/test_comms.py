@@ -13,8 +13,8 @@ import torch
 from launching import ROOT, launch, launcher_command
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
-from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape, expected_payloads
+from training.strategy import Strategy
 
 K = 1000  # tests/training/comms_worker.py's share, in fp32 elements
 S = 4 * K

@@ -11,10 +11,11 @@ from transformers import HfArgumentParser
 
 from training.adamw import param_groups
 from training.config import RunConfig
+from training.deepspeed_config import check_deepspeed_keys, resolve_deepspeed
+from training.environment import Environment
+from training.launch import resolve_launch
 from training.loop.optim import lr_lambda
-from training.parallel.deepspeed_config import check_deepspeed_keys, resolve_deepspeed
-from training.parallel.launch import launched_data_parallel_size
-from training.parallel.strategy import Strategy
+from training.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
 DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -159,12 +160,11 @@ def test_weight_decay_only_on_matrices():
 def test_autotp_batch_counts_data_parallel_ranks(monkeypatch):
     """ds_configs/autotp.json on 4 ranks: tensor-parallel pairs (0, 1) and (2, 3) each read one share of the
     global batch of micro 4 x accumulation 2 x 2 data-parallel ranks; DeepSpeed's own check counts all 4 ranks."""
-    from training.parallel.launch import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     autotp = str(ROOT / "ds_configs" / "autotp.json")
     c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2, deepspeed=autotp)
-    strategy = requested_strategy(c, hidden_size=64)
+    strategy = resolve_launch(c).strategy
     assert (strategy.name, strategy.tp_size, strategy.data_parallel_size) == ("zero1-autotp", 2, 2)
     assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert strategy.deepspeed["train_batch_size"] == 4 * 2 * 4
@@ -178,15 +178,14 @@ def test_autotp_global_batch_counts_data_parallel_ranks(monkeypatch, world, flag
     """--global_batch_size under AutoTP: the accumulation is the global batch over micro x data-parallel ranks
     (world / autotp_size), so the loader, DeepSpeed and the resume check train the global batch asked for (a global
     batch of 16 with micro 8 on 2 ranks once trained 8 sequences a step: the accumulation counted the world)."""
-    from training.parallel.launch import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     autotp = str(ROOT / "ds_configs" / "autotp.json")
     (parsed,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(
         args=[*flags, "--deepspeed", autotp, "--output_dir", "/nonexistent/shardgpt-test"]
     )
-    resolved = parsed.resolve(launched_data_parallel_size(parsed))
-    strategy = requested_strategy(resolved, hidden_size=64)
+    launch = resolve_launch(parsed)
+    resolved, strategy = launch.cfg, launch.strategy
     assert resolved.gradient_accumulation_steps == accumulation
     assert resolved.global_batch(strategy.data_parallel_size) == 16 == parsed.global_batch_size
     ds = strategy.deepspeed  # DeepSpeed's own check counts every rank (see resolve_batch)
@@ -223,7 +222,6 @@ ZERO3_YAML = {
 def test_sequence_parallel_bad_launches_are_refused(monkeypatch, variables, flags, refusal):
     """What Ulysses cannot train as asked is refused before the process group in one line naming the setting and
     the fix. The variables are those `accelerate launch` exports from a YAML's parallelism_config block."""
-    from training.parallel.launch import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     for key, value in variables.items():
@@ -232,7 +230,7 @@ def test_sequence_parallel_bad_launches_are_refused(monkeypatch, variables, flag
         (parsed,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses(
             args=[*flags, "--output_dir", "/nonexistent/shardgpt-test"]
         )
-        requested_strategy(parsed.resolve(launched_data_parallel_size(parsed)), hidden_size=64)
+        resolve_launch(parsed)
     assert refusal in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
@@ -253,8 +251,7 @@ def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variabl
     the strategy counts world / cp data-parallel ranks, FSDP2 shards over dp_shard x cp, and the step divides by
     the same count FSDP2 averages over. What it cannot run is refused in one line. CUDA is faked: no process group
     or kernel is touched."""
-    from training.parallel.launch import requested_strategy
-    from training.parallel.sequence import gradient_divisor
+    from training.axes.sequence import gradient_divisor
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for key, value in {**CP_FSDP2, **variables}.items():
@@ -265,9 +262,9 @@ def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variabl
     )  # fmt: skip
     if refusal:
         with pytest.raises(ValueError, match=re.escape(refusal)):
-            requested_strategy(parsed.resolve(launched_data_parallel_size(parsed)), hidden_size=64)
+            resolve_launch(parsed)
         return
-    strategy = requested_strategy(parsed.resolve(launched_data_parallel_size(parsed)), hidden_size=64)
+    strategy = resolve_launch(parsed).strategy
     assert (strategy.name, strategy.data_parallel_size, strategy.shard_size) == ("fsdp-cp2", 2, 4)
     assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert Strategy.from_name("fsdp-cp2", 4) == strategy
@@ -277,17 +274,18 @@ def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variabl
 def test_sequence_parallel_refuses_key_value_heads_it_cannot_split():
     """DeepSpeed's rule: the key-value heads are split over sp ranks or replicated to them."""
     from model import ShardGPTConfig
-    from training.parallel.sequence import check_sequence_parallel
+    from training.axes.sequence import check_sequence_parallel
 
     config = ShardGPTConfig.from_preset("debug", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
     with pytest.raises(ValueError, match="model's 3 key-value heads are neither a multiple nor a divisor of sp_size 2"):
-        check_sequence_parallel(RunConfig(output_dir="/nonexistent/shardgpt-test"), config, 2, 2, "zero3")
+        check_sequence_parallel(
+            RunConfig(output_dir="/nonexistent/shardgpt-test"), config, 2, 2, "zero3", Environment()
+        )
 
 
 def test_sequence_parallel_degrees_from_yaml_and_json(monkeypatch, tmp_path):
     """The degree comes from the YAML's parallelism_config or the JSON's sequence_parallel_size; a mismatch between
     the two is refused; the global batch counts data-parallel ranks, world / sp, as DeepSpeed's batch check does."""
-    from training.parallel.launch import requested_strategy
 
     ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     (tmp_path / "sp4.json").write_text(json.dumps({**ds, "sequence_parallel_size": 4}))
@@ -296,8 +294,8 @@ def test_sequence_parallel_degrees_from_yaml_and_json(monkeypatch, tmp_path):
         args=["--deepspeed", str(tmp_path / "sp4.json"), "--global_batch_size=8", "--per_device_train_batch_size=4",
               "--output_dir", "/nonexistent/shardgpt-test"]
     )  # fmt: skip
-    resolved = parsed.resolve(launched_data_parallel_size(parsed))
-    strategy = requested_strategy(resolved, hidden_size=64)
+    launch = resolve_launch(parsed)
+    resolved, strategy = launch.cfg, launch.strategy
     assert (strategy.name, strategy.sp_size, strategy.data_parallel_size) == ("zero3-sp4", 4, 1)
     assert resolved.gradient_accumulation_steps == 2 and strategy.deepspeed["train_batch_size"] == 8
     assert [strategy.sequence_parallel_rank(r) for r in range(4)] == [0, 1, 2, 3]
@@ -305,7 +303,7 @@ def test_sequence_parallel_degrees_from_yaml_and_json(monkeypatch, tmp_path):
     for key, value in {**SP_YAML, **ZERO3_YAML}.items():  # a YAML saying sp 2 beside the JSON's 4
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match="parallelism_config_sp_size is 2 but the DeepSpeed config .* 4"):
-        requested_strategy(resolved, hidden_size=64)
+        resolve_launch(parsed)
 
 
 def test_the_default_learning_rate_follows_the_models_size(tmp_path):
@@ -331,7 +329,7 @@ def test_the_default_learning_rate_follows_the_models_size(tmp_path):
 def test_cpu_ranks_cap_the_gpu_sized_buckets(caplog):
     """The shipped JSONs size DeepSpeed's buckets for GPUs; on CPU ranks each bucket is capped (CPU_BUCKETS), in
     one place, and the run says so; a GPU launch keeps the JSON's sizes."""
-    from training.parallel.deepspeed_config import CPU_BUCKETS, load_json
+    from training.deepspeed_config import CPU_BUCKETS, load_json
 
     for name in ("zero2", "zero3"):
         raw = load_json(ROOT / "ds_configs" / f"{name}.json")
@@ -361,7 +359,6 @@ def test_a_ddp_and_an_fsdp2_yaml_with_dp_replicate_x_tp_are_one_strategy(monkeyp
     FSDP2 on a replicate-only mesh around the slices (training/parallel/launch.replicated_tensor_parallel). The DDP
     YAML is launched against one process in tests/recipes/test_composed.py; this holds the FSDP2 YAML to the same
     strategy, as `accelerate launch` exports each."""
-    from training.parallel.launch import requested_strategy
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
@@ -370,9 +367,9 @@ def test_a_ddp_and_an_fsdp2_yaml_with_dp_replicate_x_tp_are_one_strategy(monkeyp
     for name in ("FSDP_OFFLOAD_PARAMS", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
-    ddp = requested_strategy(cfg(per_device_train_batch_size=4), hidden_size=64)
+    ddp = resolve_launch(cfg(per_device_train_batch_size=4)).strategy
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    fsdp = requested_strategy(cfg(per_device_train_batch_size=4), hidden_size=64)
+    fsdp = resolve_launch(cfg(per_device_train_batch_size=4)).strategy
     assert ddp == fsdp and ddp.name == "fsdp-hybrid-tp2", (ddp, fsdp)
     assert (ddp.replicas, ddp.shard_size, ddp.tp_size, ddp.data_parallel_size) == (2, 1, 2, 2)

@@ -9,12 +9,12 @@ import pytest
 
 from model import ShardGPTConfig
 from training.config import RunConfig
-from training.parallel.strategy import Strategy
+from training.launch import Launch
 from training.plan.memory.fit import (
     PROCESS_BYTES,
     Capacity,
-    Launch,
     MemoryFitError,
+    Planned,
     candidate_sizes,
     check_launch_fits,
     check_memory_fit,
@@ -26,18 +26,19 @@ from training.plan.memory.fit import (
 )
 from training.plan.memory.layout import layout
 from training.plan.memory.planner import predict
+from training.strategy import Strategy
 
 GiB = 2**30
 LLAMA_1B = ShardGPTConfig.from_preset("llama-1b")
 named = Strategy.from_name
 
 
-def on_gpu(launch: Launch) -> dict[str, int]:
+def on_gpu(launch: Planned) -> dict[str, int]:
     return dict(needs(LLAMA_1B, launch, on_gpu=True))
 
 
 def test_host_ram_need_is_ranks_per_host_times_what_a_rank_keeps_in_host_memory():
-    launch = Launch(named("zero3", 2), 2, "fp32", 1, 128, False)
+    launch = Planned(named("zero3", 2), 2, "fp32", 1, 128, False)
     pred = predict(LLAMA_1B, named("zero3", 2), "fp32", 1, 128, cpu_ranks=True)
     # CPU ranks: the process and the whole prediction (with unfused AdamW's temporaries: the training script
     # fuses AdamW only on GPUs) live in host memory, for both ranks of the host.
@@ -53,7 +54,7 @@ def test_host_ram_need_is_ranks_per_host_times_what_a_rank_keeps_in_host_memory(
 
 
 def test_a_launch_that_fits_passes_and_one_that_does_not_names_the_numbers():
-    launch = Launch(named("zero3", 2), 2, "fp32", 1, 128, False)
+    launch = Planned(named("zero3", 2), 2, "fp32", 1, 128, False)
     need = dict(needs(LLAMA_1B, launch, on_gpu=False))["host RAM"]
     check_memory_fit(LLAMA_1B, launch, Capacity(None, need))  # exactly enough
     with pytest.raises(MemoryFitError) as e:
@@ -66,9 +67,9 @@ def test_a_launch_that_fits_passes_and_one_that_does_not_names_the_numbers():
 @pytest.mark.parametrize(
     "launch, fix",
     [
-        (Launch(named("zero3", 8), 8, "bf16", 8, 2048, False), "--gradient_checkpointing"),
-        (Launch(named("zero3", 8), 8, "bf16", 8, 2048, True), "--per_device_train_batch_size 4 and x2"),
-        (Launch(named("ddp", 8), 8, "bf16", 1, 2048, True), "zero3.yaml"),
+        (Planned(named("zero3", 8), 8, "bf16", 8, 2048, False), "--gradient_checkpointing"),
+        (Planned(named("zero3", 8), 8, "bf16", 8, 2048, True), "--per_device_train_batch_size 4 and x2"),
+        (Planned(named("ddp", 8), 8, "bf16", 1, 2048, True), "zero3.yaml"),
     ],
 )
 def test_the_cheapest_fix_is_the_first_change_that_fits(launch, fix):
@@ -107,8 +108,8 @@ def test_skip_memory_check_starts_anyway():
     huge = ShardGPTConfig.from_preset("llama-7b", num_hidden_layers=200)
     strategy = Strategy.of("ddp", 2)
     with pytest.raises(MemoryFitError):
-        check_launch_fits(RunConfig(preset="llama-7b"), huge, strategy)
-    check_launch_fits(RunConfig(preset="llama-7b", skip_memory_check=True), huge, strategy)
+        check_launch_fits(Launch(RunConfig(preset="llama-7b"), strategy), huge)
+    check_launch_fits(Launch(RunConfig(preset="llama-7b", skip_memory_check=True), strategy), huge)
 
 
 def test_the_fit_check_plans_the_vocabulary_the_run_will_have():
@@ -127,7 +128,7 @@ def test_largest_that_fits_is_the_last_size_whose_needs_fit():
     psis = [layout(config).psi for _, config in sizes]
     assert psis == sorted(psis) and len(set(psis)) == len(psis)
     assert ("llama-1b num_hidden_layers=5", 5) in [(n, c.num_hidden_layers) for n, c in sizes]
-    launch = Launch(named("zero3", 2), 2, "bf16", 1, 128, True)
+    launch = Planned(named("zero3", 2), 2, "bf16", 1, 128, True)
     have = Capacity(None, 12 * GiB)
     name, config = largest_that_fits(launch, have, {"vocab_size": 8192})
     following = sizes[[n for n, _ in sizes].index(name) + 1][1]
@@ -142,7 +143,7 @@ def test_a_pipeline_is_checked_by_its_largest_stage():
     strategy = Strategy.of("single", 2, pp=2, pp_schedule="1F1B")
     assert planner_strategy(strategy) == strategy
     assert planner_strategy(replace(strategy, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)) is None
-    launch = Launch(strategy, 2, "fp32", 2, 128, True, micro_batches=2)
+    launch = Planned(strategy, 2, "fp32", 2, 128, True, micro_batches=2)
     stages = predict(LLAMA_1B, strategy, "fp32", 2, 128, True, micro_batches=2, cpu_ranks=True)["stages"]
     largest = max(max(s["total"], s["host_ram_at_start"]) for s in stages)
     need = dict(needs(LLAMA_1B, launch, on_gpu=False))["host RAM"]

@@ -4,8 +4,9 @@ it is where a degree that does not divide the launched ranks is refused."""
 
 import pytest
 
-from training.parallel.mesh import AXES, Mesh, MeshError
-from training.parallel.strategy import Strategy
+from training.mesh import AXES, Mesh, MeshError
+from training.paths import ROOT
+from training.strategy import Strategy
 
 
 def test_ranks_are_row_major_with_pp_outermost_and_tp_innermost():
@@ -77,17 +78,23 @@ def test_other_degrees_rebuild_the_mesh_on_the_same_ranks():
         zero.with_degrees(tp=4, world=4)
 
 
-def test_the_yaml_block_is_read_in_one_place_from_the_launch_or_the_file():
-    """What `accelerate launch` exports of a parallelism_config block, and the same read from the YAML file."""
-    from training.parallel.mesh import block_degree, exported, parallelism_block
+def test_the_yaml_block_is_read_in_one_place_from_the_launch_or_the_file(tmp_path):
+    """What `accelerate launch` exports of a parallelism_config block, and the same made by accelerate's own
+    launcher code from the YAML file."""
+    from training.environment import Environment
 
-    launch = {"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_sp_size": 2}}
-    environ = exported(launch)
-    assert parallelism_block(environ) == {"dp_shard_size": "2", "sp_size": "2"}
-    assert block_degree("sp_size", environ=environ) == 2 and block_degree("cp_size", environ=environ) == 1
-    assert parallelism_block({}) is None and block_degree("dp_shard_size", default=8, environ={}) == 8
+    environ = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+               "PARALLELISM_CONFIG_SP_SIZE": "2"}  # fmt: skip
+    env = Environment.read(environ)
+    assert env.block == {"dp_shard_size": "2", "sp_size": "2"}
+    assert env.block_degree("sp_size") == 2 and env.block_degree("cp_size") == 1
+    assert Environment.read({}).block is None and Environment.read({}).block_degree("dp_shard_size", default=8) == 8
     with pytest.raises(ValueError, match="parallelism_config_sp_size is '0': set a whole number"):
-        block_degree("sp_size", environ=exported({"parallelism_config": {"parallelism_config_sp_size": 0}}))
+        Environment.read({**environ, "PARALLELISM_CONFIG_SP_SIZE": "0"}).block_degree("sp_size")
+    yaml = tmp_path / "sp.yaml"
+    yaml.write_text((ROOT / "accelerate_configs" / "zero2_sp.yaml").read_text())
+    launched = Environment.of_accelerate_config(yaml)
+    assert (launched.world, launched.deepspeed, launched.block_degree("sp_size")) == (2, True, 2)
 
 
 def test_other_degrees_keep_the_family_s_data_parallel_kind():

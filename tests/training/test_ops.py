@@ -1,4 +1,4 @@
-"""Which DeepSpeed ops a launch compiles, and the lock a killed build leaves behind (training/parallel/ops.py)."""
+"""Which DeepSpeed ops a launch compiles, and the lock a killed build leaves behind (training/core/ops.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from launching import ROOT
 
 from training.compat import build_lock_blocks
-from training.parallel.ops import arch_list_deepspeed_parses, check_op_cache, launch_ops
+from training.core.ops import arch_list_deepspeed_parses, check_op_cache, launch_ops
 
 
 def ds_config(name: str) -> dict:

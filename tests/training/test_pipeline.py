@@ -1,11 +1,11 @@
-"""Pipeline parallelism (training/parallel/pipeline.py): every schedule trains like one process, alone and with DDP or
+"""Pipeline parallelism (training/axes/pipeline.py): every schedule trains like one process, alone and with DDP or
 FSDP2 across the pipelines, and every bad layout is refused in one line before any process group.
 
 The launches run tests/training/pipeline_worker.py: a 4-layer `debug` model (tied embeddings), 3 AdamW steps with
 clipping active, micro batches 2 x pp x stages per rank, against the same steps in one process. Measured (torch 2.13,
 2 and 4 gloo ranks): losses within 1.2e-7 relative, gradient norms within 4e-7, weights within 2.8e-5 after the 3
 steps (Adam's normalisation carries a few ulps of reordered sums); the bars below are the suite's: losses 1e-6 at
-step 1 and 1e-5 after, gradient norms 1e-6 at every step (both summed in float64: training/parallel/gradnorm.py), and
+step 1 and 1e-5 after, gradient norms 1e-6 at every step (both summed in float64: training/core/gradnorm.py), and
 1e-4 on the weights.
 """
 
@@ -20,9 +20,9 @@ import torch
 from launching import ROOT, launch, launcher_command
 
 from model import ShardGPTConfig
-from training.parallel.schedules import SCHEDULES, check_pipeline, stage_layers, stage_ranks
-from training.parallel.strategy import Strategy
+from training.axes.schedules import SCHEDULES, check_pipeline, stage_layers, stage_ranks
 from training.plan.memory.planner import predict
+from training.strategy import Strategy
 
 
 def run_worker(tmp_path, nproc: int, pp: int, specs: list[str]) -> dict[str, dict]:
@@ -196,13 +196,11 @@ def run_config(**flags):
 ])  # fmt: skip
 def test_a_pipeline_it_cannot_run_is_refused_before_the_process_group(monkeypatch, world, flags, variables, refusal):
     """The launch's checks as recipes/train.py runs them, before any process group: one line naming the fix."""
-    from training.parallel.launch import launched_data_parallel_size, requested_strategy
+    from training.launch import resolve_launch
 
     launch_env(monkeypatch, world, **variables)
     with pytest.raises(ValueError) as err:
-        cfg = run_config(**flags)
-        cfg = cfg.resolve(launched_data_parallel_size(cfg))
-        requested_strategy(cfg, hidden_size=64)
+        resolve_launch(run_config(**flags))
     assert refusal in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
@@ -216,12 +214,11 @@ def test_the_trainer_refuses_pipeline_flags():
 
 def test_global_batch_counts_the_pipelines_not_their_stages(monkeypatch):
     """4 ranks as 2 pipelines of 2 stages: --global_batch_size 8 with micro 2 is 2 micro batches per pipeline."""
-    from training.parallel.launch import launched_data_parallel_size, requested_strategy
+    from training.launch import resolve_launch
 
     launch_env(monkeypatch, 4, ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-    cfg = run_config(global_batch_size=8, gradient_accumulation_steps=1)
-    cfg = cfg.resolve(launched_data_parallel_size(cfg))
-    strategy = requested_strategy(cfg, hidden_size=64)
+    launch = resolve_launch(run_config(global_batch_size=8, gradient_accumulation_steps=1))
+    cfg, strategy = launch.cfg, launch.strategy
     assert (strategy.name, strategy.data_parallel_size, cfg.gradient_accumulation_steps) == ("fsdp-pp2", 2, 2)
     assert cfg.global_batch(strategy.data_parallel_size) == 8
 
@@ -237,7 +234,7 @@ def test_a_pipeline_built_otherwise_than_asked_is_refused(built, refusal):
     """Every engine's strategy is verified: the pipeline as built (`Pipeline.in_force`) against the strategy."""
     from types import SimpleNamespace
 
-    from training.parallel.inspection import verify_pipeline
+    from training.core.inspection import verify_pipeline
 
     strategy = Strategy.of("fsdp", 4, pp=2)
     layout = {"degree": 2, "schedule": "1F1B", "stages_per_rank": 1, "data_parallel_size": 2, "data_parallel": "fsdp2",
@@ -264,19 +261,18 @@ def test_a_v_shaped_schedule_is_refused_on_gloo_where_torch_sends_to_its_own_ran
     cannot make (the run hangs); 2.13 hands the value over in memory. On CPU ranks under such a torch the launch is
     refused before any process group, in one line naming the fix; NCCL (GPUs) and a newer torch go ahead."""
     from training import compat
-    from training.parallel.launch import launched_data_parallel_size, requested_strategy
+    from training.launch import resolve_launch
 
     launch_env(monkeypatch, 2)
     monkeypatch.setattr(compat, "pipeline_sends_to_own_rank", lambda: sending_torch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: not gloo)
     cfg = run_config(pipeline_parallel_schedule="ZBVZeroBubble", config_overrides="num_hidden_layers=4",
                      gradient_accumulation_steps=4)  # fmt: skip
-    cfg = cfg.resolve(launched_data_parallel_size(cfg))
     if not refused:
-        assert requested_strategy(cfg, hidden_size=64).pp_schedule == "ZBVZeroBubble"
+        assert resolve_launch(cfg).strategy.pp_schedule == "ZBVZeroBubble"
         return
     with pytest.raises(ValueError) as err:
-        requested_strategy(cfg, hidden_size=64)
+        resolve_launch(cfg)
     message = str(err.value)
     assert "ZBVZeroBubble on CPU ranks (gloo) with torch 2.11.0" in message and "use Interleaved1F1B" in message
     assert "\n" not in message

@@ -1,4 +1,4 @@
-"""training/parallel/build.py builds the model sharded on 2 CPU ranks (under ZeRO-3 inside zero.Init, under FSDP2 on the
+"""training/core/build.py builds the model sharded on 2 CPU ranks (under ZeRO-3 inside zero.Init, under FSDP2 on the
 meta device; each rank holds half of it right after construction) with the same weights and the same RNG state
 afterwards as a plain build."""
 

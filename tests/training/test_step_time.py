@@ -239,7 +239,7 @@ def test_pipeline_stages_send_activations_forward_and_gradients_back():
 def test_under_a_pipeline_fsdp2_gathers_inside_the_stage_and_reduces_after_the_last_backward():
     """A stage's FSDP2 units are gathered ahead of their use in every micro batch's forward and backward, as without a
     pipeline; the gradients wait for the last backward (torch's pipelining syncs them only there), and DDP's flat
-    all-reduce for the flush (training/parallel/pipeline.py): exposed."""
+    all-reduce for the flush (training/axes/pipeline.py): exposed."""
     gpus = cluster("h100", 64)
     lay = Layout("fsdp", 8, pp=8, micro_batch=1, micro_batches=16)
     rows = st.data_parallel_seconds(BIG, gpus, lay)
@@ -287,7 +287,7 @@ def test_a_pinned_micro_batch_is_tried_even_off_the_default_list():
 
 
 def refused_by_train_py(lay: Layout) -> str | None:
-    """What training/parallel/strategy.py's checks say of a layout's degrees, spelled out from the script's rules."""
+    """What training/strategy.py's checks say of a layout's degrees, spelled out from the script's rules."""
     deepspeed = lay.strategy.startswith("zero")
     if lay.stack != "shardgpt" or lay.tp_overlap or lay.fp8 or lay.selective:
         return "Megatron-Core's runtime, TP overlap, fp8 and selective recomputation are not this project's"
@@ -643,8 +643,8 @@ def test_megatron_cores_h100_runs_are_predicted_within_their_band():
 def test_fsdp2_x_tp_memory_is_the_memory_planners_which_counts_what_ranks_measure():
     """The step-time planner's memory of an FSDP2 x TP layout is the memory planner's prediction for the same
     launch (tests/recipes/test_memory.py measures its model states to the byte on 4 ranks)."""
-    from training.parallel.strategy import Strategy
     from training.plan.memory.planner import predict
+    from training.strategy import Strategy
 
     layout = Layout("fsdp", 4, tp=2, micro_batch=2, sequence_parallel=True)  # as recipes/train.py runs it
     assert layout.runs_here and not replace(layout, sequence_parallel=False).runs_here

@@ -1,4 +1,4 @@
-"""Tensor parallelism from an accelerate YAML's parallelism_config (training/parallel/tensor.py): the launch checks
+"""Tensor parallelism from an accelerate YAML's parallelism_config (training/axes/tensor.py): the launch checks
 that refuse what it cannot run, each in one line naming the setting and the fix, before any process group; the
 strategy's name read back; the plan as torch's styles."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from model import ShardGPTConfig
+from training.axes.tensor import VocabParallelHead, check_tensor_parallel, sequence_parallel_plan, torch_plan
 from training.config import RunConfig
-from training.parallel.launch_checks import check_parallelism_config_tp, check_tensor_parallel_flag
-from training.parallel.strategy import Strategy
-from training.parallel.tensor import VocabParallelHead, check_tensor_parallel, sequence_parallel_plan, torch_plan
+from training.core.launch_checks import check_parallelism_config_tp, check_tensor_parallel_flag
+from training.environment import Environment
+from training.strategy import Strategy
 
 CFG = {"output_dir": "/nonexistent/shardgpt-test", "preset": "debug"}
 
@@ -30,7 +31,9 @@ def block(monkeypatch):
 
 def test_fsdp2_with_tp_passes(block):
     block(dp_shard_size=2, tp_size=2)
-    check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG))  # no refusal
+    check_parallelism_config_tp(
+        2, env=Environment.read(), deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG)
+    )  # no refusal
 
 
 @pytest.mark.parametrize(
@@ -43,21 +46,25 @@ def test_fsdp2_with_tp_passes(block):
 def test_tp_outside_fsdp2_is_refused(block, deepspeed, fsdp_version, expected):
     block(tp_size=2)
     with pytest.raises(ValueError, match=r"parallelism_config_tp_size: 2 " + expected):
-        check_parallelism_config_tp(2, deepspeed=deepspeed, fsdp_version=fsdp_version, cfg=RunConfig(**CFG))
+        check_parallelism_config_tp(
+            2, env=Environment.read(), deepspeed=deepspeed, fsdp_version=fsdp_version, cfg=RunConfig(**CFG)
+        )
 
 
 def test_a_ddp_config_replicates_the_split_model_and_refuses_shards(block):
     """DDP x TP: a DDP YAML's dp_replicate x tp runs (as FSDP2 on a replicate-only mesh); its dp_shard cannot."""
-    from training.parallel.launch import replicated_tensor_parallel
+    from training.launch import replicated_tensor_parallel
 
     block(dp_replicate_size=2, tp_size=2)
-    check_parallelism_config_tp(2, deepspeed=False, fsdp_version=0, cfg=RunConfig(**CFG))  # no refusal
+    check_parallelism_config_tp(
+        2, env=Environment.read(), deepspeed=False, fsdp_version=0, cfg=RunConfig(**CFG)
+    )  # no refusal
     strategy = replicated_tensor_parallel(4, 2)
     assert strategy.name == "fsdp-hybrid-tp2" and strategy.mesh.shape["dp_shard"] == 1, strategy.mesh.shape
     assert (strategy.replicas, strategy.shard_size, strategy.data_parallel_size) == (2, 1, 2)
     block(dp_shard_size=2, tp_size=2)
     with pytest.raises(ValueError, match=r"dp_shard_size: 2 in a DDP config: DDP keeps whole copies"):
-        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=0, cfg=RunConfig(**CFG))
+        check_parallelism_config_tp(2, env=Environment.read(), deepspeed=False, fsdp_version=0, cfg=RunConfig(**CFG))
 
 
 @pytest.mark.parametrize(
@@ -72,7 +79,7 @@ def test_tp_with_what_it_does_not_compose_with_is_refused(block, monkeypatch, ex
     if not extra:
         monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     with pytest.raises(ValueError, match=f"parallelism_config_tp_size: 2 with {named}: "):
-        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG))
+        check_parallelism_config_tp(2, env=Environment.read(), deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG))
 
 
 @pytest.mark.parametrize(
@@ -112,7 +119,9 @@ def test_a_block_that_the_tensor_parallel_ranks_cannot_shard_is_refused(block):
     with pytest.raises(
         ValueError, match=r"parallelism_config_tp_size: 2 does not divide --block_size 63: .*multiple of 2"
     ):
-        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**{**CFG, "block_size": 63}))
+        check_parallelism_config_tp(
+            2, env=Environment.read(), deepspeed=False, fsdp_version=2, cfg=RunConfig(**{**CFG, "block_size": 63})
+        )
     piped = RunConfig(**{**CFG, "block_size": 63, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2})
     with pytest.raises(ValueError, match=r"--tensor_parallel_degree 2 does not divide --block_size 63"):
         check_tensor_parallel_flag(piped, deepspeed=False, fsdp=False, yaml_tp=1)
@@ -195,22 +204,24 @@ def launched(monkeypatch, world: int, **variables: str) -> None:
     ],
 )  # fmt: skip
 def test_the_launch_reads_its_degrees_from_the_yaml_and_the_pipeline_flag(monkeypatch, world, block, flags, name, dp):
-    from training.parallel.launch import launched_data_parallel_size, requested_strategy
+    from training.launch import resolve_launch
 
     launched(monkeypatch, world, **block)
     cfg = RunConfig(**CFG, **flags)
-    assert launched_data_parallel_size(cfg) == dp
-    strategy = requested_strategy(cfg.resolve(dp), hidden_size=64)
+    launch = resolve_launch(cfg)
+    strategy = launch.strategy
+    assert launch.data_parallel_size == dp
     assert (strategy.name, strategy.data_parallel_size, strategy.world_size) == (name, dp, world)
 
 
 def test_the_tensor_parallel_flag_under_torchrun_makes_a_tensor_x_pipeline_mesh(monkeypatch):
-    from training.parallel.launch import launched_data_parallel_size, requested_strategy
+    from training.launch import resolve_launch
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = RunConfig(**CFG, tensor_parallel_degree=2, pipeline_parallel_degree=2, gradient_accumulation_steps=2)
-    assert launched_data_parallel_size(cfg) == 2
-    strategy = requested_strategy(cfg.resolve(2), hidden_size=64)
+    launch = resolve_launch(cfg)
+    strategy = launch.strategy
+    assert launch.data_parallel_size == 2
     assert strategy.name == "ddp-tp2-pp2" and strategy.mesh.shape == {
         "pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "sp": 1, "tp": 2,
     }  # fmt: skip
@@ -230,6 +241,10 @@ def test_degrees_that_do_not_multiply_to_the_launched_ranks_are_refused(block):
     block(dp_replicate_size=1, dp_shard_size=2, tp_size=2)
     with pytest.raises(ValueError, match=r"gives dp_replicate_size 1 x dp_shard_size 2 x tp_size 2 = 4 ranks, but 8 "
                                          r"were launched: set parallelism_config_dp_shard_size: 4"):  # fmt: skip
-        check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG), world=8)
+        check_parallelism_config_tp(
+            2, env=Environment.read(), deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG), world=8
+        )
     cfg = RunConfig(**CFG, pipeline_parallel_degree=2, gradient_accumulation_steps=2)
-    check_parallelism_config_tp(2, deepspeed=False, fsdp_version=2, cfg=cfg, world=8)  # 2 x 2 x 2
+    check_parallelism_config_tp(
+        2, env=Environment.read(), deepspeed=False, fsdp_version=2, cfg=cfg, world=8
+    )  # 2 x 2 x 2

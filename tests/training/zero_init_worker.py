@@ -14,18 +14,19 @@ from transformers import HfArgumentParser
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from training.config import RunConfig
-from training.loop.synthetic import StandInTokenizer
-from training.parallel.accelerator import make_accelerator
-from training.parallel.build import build_model
-from training.parallel.launch import launch_precision, launched_world_size, requested_strategy
-from training.parallel.ranks import run_rank
+from training.core.accelerator import make_accelerator
+from training.core.build import build_model
+from training.core.ranks import run_rank
+from training.launch import resolve_launch
+from training.measure.synthetic import StandInTokenizer
 
 
 def main() -> dict:
     (cfg,) = HfArgumentParser(RunConfig).parse_args_into_dataclasses()
-    cfg = cfg.resolve(launched_world_size(), launch_precision())
+    launch = resolve_launch(cfg)  # the flags, the launcher's environment and the JSON, read once
+    cfg = launch.cfg
     config = cfg.model_config()
-    accelerator = make_accelerator(cfg, requested_strategy(cfg, config.hidden_size))  # collective
+    accelerator = make_accelerator(cfg, launch.strategy, launch.environment)  # collective
     set_seed(cfg.seed)
     net = build_model(config, StandInTokenizer(config.vocab_size))  # collective: zero.Init
     held = sum(p.numel() + getattr(p, "ds_tensor", torch.empty(0)).numel() for p in net.parameters())
@@ -46,7 +47,7 @@ def main() -> dict:
         keys = ("held_fraction", "same_weights", "same_rng_after")
         (out / "zero_init.json").write_text(json.dumps([dict(zip(keys, row, strict=True)) for row in every]))
     accelerator.wait_for_everyone()  # collective
-    return locals()  # what this rank built, kept by run_rank until the process exits (training/parallel/ranks.py)
+    return locals()  # what this rank built, kept by run_rank until the process exits (training/core/ranks.py)
 
 
 if __name__ == "__main__":

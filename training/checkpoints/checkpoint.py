@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from training import faults
 from training.checkpoints import portable
 from training.checkpoints.portable import STATE
-from training.parallel.ranks import all_ranks_max
-from training.parallel.strategy import Strategy
+from training.core.ranks import all_ranks_max
+from training.strategy import Strategy
 
 MARKER = "checkpoint_complete"
 _STEP = re.compile(r"^checkpoint-(\d+)$")

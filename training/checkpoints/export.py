@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
-from training.parallel.inspection import _fsdp1_handles, unwrap
+from training.core.inspection import _fsdp1_handles, unwrap
 
 
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.parallel.strategy import Strategy
+from training.strategy import Strategy
 
 STATE = "trainer_state.json"
 NEUTRAL = "neutral.pt"
@@ -195,7 +195,7 @@ def _load_torch(net, optimizer, neutral: dict) -> None:
         set_optimizer_state_dict,
     )
 
-    from training.parallel.inspection import optimizer_chain, uncompiled
+    from training.core.inspection import optimizer_chain, uncompiled
 
     full = StateDictOptions(full_state_dict=True)
     module, torch_optimizer = uncompiled(net), optimizer_chain(optimizer)[-1]
@@ -224,7 +224,7 @@ def _load_zero(engine, optimizer, neutral: dict) -> None:
     from deepspeed import zero
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from training.parallel.inspection import optimizer_chain
+    from training.core.inspection import optimizer_chain
 
     inner = optimizer_chain(optimizer)[-1]  # the torch (or DeepSpeed CPU) Adam over this rank's fp32 partitions
     init_zero_adam_state(engine.optimizer, inner)
@@ -256,7 +256,7 @@ def scheduler_state(path: Path) -> dict:
 def gather_neutral(net, optimizer) -> dict:
     """The neutral form of the prepared model and optimizer, on every rank (a collective: ZeRO and FSDP gather their
     shards), with the libraries' getters."""
-    from training.parallel.inspection import optimizer_chain, uncompiled
+    from training.core.inspection import optimizer_chain, uncompiled
 
     inner = optimizer_chain(optimizer)[-1]
     step = int(next(s for s in inner.state.values() if s)["step"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -14,11 +13,10 @@ from typing import TYPE_CHECKING
 
 from training.doctor.machine import check_nvme
 from training.doctor.report import FAIL, NA, OK, WARN, Report, size
-from training.parallel.mesh import block_degree, exported
 from training.paths import ROOT
 
-if TYPE_CHECKING:  # training.parallel.strategy imports torch and accelerate: the doctor imports it where it is used
-    from training.parallel.strategy import Strategy
+if TYPE_CHECKING:  # training.strategy imports torch and accelerate: the doctor imports it where it is used
+    from training.strategy import Strategy
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "FSDP", "DEEPSPEED", "XLA")
 
@@ -100,39 +98,19 @@ def parse_train_flags(report: Report, flags: list[str]):
     return cfg
 
 
-# The fsdp_config keys a strategy is built from, and the variables `accelerate launch` exports them as
-# (accelerate/utils/launch.py: str(value), booleans lower-cased).
-FSDP_VARIABLES = {
-    "fsdp_version": "FSDP_VERSION", "fsdp_sharding_strategy": "FSDP_SHARDING_STRATEGY",
-    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD", "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
-}  # fmt: skip
+def launched_environment(launch: dict | None, world: int):
+    """The environment the launch's ranks get: made from its YAML by accelerate's own launcher code, or a plain one
+    of `world` ranks (torchrun, the deepspeed launcher)."""
+    from training.environment import Environment
 
-
-def launched_strategy(launch: dict | None, ds: dict | None, world: int, cfg=None) -> Strategy:
-    """The strategy the training script builds for this launch (`training/parallel/strategy.py`), from the YAML and the
-    resolved DeepSpeed JSON `ds` instead of the environment `accelerate launch` makes of them, with the pipeline
-    degree of the training flags `cfg`."""
-    from training.parallel.launch import pipeline_fields, replicated_strategy
-    from training.parallel.strategy import deepspeed_strategy, fsdp_strategy
-
-    if ds is not None:
-        return deepspeed_strategy(ds, world)
-    pipeline = pipeline_fields(cfg) if cfg is not None else {}
-    if launch and launch.get("distributed_type") == "FSDP":
-        fsdp = launch.get("fsdp_config") or {}
-        env = {var: str(fsdp[key]).lower() if isinstance(fsdp[key], bool) else str(fsdp[key])
-               for key, var in FSDP_VARIABLES.items() if key in fsdp}  # fmt: skip
-        shard = block_degree("dp_shard_size", default=world, environ=exported(launch))
-        return fsdp_strategy(env, world, math.ceil(world / shard), **pipeline)
-    return replicated_strategy(world, pipeline)
+    return Environment.of_accelerate_config(launch["_path"], world) if launch else Environment(world=world)
 
 
 def check_training(report: Report, args, launch: dict | None, found: list[dict], bf16_ok: bool) -> None:
-    """RunConfig.resolve and resolve_deepspeed exactly as the training script runs them at start-up."""
+    """The launch resolved exactly as the training script resolves it at start-up (training/launch.py), from the
+    environment accelerate makes of the YAML: the flags, the DeepSpeed JSON, the strategy and its checks."""
+    from training import launch as launching
     from training.config import RunConfig
-    from training.parallel.deepspeed_config import load_json, resolve_deepspeed
-    from training.parallel.launch import data_parallel_ranks
-    from training.parallel.sequence import with_sequence_parallel
 
     flags = list(args.train_flags)
     if args.deepspeed:
@@ -143,18 +121,13 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     if cfg is None:
         return
     world = launch["_world"] if launch else args.num_processes or max(len(found), 1)
-    # Ulysses: the YAML's parallelism_config degree joins the JSON, as the training script joins them.
-    yaml_sp = block_degree("sp_size", environ=exported(launch))
-    ds_file = cfg.deepspeed or ((launch or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
     try:
+        env = launched_environment(launch, world)
         # The ranks that train on different data: the world over the pipeline's and tensor-parallel degrees, as the
-        # training script counts them (a missing or broken JSON is reported under "DeepSpeed config" below).
-        present = ds_file and find_file(ds_file).is_file()
-        raw = with_sequence_parallel(load_json(find_file(ds_file)), repr(str(ds_file)), yaml_sp) if present else None
-        # tensor parallelism: the FSDP2 YAML's block, or the flag beside a pipeline
-        tp = max(block_degree("tp_size", environ=exported(launch)), cfg.tensor_parallel_degree)
-        dp = data_parallel_ranks(cfg, world, (raw, repr(str(ds_file))) if present else None, tp=1 if present else tp)
-        cfg = cfg.resolve(dp)  # the accelerate config's precision is checked below, against the flags
+        # training script counts them.
+        launched = launching.Launched.read(cfg.deepspeed, env)  # the DeepSpeed JSON, read once
+        dp = launched.data_parallel_ranks(cfg)
+        cfg = cfg.resolve(dp, env.precision)
     except Exception as e:
         report.add("training flags", FAIL, str(e))
         return
@@ -172,55 +145,33 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
     )
     if cfg.bf16 and not bf16_ok:
         report.add("precision", FAIL, "--bf16 is set but bf16 does not work here (see the bf16 check): drop --bf16")
-
-    launch = launch or {}
-    ds_section = launch.get("deepspeed_config") or {}
-    if launch.get("distributed_type") == "FSDP" and ds_file:
-        report.add("strategy", FAIL, "both FSDP (the accelerate config) and DeepSpeed (--deepspeed) are requested")
-        return
-    yaml_precision = str(launch.get("mixed_precision", "no"))
-    if yaml_precision not in ("no", cfg.mixed_precision):
-        report.add(
-            "strategy", FAIL,
-            f"the accelerate config sets mixed_precision: {yaml_precision} but the flags give {cfg.mixed_precision}: "
-            f"pass --{yaml_precision}, or set mixed_precision: 'no' in the YAML",
-        )  # fmt: skip
-    ds = None
-    if ds_section and not ds_file:
-        report.add("DeepSpeed config", WARN, "inline deepspeed_config fields: accelerate builds the JSON at launch")
-    elif ds_file:
-        try:
-            import torch
-
-            source = repr(str(ds_file))
-            raw = with_sequence_parallel(load_json(find_file(ds_file)), source, yaml_sp)
-            ds = resolve_deepspeed(raw, cfg, world, config.hidden_size, source, cpu_ranks=not torch.cuda.is_available())
-        except Exception as e:
-            report.add("DeepSpeed config", FAIL, str(e))
-            return  # what follows (strategy, NVMe need, memory plan) depends on the resolved JSON
+    try:
+        strategy = launching.requested_strategy(cfg, launched)
+    except Exception as e:  # the DeepSpeed JSON, or a strategy the training script refuses
+        report.add("DeepSpeed config" if launched.deepspeed else "strategy", FAIL, str(e))
+        return  # what follows (NVMe need, memory plan) depends on the resolved launch
+    ds = strategy.deepspeed
+    if ds is not None:
+        ds_file = cfg.deepspeed or env.deepspeed_config_file
         report.deepspeed = ds
-        report.resolved.update(describe_deepspeed(ds, str(ds_file), world))
-        report.add("DeepSpeed config", OK, f"{Path(ds_file).name} resolves: no unknown keys, no leftover auto")
-    if launch.get("distributed_type") == "FSDP":
-        fsdp = launch.get("fsdp_config") or {}
+        report.resolved.update(describe_deepspeed(strategy, ds_file or strategy.deepspeed_source))
+        named = Path(ds_file).name if ds_file else "the inline deepspeed_config"
+        report.add("DeepSpeed config", OK, f"{named} resolves: no unknown keys, no leftover auto")
+    if strategy.family == "fsdp" and env.fsdp:
+        fsdp = env.fsdp_env
         report.resolved.update({
-            "FSDP version": fsdp.get("fsdp_version", 1),
-            "reshard after forward": fsdp.get("fsdp_reshard_after_forward", True),
-            "offload params": fsdp.get("fsdp_offload_params", False),
-            "state dict": fsdp.get("fsdp_state_dict_type"),
+            "FSDP version": strategy.fsdp_version,
+            "reshard after forward": fsdp.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true",
+            "offload params": strategy.offloads,
+            "state dict": fsdp.get("FSDP_STATE_DICT_TYPE"),
             "global batch": f"{cfg.global_batch(dp)} (= micro x accumulation x data-parallel ranks {dp})",
             "precision": precision,
         })  # fmt: skip
-    try:
-        strategy = launched_strategy(launch, ds, world, cfg)
-    except ValueError as e:  # an FSDP1 sharding strategy torch does not have
-        report.add("strategy", FAIL, str(e))
-        return
     report.resolved = {"strategy": f"{strategy.name} on {world} rank(s)", **report.resolved}
     axes(report, strategy, cfg.pipeline_parallel_degree)
 
     # NVMe offload: this node's ranks swap their shards of the fp32 weights, master copies and Adam states.
-    per_node = world // int(launch.get("num_machines", 1) or 1)
+    per_node = world // int((launch or {}).get("num_machines", 1) or 1)
     need = 16 * params * per_node // world
     zero = (ds or {}).get("zero_optimization") or {}
     nvme_paths = {(zero.get(k) or {}).get("nvme_path") for k in ("offload_optimizer", "offload_param")
@@ -234,9 +185,9 @@ def check_training(report: Report, args, launch: dict | None, found: list[dict],
 
 
 def axes(report: Report, strategy: Strategy, pp: int) -> None:
-    """The model-parallel axes the launch asks for, against the axes table (training/parallel/axes.py): each under a
+    """The model-parallel axes the launch asks for, against the axes table (training/axes/table.py): each under a
     wrapper that trains it, and alone or with the axes it composes with (COMPOSED)."""
-    from training.parallel.axes import AXES, composes, composes_with, wrapper
+    from training.axes.table import AXES, composes, composes_with, wrapper
 
     held_by = wrapper(strategy.family, strategy.zero_stage)
     degrees = {"pp": pp, "tp": strategy.tp_size, "sp": strategy.sp_size, "cp": strategy.cp_size}
@@ -252,12 +203,10 @@ def axes(report: Report, strategy: Strategy, pp: int) -> None:
     report.add("parallel axes", FAIL if wrong else OK, "; ".join(wrong) if wrong else seen)
 
 
-def global_batch_line(ds: dict, world: int) -> str:
-    """The global batch of a resolved DeepSpeed config: micro x accumulation x data-parallel ranks (a tensor-parallel
+def global_batch_line(strategy: Strategy) -> str:
+    """The global batch of a resolved DeepSpeed launch: micro x accumulation x data-parallel ranks (a tensor-parallel
     group trains on one batch; DeepSpeed's own `train_batch_size` counts every rank)."""
-    from training.parallel.deepspeed_config import autotp_size, sequence_parallel_size
-
-    tp, sp = autotp_size(ds), sequence_parallel_size(ds)
+    ds, world, tp, sp = strategy.deepspeed, strategy.world_size, strategy.tp_size, strategy.sp_size
     batch = ds["train_batch_size"] // tp  # under sequence parallelism DeepSpeed's count is world / sp already
     if sp > 1:
         return f"{batch} (= micro x accumulation x data-parallel ranks {world // sp}: world {world} / sp {sp})"
@@ -266,19 +215,17 @@ def global_batch_line(ds: dict, world: int) -> str:
     return f"{batch} (= micro x accumulation x data-parallel ranks {world // tp}: world {world} / autotp_size {tp})"
 
 
-def describe_deepspeed(ds: dict, source: str, world: int) -> dict:
+def describe_deepspeed(strategy: Strategy, source: str) -> dict:
     """The resolved DeepSpeed values that decide memory and speed."""
-    from training.parallel.deepspeed_config import offload_devices, zero_stage
-
-    devices = offload_devices(ds)
+    ds = strategy.deepspeed
     return {
         "DeepSpeed config": source,
-        "ZeRO stage": zero_stage(ds),
-        "offload optimizer": devices["offload_optimizer"],
-        "offload params": devices["offload_param"],
+        "ZeRO stage": strategy.zero_stage,
+        "offload optimizer": strategy.offload_optimizer,
+        "offload params": strategy.offload_param,
         "micro batch per rank": ds["train_micro_batch_size_per_gpu"],
         "gradient accumulation": ds["gradient_accumulation_steps"],
-        "global batch": global_batch_line(ds, world),
+        "global batch": global_batch_line(strategy),
         "precision": "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32",
         "gradient clipping": ds.get("gradient_clipping"),
         "optimizer": (ds.get("optimizer") or {}).get("type", "torch AdamW from the script"),
@@ -332,7 +279,7 @@ def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) ->
     import torch
 
     from model import ShardGPTForCausalLM
-    from training.parallel.inspection import tp_plan_styles
+    from training.core.inspection import tp_plan_styles
     from training.plan.communication import ModelShape, paper_volume, step_payloads
     from training.plan.memory.fit import planned_config
 

@@ -14,8 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from training.doctor.report import FAIL, NA, OK, WARN, Report, size
-from training.parallel.ops import (
+from training.core.ops import (
     build_dir,
     check_op_cache,
     left_by_killed_build,
@@ -23,6 +22,7 @@ from training.parallel.ops import (
     stale_lock,
     used_ops,
 )
+from training.doctor.report import FAIL, NA, OK, WARN, Report, size
 
 SLOW_DISK_MBPS = 500  # below this, NVMe offload's swapping dominates the step (a local NVMe writes > 1 GB/s)
 

@@ -3,7 +3,7 @@ one `step`, `evaluate` and `full_state_dict` whichever axes are on.
 
 `prepare` builds it from the typed strategy: the whole model on every rank, wrapped by accelerate (DDP, FSDP or a
 DeepSpeed engine: `Replicated`), or this rank's pipeline stages, run by torch.distributed.pipelining's schedules
-with DDP's all-reduce or FSDP2 across the pipelines (`Pipelined`, training/parallel/pipeline.py). The loop does not ask
+with DDP's all-reduce or FSDP2 across the pipelines (`Pipelined`, training/axes/pipeline.py). The loop does not ask
 which.
 """
 
@@ -17,17 +17,17 @@ import torch
 from accelerate import Accelerator
 
 from model import ShardGPTConfig
+from training.axes.pipeline import Pipeline, build_pipeline, fsdp2_stages
+from training.axes.sequence import context_parallel
+from training.axes.tensor import shard_tensor_parallel
 from training.checkpoints.checkpoint import save_checkpoint
 from training.checkpoints.export import full_state_dict
 from training.compat import cast_grouped_inputs
 from training.config import RunConfig
-from training.loop.evaluate import evaluate
-from training.loop.optim import make_optimizer, make_scheduler
-from training.loop.step import StepResult, accumulated_loss_scale, pipelined_step, train_step
-from training.parallel.accelerator import fsdp_precision
-from training.parallel.build import build_model
-from training.parallel.gradnorm import fsdp1_shards
-from training.parallel.inspection import (
+from training.core.accelerator import fsdp_precision
+from training.core.build import build_model
+from training.core.gradnorm import fsdp1_shards
+from training.core.inspection import (
     StateShares,
     observe_strategy,
     uncompiled,
@@ -35,10 +35,10 @@ from training.parallel.inspection import (
     verify_pipeline,
     verify_strategy,
 )
-from training.parallel.pipeline import Pipeline, build_pipeline, fsdp2_stages
-from training.parallel.sequence import context_parallel
-from training.parallel.strategy import Strategy
-from training.parallel.tensor import shard_tensor_parallel
+from training.loop.evaluate import evaluate
+from training.loop.optim import make_optimizer, make_scheduler
+from training.loop.step import StepResult, accumulated_loss_scale, pipelined_step, train_step
+from training.strategy import Strategy
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Replicated(Engine):
 
     def step(self, micro_batches: list[dict], step: int) -> StepResult:
         # Token-weighted accumulation across micro batches and data-parallel ranks (see training/loop/step.py); under
-        # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (training/parallel/sequence.py).
+        # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (training/axes/sequence.py).
         s = self.strategy
         loss_scale = accumulated_loss_scale(s, self.cfg.gradient_accumulation_steps)
         context = context_parallel(self.accelerator) if s.cp_size > 1 else None  # CUDA only: ring attention
@@ -92,7 +92,7 @@ class Replicated(Engine):
 
 @dataclass
 class Pipelined(Engine):
-    """This rank's pipeline stages (training/parallel/pipeline.py), with DDP's all-reduce or FSDP2 across the
+    """This rank's pipeline stages (training/axes/pipeline.py), with DDP's all-reduce or FSDP2 across the
     pipelines."""
 
     pipeline: Pipeline | None = None
@@ -165,13 +165,13 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     broadcasts; a pipeline creates its process groups and shards its stages."""
     pipelined = strategy.pp_size > 1
     # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
-    # tokenizer (training/parallel/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
+    # tokenizer (training/core/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
     # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it). Under
     # FSDP2 it is built on the meta device and sharded, then initialised module by module into each rank's shards. A
     # pipeline rank builds the whole model, as one process would, and keeps its stages. Every path draws the same
     # weights for a seed. --torch_compile compiles each decoder layer, after checkpointing, before any sharding.
     # Under tensor parallelism (FSDP2 x TP) every rank builds the whole model, as one process would, and keeps its
-    # slices and shards of it (training/parallel/tensor.py).
+    # slices and shards of it (training/axes/tensor.py).
     net = build_net(cfg, strategy, accelerator, config, tokenizer)
     pipeline = None
     if pipelined:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config

@@ -21,14 +21,14 @@ from model.export import write_model_code
 from training import faults
 from training.compat import skip_deepspeed_muon
 from training.config import RunConfig
+from training.core.accelerator import keep_zero3_param_dtype
+from training.core.gradnorm import clip_, fsdp1_shards, grad_norm
+from training.core.inspection import StateShares, observe_strategy, verify_strategy
 from training.loop.comms import StepCommunication
 from training.loop.metrics import MetricsWriter, memory_gb
 from training.loop.optim import make_optimizer, make_scheduler
 from training.loop.preemption import PreemptionWatch
 from training.loop.profiling import StepProfiler
-from training.parallel.accelerator import keep_zero3_param_dtype
-from training.parallel.gradnorm import clip_, fsdp1_shards, grad_norm
-from training.parallel.inspection import StateShares, observe_strategy, verify_strategy
 
 IGNORE_INDEX = -100
 # RunConfig flags that TrainingArguments has under the same name and meaning.
@@ -47,7 +47,7 @@ class ShardGPTTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if strategy.family != "deepspeed":  # DeepSpeed norms in float64 itself
             # The Trainer clips, and logs the norm, through its accelerator's `clip_grad_norm_`: on this Trainer's
-            # accelerator that is recipes/train.py's norm, summed in float64 (training/parallel/gradnorm.py).
+            # accelerator that is recipes/train.py's norm, summed in float64 (training/core/gradnorm.py).
             self.accelerator.clip_grad_norm_ = self.clip_grad_norm_
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2) -> torch.Tensor:
@@ -223,7 +223,7 @@ def cpu_ranks(strategy) -> dict:
     if strategy.deepspeed is None:
         return {"use_cpu": True, "ddp_backend": "gloo"}
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    keep_zero3_param_dtype()  # the engine's ZeRO-3 partitions keep fp32 on CPU (see training/parallel/accelerator.py)
+    keep_zero3_param_dtype()  # the engine's ZeRO-3 partitions keep fp32 on CPU (see training/core/accelerator.py)
     PartialState(backend="gloo", timeout=timedelta(minutes=30))  # collective: initialises the process group
     # use_cpu: TrainingArguments refuses --bf16 without a GPU unless it is set; with the configured state above it
     # changes nothing else (DeepSpeed stays in force, as strategy.json shows).

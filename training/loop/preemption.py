@@ -18,7 +18,7 @@ import signal
 
 import torch
 
-from training.parallel.ranks import PREEMPTED, Preempted, all_ranks_max
+from training.core.ranks import PREEMPTED, Preempted, all_ranks_max
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 __all__ = ["PREEMPTED", "SIGNALS", "Preempted", "PreemptionWatch", "stop_message"]

@@ -14,8 +14,8 @@ from functools import partial
 import torch
 
 from training import faults
-from training.parallel.gradnorm import clip_, grad_norm
-from training.parallel.sequence import gradient_divisor
+from training.axes.sequence import gradient_divisor
+from training.core.gradnorm import clip_, grad_norm
 
 
 class NonFiniteLossError(RuntimeError):
@@ -47,7 +47,7 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
     `sharded_group`: the ranks FSDP1 shards the gradients over, for their norm (`clip_gradients`).
 
     `context(micro)`, if given, is a context manager each micro batch's forward and backward run in (ring context
-    parallelism shards the micro batch's positions in it: training/parallel/sequence.py).
+    parallelism shards the micro batch's positions in it: training/axes/sequence.py).
 
     Returns the global batch's loss, the gradient norm (before clipping) and whether fp16 loss scaling skipped the
     update. Raises `NonFiniteLossError` before the optimizer step if the loss or the norm is not finite (unless
@@ -81,7 +81,7 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
 
 def accumulated_loss_scale(strategy, accumulation: int) -> float:
     """`train_step`'s `loss_scale` for the launch: what the gradient reduction divides by on the strategy's mesh
-    (training/parallel/sequence.py's `gradient_divisor`: the data-parallel ranks, or DeepSpeed's own divisor under
+    (training/axes/sequence.py's `gradient_divisor`: the data-parallel ranks, or DeepSpeed's own divisor under
     sequence parallelism) times the accumulation steps accelerate and DeepSpeed divide the loss by."""
     zero = (strategy.deepspeed or {}).get("zero_optimization") or {}
     return gradient_divisor(strategy.mesh, strategy.zero_stage, zero) * accumulation
@@ -89,7 +89,7 @@ def accumulated_loss_scale(strategy, accumulation: int) -> float:
 
 def pipelined_step(pipeline, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float, step: int,
                    autocast, accelerator=None) -> StepResult:  # fmt: skip
-    """One optimizer step of this rank's pipeline stages (training/parallel/pipeline.py): every micro batch through the
+    """One optimizer step of this rank's pipeline stages (training/axes/pipeline.py): every micro batch through the
     schedule, forward and backward, with the gradients reduced as one process's would be, then the tail every step
     shares (`check_loss`, `update`). No loss scaling: the pipelines run fp32 or bf16."""
     # collective: the stages' sends, the data-parallel reduction, the tied gradient, the loss to every rank
@@ -164,7 +164,7 @@ def check_gradients_flow(result: StepResult, step: int, compiled: bool) -> None:
 
 def clip_gradients(accelerator, net, max_norm: float, sharded_group=None) -> float | None:
     """Clip (unless DeepSpeed clips itself, from `gradient_clipping`) and return the global gradient norm, summed
-    in float64 as DeepSpeed sums its own (training/parallel/gradnorm.py). `max_norm` 0 disables clipping; the norm is
+    in float64 as DeepSpeed sums its own (training/core/gradnorm.py). `max_norm` 0 disables clipping; the norm is
     still measured. `sharded_group`: the ranks FSDP1 shards the plain gradients over (None: each rank holds them whole,
     or they are DTensors that say so)."""
     if accelerator.distributed_type.name == "DEEPSPEED":

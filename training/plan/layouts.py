@@ -11,8 +11,7 @@ import math
 from dataclasses import replace
 
 from model import ShardGPTConfig
-from training.parallel.mesh import Mesh
-from training.parallel.strategy import Strategy
+from training.mesh import Mesh
 from training.plan.communication import ModelShape
 from training.plan.hardware import Cluster
 from training.plan.memory.activations import (
@@ -37,6 +36,7 @@ from training.plan.step_time import (
     predict_step,
     rank_shape,
 )
+from training.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------- memory
 
@@ -140,7 +140,7 @@ def degree_options(config: ShardGPTConfig, num_gpus: int, gpus_per_node: int, se
                    fixed: dict[str, int | None]) -> list[tuple[int, int, int, int]]:  # fmt: skip
     """(tp, pp, sp, dp) with tp x pp x sp x dp = num_gpus: tp within a node and dividing the heads and key-value
     heads, pp dividing the layers, sp dividing the heads and the sequence and a multiple or divisor of the key-value
-    heads (Ulysses, as training/parallel/sequence.py checks); `fixed` pins any of them."""
+    heads (Ulysses, as training/axes/sequence.py checks); `fixed` pins any of them."""
     heads, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     out = []
     for tp in divisors(num_gpus):

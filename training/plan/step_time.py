@@ -4,7 +4,7 @@ the pipeline bubble and offload transfers, then tokens/s and MFU, ranked over ev
 A layout is a data-parallel strategy (DDP, FSDP, ZeRO-1/2/3, ZeRO with CPU offload) and explicit degrees whose
 product is the GPU count: tensor parallelism (tp, innermost), Ulysses sequence parallelism (sp), pipeline stages (pp,
 outermost, GPipe or 1F1B with M micro batches a step), data parallelism (dp); the mesh of
-`training/parallel/strategy.py`. Only the layouts recipes/train.py runs are enumerated (`Layout.runs_here`, from the
+`training/strategy.py`. Only the layouts recipes/train.py runs are enumerated (`Layout.runs_here`, from the
 axes table: tensor parallelism as AutoTP under ZeRO or under FSDP2, a pipeline under DDP or FSDP2 with tensor
 parallelism inside its stages, Ulysses under ZeRO); `any_layout` adds what published runs used: Megatron-Core's
 runtime (its DDP and distributed optimizer with tensor and pipeline parallelism, Megatron's sequence parallelism) and
@@ -53,9 +53,8 @@ import math
 from dataclasses import dataclass, replace
 
 from model import ShardGPTConfig
+from training.axes.table import AXES, composes, composes_with, wrapper
 from training.flops import flops_per_token
-from training.parallel.axes import AXES, composes, composes_with, wrapper
-from training.parallel.strategy import Strategy
 from training.plan.communication import ModelShape, expected_payloads, ulysses_payloads
 from training.plan.hardware import Cluster
 from training.plan.ring import (
@@ -67,8 +66,9 @@ from training.plan.ring import (
     gather_seconds,
     ring_latency,
 )
+from training.strategy import Strategy
 
-# The data-parallel strategies a layout can use, by `Strategy.name`, and each one's wrapper (training/parallel/axes.py).
+# The data-parallel strategies a layout can use, by `Strategy.name`, and each one's wrapper (training/axes/table.py).
 # fsdp-shard-grad-op: FSDP2 keeping each unit gathered from its forward to its backward (reshard_after_forward=False),
 # a gather a micro batch where full sharding gathers twice (what torchtitan runs under a pipeline).
 DP_STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op", "zero1", "zero2", "zero3", "zero2-offload-cpu",
@@ -124,7 +124,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 #   after the optimizer step, with nothing to hide behind (ZeRO paper, section 7).
 # - ZeRO-3 and FSDP prefetch the next layer's parameters during the current layer's forward and backward and
 #   reduce-scatter gradients during the backward (DeepSpeed `overlap_comm`, FSDP's prefetch: Zhao et al. 2023, 3.3).
-# - Under a pipeline the data-parallel reduction runs after the flush (training/parallel/pipeline.py; Megatron-LM 2021;
+# - Under a pipeline the data-parallel reduction runs after the flush (training/axes/pipeline.py; Megatron-LM 2021;
 #   torch's pipelining syncs FSDP2's gradients after the last backward only): exposed. FSDP2's gathers still run ahead
 #   of each unit's use inside the stage, in every micro batch's forward and backward.
 OVERLAP = {
@@ -137,7 +137,7 @@ OVERLAP = {
 PER_MICRO_BATCH = {"zero2", "zero3", "fsdp"}  # reduce (and gather) every micro batch, not once per step
 
 # Whose runtime runs the layout (STACKS): this project's ("shardgpt": OVERLAP above; under a pipeline the
-# data-parallel reduction waits for the flush, training/parallel/pipeline.py; tensor parallelism with torch's DTensor
+# data-parallel reduction waits for the flush, training/axes/pipeline.py; tensor parallelism with torch's DTensor
 # styles or DeepSpeed's AutoTP, which all-reduce each column-split module's input gradient on its own, 7 all-reduces a
 # layer, measured: training/plan/communication.dtensor_payloads); Megatron-LM 2021's and BLOOM's Megatron-DeepSpeed
 # ("megatron-lm-2021": the same overlap, 4 all-reduces a layer: Shoeybi et al. 2019, section 3); or Megatron-Core's as
@@ -248,7 +248,7 @@ class Layout:
 
     @property
     def dtensor_parallel(self) -> bool:
-        """Whether this project splits the layers with torch's DTensor plan (training/parallel/tensor.py): under
+        """Whether this project splits the layers with torch's DTensor plan (training/axes/tensor.py): under
         FSDP2 and inside pipeline stages; DeepSpeed's AutoTP elsewhere."""
         return self.sharding == "fsdp" or self.pp > 1
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 
 from model import ShardGPTConfig
-from training.parallel.strategy import Strategy
 from training.plan.memory.layout import BYTES, Layout, offload_device
 from training.plan.memory.states import Item, zero3_groups, zero12_partitions
+from training.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------- activations
 
@@ -36,7 +36,7 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     Under tensor parallelism (`tp` ranks) each rank attends with a/tp heads and computes f/tp of the MLP, so
     q, the attention output, k, v, the log-sum-exp and the MLP's four tensors are 1/tp as large; the norms'
     tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (measured to the byte at tp 2 and 4:
-    training/loop/tensor_memory.py). Under Megatron's sequence parallelism (`sequence_parallel`) the norms' tensors
+    training/measure/tensor_memory.py). Under Megatron's sequence parallelism (`sequence_parallel`) the norms' tensors
     and a layer's input are on sequence shards of the tp ranks too, and so are the column-split projections' inputs
     (Megatron's layout: gathered again in the backward, training/parallel/tensor.save_sequence_shards); torch's
     DTensor styles keep them whole (`gathered`: a compiled layer, and the layer being recomputed under activation
@@ -78,7 +78,7 @@ def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence
     project's runtime (training/parallel/tensor.save_sequence_shards): all of it over tp, (e (6h + 2g + 4f) + 8h +
     4a + 8) / tp, their sbh (34 / t + 5as / ht) for a GPT layer. torch's DTensor styles save the gathered input
     (`gathered`: a compiled layer, a recomputed one): e (2h + (4h + 2g + 4f) / tp) + (8h + 4a + 8) / tp. Both
-    measured to the byte at tp 2 and 4 (training/loop/tensor_memory.py)."""
+    measured to the byte at tp 2 and 4 (training/measure/tensor_memory.py)."""
     h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     g = config.num_key_value_heads * config.head_dim
     if sequence_parallel and gathered:
@@ -96,7 +96,7 @@ def selective_layer_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence_
     (the seventh: whole, under tensor parallelism the partial sum before its reduction), attention's output with its
     fp32 log-sum-exp (over tp) and, under sequence parallelism, the two reduce-scatters' outputs (sequence shards):
     e (2h + (q + g + f) / tp) + (e q + 4a) / tp without sequence parallelism, q = a x head_dim. Measured to the byte
-    on CPU at tp 1, and at tp 2 with and without sequence parallelism (training/loop/tensor_memory.py's `selective`:
+    on CPU at tp 1, and at tp 2 with and without sequence parallelism (training/measure/tensor_memory.py's `selective`:
     the policy's kept outputs and the checkpoint's input, per layer and token; tests/recipes/test_plan_memory.py)."""
     h, f, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     q, g = a * config.head_dim, config.num_key_value_heads * config.head_dim

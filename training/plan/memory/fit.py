@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import shutil
 from dataclasses import dataclass, replace
 
 import psutil
 import torch
 
-from training.parallel.axes import composes, wrapper
-from training.parallel.strategy import Strategy
+from training.axes.table import composes, wrapper
+from training.strategy import Strategy
 
 GiB = 2**30
 # What a training process holds before any model state: Python, torch, DeepSpeed and accelerate with their ops,
@@ -44,7 +43,7 @@ class MemoryFitError(ValueError):
 
 
 @dataclass
-class Launch:
+class Planned:
     """What the prediction depends on: the strategy as the planner models it (`planner_strategy`), on its world
     size, and the launch's sizes."""
 
@@ -102,7 +101,7 @@ def capacity(nvme_path: str | None, local_rank: int = 0) -> Capacity:
     return Capacity(gpu_free, psutil.virtual_memory().available, disk_free)
 
 
-def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
+def needs(config, launch: Planned, on_gpu: bool) -> list[tuple[str, int]]:
     """(place, bytes one host needs there) for `launch`, as the planner predicts it."""
     from training.plan.memory.planner import predict
 
@@ -121,14 +120,14 @@ def needs(config, launch: Launch, on_gpu: bool) -> list[tuple[str, int]]:
     return out
 
 
-def shortfalls(config, launch: Launch, have: Capacity) -> list[tuple[str, int, int]]:
+def shortfalls(config, launch: Planned, have: Capacity) -> list[tuple[str, int, int]]:
     """(place, bytes needed, bytes free) for every place the launch is predicted not to fit."""
     free = {"GPU memory": have.gpu_free, "host RAM": have.host_free, "NVMe disk": have.disk_free}
     return [(where, need, free[where]) for where, need in needs(config, launch, have.gpu_free is not None)
             if free[where] is not None and need > free[where]]  # fmt: skip
 
 
-def cheapest_fix(config, launch: Launch, have: Capacity) -> str:
+def cheapest_fix(config, launch: Planned, have: Capacity) -> str:
     """The first change, in order of what it costs the run, that the planner predicts would fit."""
     on_gpu = have.gpu_free is not None
     candidates = []
@@ -164,7 +163,7 @@ def cheapest_fix(config, launch: Launch, have: Capacity) -> str:
     return "no single change fits: choose a smaller --preset, or a larger machine"
 
 
-def check_memory_fit(config, launch: Launch, have: Capacity) -> None:
+def check_memory_fit(config, launch: Planned, have: Capacity) -> None:
     """Refuse `launch` in one line when it is predicted not to fit: the numbers and the cheapest fix."""
     short = shortfalls(config, launch, have)
     if not short:
@@ -179,28 +178,24 @@ def check_memory_fit(config, launch: Launch, have: Capacity) -> None:
     )
 
 
-def ranks_per_host(world: int) -> int:
-    """Ranks of this host: every launcher exports LOCAL_WORLD_SIZE (torchrun, accelerate, deepspeed)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
-
-
-def check_launch_fits(cfg, config, strategy) -> None:
-    """`check_memory_fit` for the launch the training script was started with (`strategy` from
-    `training/parallel/strategy.requested_strategy`), on this host now."""
-    launch = training_launch(cfg, strategy, ranks_per_host(strategy.world_size), strategy.deepspeed)
-    if cfg.skip_memory_check or launch is None:
+def check_launch_fits(launch, config) -> None:
+    """`check_memory_fit` for the launch the training script was started with (training/launch.py's `Launch`), on
+    this host now: its ranks here (LOCAL_WORLD_SIZE, as every launcher exports it) and this rank's GPU."""
+    cfg, strategy, env = launch.cfg, launch.strategy, launch.environment
+    planned = training_launch(cfg, strategy, env.local_world or strategy.world_size, strategy.deepspeed)
+    if cfg.skip_memory_check or planned is None:
         return
-    have = capacity(nvme_path(strategy.deepspeed), int(os.environ.get("LOCAL_RANK", "0")))
-    check_memory_fit(planned_config(cfg, config), launch, have)
+    have = capacity(nvme_path(strategy.deepspeed), env.local_rank)
+    check_memory_fit(planned_config(cfg, config), planned, have)
 
 
-def training_launch(cfg, strategy: Strategy, per_host: int, ds: dict | None) -> Launch | None:
+def training_launch(cfg, strategy: Strategy, per_host: int, ds: dict | None) -> Planned | None:
     """The planner's view of a `recipes/train.py` launch with flags `cfg` and `strategy`, `per_host` of its ranks on
     each host, and the resolved DeepSpeed JSON `ds`; None for a strategy the planner does not model."""
     planned = planner_strategy(strategy)
     if planned is None:
         return None
-    return Launch(
+    return Planned(
         planned, min(per_host, planned.world_size), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32",
         cfg.per_device_train_batch_size, cfg.block_size, cfg.gradient_checkpointing, ds,
         micro_batches=cfg.gradient_accumulation_steps,
@@ -217,7 +212,7 @@ def nvme_path(ds: dict | None) -> str | None:
 def planned_config(cfg, config):
     """`config` with the vocabulary the run will have, where the flags already tell it: a fresh model with the
     default BPE gets at most `--tokenizer_vocab_size` tokens, padded to a multiple of 128
-    (`training/parallel/build.py`); a checkpoint keeps its own, and `--tokenizer_name` keeps the preset's (read only
+    (`training/core/build.py`); a checkpoint keeps its own, and `--tokenizer_name` keeps the preset's (read only
     with the data)."""
     if cfg.model_name_or_path is not None or cfg.tokenizer_name is not None:
         return config
@@ -248,7 +243,7 @@ def candidate_sizes(overrides: dict | None = None) -> list[tuple[str, object]]:
     return out
 
 
-def largest_that_fits(launch: Launch, have: Capacity, overrides: dict | None = None) -> tuple[str, object] | None:
+def largest_that_fits(launch: Planned, have: Capacity, overrides: dict | None = None) -> tuple[str, object] | None:
     """The largest of `candidate_sizes` that `launch` is predicted to fit in `have` (None: not even the smallest).
     Memory grows with the size, so a bisection finds it in a few predictions."""
     sizes = candidate_sizes(overrides)

@@ -16,15 +16,15 @@ import torch
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.adamw import param_groups
 from training.config import RunConfig
-from training.parallel.deepspeed_config import (
+from training.deepspeed_config import (
     autotp_size,
     cpu_capped,
     gradient_reduction_dtype,
     load_json,
     resolve_deepspeed,
 )
-from training.parallel.strategy import Strategy
 from training.paths import ROOT
+from training.strategy import Strategy
 
 # The strategies the planner models, by name (`Strategy.name`); each ZeRO one with the repo's JSON for it.
 STRATEGIES = (
@@ -68,7 +68,7 @@ _LAYOUTS: dict[tuple[str, bool, int], Layout] = {}  # by the config's JSON: the 
 def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1) -> Layout:
     """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight, under
     the model's `tp_plan` (the decoder's matrices, and the embedding and head by vocabulary rows), which AutoTP and
-    the DTensor plan (training/parallel/tensor.py) both apply; the norms whole."""
+    the DTensor plan (training/axes/tensor.py) both apply; the norms whole."""
     key = (config.to_json_string(use_diff=False), decay_embeddings, tp)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp)

@@ -7,7 +7,7 @@ prints them.
 Model states (parameters, gradients, optimizer states) are counted exactly as DDP, FSDP2 and DeepSpeed 0.19
 allocate them for this model, tensor by tensor: DeepSpeed's flat buffers and their alignment, the ZeRO-1/2
 gradient partition that holds every gradient touching a rank's partition whole, ZeRO-3's persistent small
-parameters, FSDP2's padded shards, DDP's gradient buckets, Adam's step counters. `training/plan/memory/ledger.py`
+parameters, FSDP2's padded shards, DDP's gradient buckets, Adam's step counters. `training/measure/ledger.py`
 counts the same on 2 CPU ranks, and `tests/recipes/test_memory.py` checks that both agree to the byte.
 Activations, logits and temporaries follow the formulas in docs/memory.md.
 
@@ -18,7 +18,7 @@ the model states (`states.py`), the activations and temporaries (`activations.py
 Tensor parallelism (DeepSpeed AutoTP, `zero1-autotp`): every module of the model's tp plan holds 1/tp of its
 weight on each rank (q, k, v, gate, up and the vocabulary-parallel embedding and tied head by rows, o and down by
 columns), the norms stay whole; ZeRO-1 then partitions that local model over the world / tp data-parallel ranks.
-Under FSDP2 x TP (a YAML's parallelism_config, training/parallel/tensor.py) the modules split the same way, the
+Under FSDP2 x TP (a YAML's parallelism_config, training/axes/tensor.py) the modules split the same way, the
 norms whole, and the chunked loss runs over the vocabulary shards; FSDP2 shards each rank's slice on its dim 0 over
 the data-parallel ranks; Megatron's sequence parallelism keeps every saved tensor of a layer on sequence shards.
 """
@@ -28,8 +28,7 @@ from __future__ import annotations
 import math
 
 from model import ShardGPTConfig
-from training.parallel.mesh import Mesh
-from training.parallel.strategy import Strategy
+from training.mesh import Mesh
 from training.plan.memory.activations import (
     activation_bytes,
     adam_temporaries,
@@ -48,6 +47,7 @@ from training.plan.memory.layout import (
 )
 from training.plan.memory.stages import pipeline_stages
 from training.plan.memory.states import bytes_by_category, model_states
+from training.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------- prediction
 
@@ -65,7 +65,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     and FSDP differ slightly between ranks); default the largest over ranks. `ds_config`: a DeepSpeed JSON
     (dict) instead of the repo's ds_configs/ file for the strategy. `cpu_ranks`: the ranks are CPU processes, as
     in the test suite (torch's unfused AdamW steps there, and the repo's JSONs have their buckets capped, as
-    training caps them: `training/parallel/deepspeed_config.py`'s CPU_BUCKETS).
+    training caps them: `training/deepspeed_config.py`'s CPU_BUCKETS).
 
     A pipeline (`strategy.pp_size` > 1, GPipe or 1F1B, `micro_batches` per step: --gradient_accumulation_steps)
     is planned stage by stage (`pipeline_stages`): the figures of its largest stage, and every stage's in "stages".
@@ -124,8 +124,8 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     out["host_ram"] = sum(it.nbytes for it in states + temps if it.where == "host")
     # Under DDP and ZeRO-1/2 every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves
     # it. Under ZeRO-3 (inside zero.Init) and FSDP2 (on the meta device, then sharded and initialised one tensor
-    # at a time) a rank holds its partition and the one module or tensor being built (training/parallel/build.py).
-    # Under FSDP2 x TP every rank builds the whole model before it keeps its slices (training/parallel/tensor.py).
+    # at a time) a rank holds its partition and the one module or tensor being built (training/core/build.py).
+    # Under FSDP2 x TP every rank builds the whole model before it keeps its slices (training/axes/tensor.py).
     partitioned = strategy.zero_stage == 3 or strategy.family == "fsdp" and not dtensor
     out["host_ram_at_start"] = 4 * (
         math.ceil(whole.psi / world_size) + whole.largest_module if partitioned else whole.psi

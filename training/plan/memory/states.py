@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from training.parallel.strategy import Strategy
 from training.plan.memory.layout import BYTES, Layout, offload_device
+from training.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------- model states
 

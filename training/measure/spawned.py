@@ -1,6 +1,6 @@
 """A measured case on a few CPU ranks: `world` spawned processes (gloo) that each run `target(rank, world, *args)`
 and put one result on a queue, collected by rank. Used by the activation measurements of Ulysses
-(training/plan/memory/ulysses.py) and tensor parallelism (training/loop/tensor_memory.py)."""
+(training/measure/ulysses.py) and tensor parallelism (training/measure/tensor_memory.py)."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 import torch
 
 from training.config import RunConfig
-from training.parallel.mesh import block_degree, parallelism_block
-from training.parallel.ops import check_op_cache, launch_ops
-from training.parallel.strategy import Strategy, fsdp1_sharding
+from training.core.ops import check_op_cache, launch_ops
+from training.environment import Environment
+from training.strategy import Strategy, fsdp1_sharding
 
 
 def check_fsdp1(fsdp_env: Mapping[str, str]) -> None:
@@ -66,9 +66,10 @@ def check_fsdp1_checkpoints(cfg: RunConfig, fsdp_env: dict) -> None:
         )
 
 
-def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg: RunConfig, world: int = 0) -> None:
+def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg: RunConfig, env: Environment,
+                                world: int = 0) -> None:  # fmt: skip
     """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`) runs under FSDP2, with torch's
-    DTensor plan applied by this project (training/parallel/tensor.py: accelerate 1.15's own preparation cannot
+    DTensor plan applied by this project (training/axes/tensor.py: accelerate 1.15's own preparation cannot
     import with transformers 5); a DDP config's dp_replicate x tp runs as FSDP2 on a replicate-only mesh
     (`replicated_tensor_parallel`). Refused before the process group: under DeepSpeed (AutoTP is the JSON's
     `tensor_parallel.autotp_size`), FSDP1 (flat parameters hold no DTensor slices), DDP with dp_shard, ring context,
@@ -89,16 +90,16 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
             "under FSDP2 here; set fsdp_version: 2 (accelerate_configs/fsdp_tp.yaml), or use DeepSpeed AutoTP "
             "(accelerate_configs/autotp.yaml)"
         )
-    if not fsdp_version and block_degree("dp_shard_size") > 1:  # DDP: whole copies, nothing to shard over
+    if not fsdp_version and env.block_degree("dp_shard_size") > 1:  # DDP: whole copies, nothing to shard over
         raise ValueError(
-            f"{where} with parallelism_config_dp_shard_size: {block_degree('dp_shard_size')} in a DDP config: DDP "
+            f"{where} with parallelism_config_dp_shard_size: {env.block_degree('dp_shard_size')} in a DDP config: DDP "
             "keeps whole copies of the split model; set parallelism_config_dp_replicate_size instead, or shard with "
             "FSDP2 (accelerate_configs/fsdp_tp.yaml)"
         )
     unsupported = (
-        "parallelism_config_cp_size" if block_degree("cp_size") > 1
-        else "parallelism_config_sp_size" if block_degree("sp_size") > 1
-        else "fsdp_offload_params: true" if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+        "parallelism_config_cp_size" if env.block_degree("cp_size") > 1
+        else "parallelism_config_sp_size" if env.block_degree("sp_size") > 1
+        else "fsdp_offload_params: true" if env.fsdp_env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
         else None
     )  # fmt: skip
     if unsupported:
@@ -106,22 +107,22 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
             f"{where} with {unsupported}: tensor parallelism composes with FSDP2's sharding and hybrid replicas only "
             "in this release; remove one of them"
         )
-    from training.parallel.tensor import check_tensor_parallel
+    from training.axes.tensor import check_tensor_parallel
 
     check_tensor_parallel(cfg.model_config(), tp)
     check_sequence_shards(cfg, tp, where)
     if world:
-        check_block_covers_the_world(tp, cfg.pipeline_parallel_degree, world)
+        check_block_covers_the_world(env, tp, cfg.pipeline_parallel_degree, world)
 
 
-def check_block_covers_the_world(tp: int, pp: int, world: int) -> None:
+def check_block_covers_the_world(env: Environment, tp: int, pp: int, world: int) -> None:
     """The block's degrees times the pipeline's must be the launched ranks, as accelerate itself requires of a block
-    (which it is not shown here: training/parallel/accelerator.py). Read as `accelerate launch` exports it, every size
+    (which it is not shown here: training/core/accelerator.py). Read as `accelerate launch` exports it, every size
     given (1 where the YAML has none); a block without its data-parallel sizes (read from a file) is not checked."""
-    block = parallelism_block() or {}
+    block = env.block or {}
     if not block.get("dp_shard_size") or not block.get("dp_replicate_size"):
         return
-    replicate, shard = block_degree("dp_replicate_size"), block_degree("dp_shard_size")
+    replicate, shard = env.block_degree("dp_replicate_size"), env.block_degree("dp_shard_size")
     if replicate * shard * tp * pp == world:
         return
     product = f"dp_replicate_size {replicate} x dp_shard_size {shard} x tp_size {tp}"
@@ -136,7 +137,7 @@ def check_block_covers_the_world(tp: int, pp: int, world: int) -> None:
 
 def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml_tp: int) -> None:
     """--tensor_parallel_degree: the model's plan inside each pipeline stage, with DDP's all-reduce across the
-    pipelines (training/parallel/pipeline.py). Refused before the process group where another setting owns the
+    pipelines (training/axes/pipeline.py). Refused before the process group where another setting owns the
     degree (the DeepSpeed JSON, the FSDP YAML's block) or where no pipeline holds the slices (DDP's reducer takes no
     DTensor), and for a degree that does not split every layer evenly or the block."""
     tp = cfg.tensor_parallel_degree
@@ -160,7 +161,7 @@ def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml
             "or give the degrees in an accelerate config's parallelism_config (DDP: "
             "parallelism_config_dp_replicate_size x parallelism_config_tp_size; FSDP2: accelerate_configs/fsdp_tp.yaml)"
         )
-    from training.parallel.tensor import check_tensor_parallel
+    from training.axes.tensor import check_tensor_parallel
 
     check_tensor_parallel(cfg.model_config(), tp, flag="--tensor_parallel_degree")
     check_sequence_shards(cfg, tp, where)
@@ -175,11 +176,6 @@ def check_sequence_shards(cfg: RunConfig, tp: int, where: str) -> None:
             f"sharded over the tensor-parallel ranks between their regions (Megatron's sequence parallelism); choose "
             f"a --block_size that is a multiple of {tp}"
         )
-
-
-def parallelism_config() -> bool:
-    """Whether the accelerate config has a `parallelism_config` block (`accelerate launch` exports it)."""
-    return parallelism_block() is not None
 
 
 def check_fsdp_wrap(strategy: Strategy, model: torch.nn.Module) -> None:

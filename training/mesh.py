@@ -8,19 +8,15 @@ innermost, as torchtitan's `ParallelDims` places pp and accelerate's `Parallelis
 (dp_replicate, dp_shard, cp, sp, tp): the ranks of one tensor-parallel group are consecutive, then those of one
 sequence, and the ranks r and r + world / pp hold neighbouring stages of one pipeline.
 
-The mesh is plain arithmetic: it imports nothing from torch.distributed and creates no process group. The accelerate
-YAML's `parallelism_config` block, as `accelerate launch` exports it, is read here and nowhere else
-(`parallelism_block`, `block_degree`). `groups(axis)`
-lists every group of an axis, in the order every rank must create them (`dist.new_group` is collective), for the
-runtimes that build their own (the pipeline's); accelerate and DeepSpeed build the groups of the axes they run from
-the same degrees.
+The mesh is plain arithmetic: it imports nothing from torch.distributed and creates no process group; the degrees
+are read from the launch in one place (training/launch.py's `degrees`). `groups(axis)` lists every group of an axis,
+in the order every rank must create them (`dist.new_group` is collective), for the runtimes that build their own
+(the pipeline's); accelerate and DeepSpeed build the groups of the axes they run from the same degrees.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Mapping
 from dataclasses import astuple, dataclass, fields
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
@@ -152,37 +148,3 @@ class Mesh:
     def group_of(self, rank: int, *axes: str) -> list[int]:
         """The ranks of `rank`'s group along `axes`."""
         return next(group for group in self.groups(*axes) if rank in group)
-
-
-# ---------------------------------------------------------------------------------------------- the YAML's block
-
-
-def parallelism_block(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
-    """The accelerate YAML's `parallelism_config` block as `accelerate launch` exports it (ACCELERATE_USE_PARALLELISM_
-    CONFIG and the PARALLELISM_CONFIG_* variables, keys lower-cased without the prefix: `sp_size`, `dp_shard_size`,
-    `sp_backend`, ...), or None without one. `environ`: the process's environment by default, read when called."""
-    environ = os.environ if environ is None else environ
-    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return None
-    prefix = "PARALLELISM_CONFIG_"
-    return {k[len(prefix) :].lower(): v for k, v in environ.items() if k.startswith(prefix)}
-
-
-def exported(launch: Mapping | None) -> dict[str, str]:
-    """The variables `accelerate launch` exports for the accelerate YAML `launch` (as loaded) with a
-    `parallelism_config` block, for tools that read the YAML file instead of a launched environment (the doctor,
-    recipes/compare.py)."""
-    block = (launch or {}).get("parallelism_config")
-    if not block:
-        return {}
-    return {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", **{k.upper(): str(v) for k, v in block.items()}}
-
-
-def block_degree(key: str, default: int = 1, environ: Mapping[str, str] | None = None) -> int:
-    """The block's `parallelism_config_<key>` (`default` without the block or the key), refused unless a whole
-    number of at least 1."""
-    value = (parallelism_block(environ) or {}).get(key) or str(default)
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError(f"the accelerate config's parallelism_config_{key} is {value!r}: set a whole number of ranks, "
-                         "1 or more")  # fmt: skip
-    return int(value)

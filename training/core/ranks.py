@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import torch
 
-from training.parallel.launch import launched_world_size
+from training.environment import Environment
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
 PREEMPTED = 75  # exit status of a run stopped by a signal after its checkpoint: EX_TEMPFAIL, "try again later"
@@ -89,7 +89,7 @@ def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...]
             print(e, file=sys.stderr, flush=True)
         code = PREEMPTED
     remove_deepspeed_shm_buffer()
-    if launched_world_size() <= 1:
+    if Environment.read().world <= 1:
         del kept
         sys.exit(code)
     logging.shutdown()

@@ -3,7 +3,7 @@
 The model's config carries transformers' `base_model_tp_plan` (each decoder layer's q, k, v, gate and up
 projections split by output rows, "colwise"; o and down by input columns, "rowwise"), as Llama's does. Here it is
 applied with torch's `parallelize_module` on the `tp` dimension of a `DeviceMesh` built from the launch's mesh
-(training/parallel/mesh.py), then each decoder layer and the root are sharded with FSDP2's `fully_shard` on its
+(training/mesh.py), then each decoder layer and the root are sharded with FSDP2's `fully_shard` on its
 data-parallel dimensions: torchtitan's order (tensor parallelism, then activation checkpointing and compilation,
 which the model already carries, then `fully_shard`). Between the regions the residual stream and the norms live on
 sequence shards (Megatron's sequence parallelism, `sequence_parallel_plan`), and the column-split projections keep their
@@ -16,7 +16,7 @@ of the head's weight, of its FLOPs and of the chunk's logits.
 Why not accelerate's own path: accelerate 1.15's `Accelerator._prepare_tp` skips a model without DTensor
 parameters, and for FSDP2 imports `ReplicateParallel` from transformers, which transformers 5 removed
 (accelerate/accelerator.py:1618), ending every rank inside `prepare`. So the YAML's `parallelism_config` block is
-read here (its degrees are the launch's mesh), accelerate is built without it (training/parallel/accelerator.py),
+read here (its degrees are the launch's mesh), accelerate is built without it (training/core/accelerator.py),
 and `accelerator.prepare` receives the model already sharded, which its FSDP2 preparation takes as it is
 (`fsdp2_prepare_model` returns an `FSDPModule` unchanged) and binds the optimizer to.
 """
@@ -117,7 +117,7 @@ def save_sequence_shards(layers) -> None:
     from training.compat import is_compiled_function
 
     for layer in layers:
-        if is_compiled_function(layer.__dict__.get("forward")):  # `--torch_compile` (training/parallel/build.py)
+        if is_compiled_function(layer.__dict__.get("forward")):  # `--torch_compile` (training/core/build.py)
             continue
         for region, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
             state = _RegionShard(layer)

@@ -17,7 +17,7 @@ from accelerate.utils import (
 )
 
 from training.compat import is_compiled_function
-from training.parallel.strategy import Strategy
+from training.strategy import Strategy
 
 
 def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: Strategy) -> dict:
@@ -155,10 +155,10 @@ def verify_autotp(engine, unwrapped: torch.nn.Module, strategy: Strategy, refuse
 
 
 def verify_dtensor_tp(model: torch.nn.Module, strategy: Strategy, refuse: Callable[[str], NoReturn]) -> dict:
-    """The model's plan in force under FSDP2 (training/parallel/tensor.py): every module the decoder's plan names
+    """The model's plan in force under FSDP2 (training/axes/tensor.py): every module the decoder's plan names
     holds a weight split over the mesh's tp ranks along the plan's dimension (colwise: output rows, rowwise: input
     columns), and the embedding and the head theirs by vocabulary rows. Returns the count of each style."""
-    from training.parallel.tensor import split_modules
+    from training.axes.tensor import split_modules
 
     tp = strategy.tp_size
     counts = split_modules(model, tp)
@@ -220,7 +220,7 @@ def observe_strategy(model: torch.nn.Module, optimizer) -> dict:
     """What the prepared objects say is in force, read from them rather than from the config that asked:
     the wrapper and optimizer classes, the ZeRO stage, where parameters and optimizer states live, and
     FSDP2's resharding and offload policy. Written to strategy.json beside the shares `StateShares` measures."""
-    # --torch_compile's compiled decoder layers (training/parallel/build.py), torch.compile's wrapper around the whole
+    # --torch_compile's compiled decoder layers (training/core/build.py), torch.compile's wrapper around the whole
     # model (an accelerate config's dynamo_backend), or a DeepSpeed engine that compiled itself.
     blocks = sum(is_compiled_function(m.__dict__.get("forward")) for m in uncompiled(model).modules())
     whole = hasattr(model, "_orig_mod") or bool(getattr(model, "is_compiled", False))

@@ -29,13 +29,13 @@ from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask
 
 from training import compat
-from training.parallel.build import local
-from training.parallel.busy_clock import BackwardMark, BusyClock
-from training.parallel.gradnorm import clip_, grad_norm
-from training.parallel.groups import new_groups
-from training.parallel.schedules import ZERO_BUBBLE, check_schedule_on_gloo, stage_layers, stage_ranks
-from training.parallel.strategy import Strategy
-from training.parallel.tensor import data_parallel_dims, device_mesh, split_modules, split_stage, tie_split_embedding
+from training.axes.busy_clock import BackwardMark, BusyClock
+from training.axes.groups import new_groups
+from training.axes.schedules import ZERO_BUBBLE, check_schedule_on_gloo, stage_layers, stage_ranks
+from training.axes.tensor import data_parallel_dims, device_mesh, split_modules, split_stage, tie_split_embedding
+from training.core.build import local
+from training.core.gradnorm import clip_, grad_norm
+from training.strategy import Strategy
 
 
 class Stage(nn.Module):
@@ -230,7 +230,7 @@ class Pipeline:
 
     def clip_gradients(self, max_norm: float) -> float:
         """The global gradient norm before clipping, as one process would compute it (the tied embedding counted
-        once, by the first stage), summed in float64 (training/parallel/gradnorm.py), and the gradients clipped to
+        once, by the first stage), summed in float64 (training/core/gradnorm.py), and the gradients clipped to
         `max_norm` (0: measured, not clipped)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         copy = self.model.lm_head.weight if self.tie_group is not None and self.model.lm_head is not None else None

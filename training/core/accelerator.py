@@ -17,16 +17,16 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from training.axes.sequence import accelerator_parallelism_config
 from training.compat import keep_zero3_param_dtype, skip_deepspeed_muon
 from training.config import RunConfig
-from training.parallel.launch import env_flag
-from training.parallel.launch_checks import parallelism_config
-from training.parallel.sequence import accelerator_parallelism_config
-from training.parallel.strategy import Strategy
+from training.environment import Environment
+from training.strategy import Strategy
 
 
-def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
-    """The Accelerator for `strategy`. Creating it initialises the process group (a collective)."""
+def make_accelerator(cfg: RunConfig, strategy: Strategy, env: Environment) -> Accelerator:
+    """The Accelerator for `strategy`, launched under `env`. Creating it initialises the process group (a
+    collective)."""
     on_cpu = not torch.cuda.is_available()
     handlers = []
     if strategy.world_size > 1:
@@ -36,7 +36,7 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to.split(","),
         project_dir=cfg.output_dir,
-        # --torch_compile compiles each decoder layer before `prepare` (training/parallel/build.py); whole-model
+        # --torch_compile compiles each decoder layer before `prepare` (training/core/build.py); whole-model
         # compilation by accelerate is left to an accelerate config that asks for it (dynamo_backend).
         kwargs_handlers=handlers,
         # The loop steps the scheduler once per optimizer step; accelerate's default would step it once per
@@ -52,25 +52,25 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy) -> Accelerator:
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=strategy.deepspeed)
         # Ulysses from the JSON's sequence_parallel_size: the parallelism config with which `prepare` registers
         # DeepSpeed's sequence-parallel attention and groups (an accelerate YAML's own block is read by accelerate).
-        kwargs["parallelism_config"] = accelerator_parallelism_config(strategy.mesh)
+        kwargs["parallelism_config"] = accelerator_parallelism_config(strategy.mesh, env)
     elif on_cpu:
         kwargs["cpu"] = True  # gloo MULTI_CPU; FSDP is switched on below
     # FSDP through accelerate's FSDP state on CPU ranks, and for DDP x TP (a DDP YAML's parallelism_config, held by
     # FSDP2 on a replicate-only mesh: training/parallel/launch.replicated_tensor_parallel) on any device.
-    switch_to_fsdp = strategy.family == "fsdp" and (on_cpu or not env_flag("ACCELERATE_USE_FSDP"))
+    switch_to_fsdp = strategy.family == "fsdp" and (on_cpu or not env.fsdp)
     if switch_to_fsdp:
         # sync_module_states broadcasts rank 0's weights (cpu_ram_efficient_loading forces it on, for
         # transformers' from_pretrained on rank 0 alone, which this script does not use); torch's FSDP1 and
         # accelerate's plugin both demand a GPU for it. Every rank here builds identical weights from the same
         # seed, so there is nothing to sync.
         os.environ["FSDP_SYNC_MODULE_STATES"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
-    hybrid_switched = switch_to_fsdp and parallelism_config()
+    hybrid_switched = switch_to_fsdp and env.block is not None
     tensor_parallel = strategy.family == "fsdp" and strategy.tp_size > 1
     if hybrid_switched or tensor_parallel:
         # accelerate checks a parallelism_config against the state's distributed type when the Accelerator is
         # built, which on CPU is MULTI_CPU until FSDP is switched on: the config is applied after that instead.
         # With tensor parallelism accelerate never sees it, on any device: its `prepare` would import a class
-        # transformers 5 removed; the project shards the model on the block's degrees (training/parallel/tensor.py).
+        # transformers 5 removed; the project shards the model on the block's degrees (training/axes/tensor.py).
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     accelerator = Accelerator(**kwargs)
     if switch_to_fsdp and accelerator.distributed_type != DistributedType.FSDP:

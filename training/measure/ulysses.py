@@ -3,7 +3,7 @@
 Each case runs `sp` processes (gloo) that build the model, register DeepSpeed's Ulysses attention as the training
 script's `prepare` does (`UlyssesSPAttentionHF.register_with_transformers`), and take one training forward of the
 same micro batch, each on its slice of the positions (the loader's: `data.loader`), counting the tensors autograd
-saves (training/plan/memory/saved.py) until the backward. A rank's share of every per-token activation is 1/sp; the
+saves (training/measure/saved.py) until the backward. A rank's share of every per-token activation is 1/sp; the
 attention's tensors after the all-to-all hold all positions of heads / sp heads, the same bytes. sp = 1 is one
 process with the whole sequence. Collectives: the all-to-alls of each attention layer and the position gather.
 """
@@ -14,9 +14,9 @@ import torch
 
 from data.loader import _shard
 from model import ShardGPTForCausalLM
+from training.measure.saved import HeldBytes
+from training.measure.spawned import config_for, join, run_ranks
 from training.plan.memory.activations import activation_bytes, saved_loss_bytes
-from training.plan.memory.saved import HeldBytes
-from training.plan.memory.spawned import config_for, join, run_ranks
 
 
 def _rank(rank: int, sp: int, port: int, queue, preset: str, micro: int, block: int, dtype: str) -> None:

@@ -16,21 +16,16 @@ from data import ShardedLoader
 from model import ShardGPTConfig
 from training.arguments import parse_run_config
 from training.config import RunConfig
+from training.core.accelerator import make_accelerator
+from training.core.build import build_model
+from training.core.gradnorm import fsdp1_shards
+from training.core.inspection import verify_strategy
+from training.core.launch_checks import check_deepspeed_ops
+from training.launch import resolve_launch
 from training.loop.engine import build_net
 from training.loop.optim import make_optimizer, make_scheduler
 from training.loop.step import accumulated_loss_scale, train_step
-from training.parallel.accelerator import make_accelerator
-from training.parallel.build import build_model
-from training.parallel.gradnorm import fsdp1_shards
-from training.parallel.inspection import verify_strategy
-from training.parallel.launch import (
-    launch_precision,
-    launched_data_parallel_size,
-    launched_world_size,
-    requested_strategy,
-)
-from training.parallel.launch_checks import check_deepspeed_ops
-from training.parallel.strategy import Strategy
+from training.strategy import Strategy
 
 
 class StandInTokenizer:
@@ -48,13 +43,11 @@ class StandInTokenizer:
 def set_up(argv: list[str] | None):
     """The start of `recipes/train.py`: flags parsed and checked, the strategy read, the Accelerator made
     (collective: initialises the process group), the seed set. Returns (cfg, world, config, strategy, accelerator)."""
-    cfg = parse_run_config(argv)
-    world = launched_world_size()
-    cfg = cfg.resolve(launched_data_parallel_size(cfg), launch_precision())  # the run's final config
+    launch = resolve_launch(parse_run_config(argv))  # the flags, the environment and the JSON, read once
+    cfg, world, strategy = launch.cfg, launch.world, launch.strategy
     config = cfg.model_config()
-    strategy = requested_strategy(cfg, config.hidden_size)
     check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
-    accelerator = make_accelerator(cfg, strategy)  # collective: initialises the process group
+    accelerator = make_accelerator(cfg, strategy, launch.environment)  # collective: initialises the process group
     set_seed(cfg.seed)
     return cfg, world, config, strategy, accelerator
 

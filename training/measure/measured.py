@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from model import ShardGPTConfig
-from training.parallel.strategy import Strategy
 from training.paths import ROOT
 from training.plan.memory import planner as pm
 from training.plan.memory.layout import Layout, layout, tensor_parallel_size, zero_config
 from training.plan.memory.states import Item, bytes_by_category, model_states
+from training.strategy import Strategy
 
 LAUNCHES = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero3", "fp32"), ("fsdp", "fp32"),
             ("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "bf16")]  # fmt: skip

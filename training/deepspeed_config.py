@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from training.parallel.axes import AXES
-from training.parallel.mesh import Mesh
+from training.axes.table import AXES
+from training.mesh import Mesh
 
 if TYPE_CHECKING:
     from training.config import RunConfig

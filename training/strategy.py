@@ -2,10 +2,10 @@
 
 `Strategy` is the typed answer (family, ZeRO stage, offload targets, FSDP version and sharding, data-parallel, shard and
 tensor-parallel degrees), holding the launch's mesh, built once per launch by `requested_strategy`
-(training/parallel/launch.py) from the launcher's environment and the DeepSpeed JSON; everything else reads its fields.
+(training/core/launch.py) from the launcher's environment and the DeepSpeed JSON; everything else reads its fields.
 Its `name` (`zero3-offload-cpu`, `fsdp-shard-grad-op`) is how people and records spell it, and `Strategy.from_name` is
 the one place a name is read back: the planner's --strategy choices, the strategy a checkpoint or a measurement
-recorded. The checks that refuse a launch that could not run as asked are training/parallel/launch_checks.py's.
+recorded. The checks that refuse a launch that could not run as asked are training/core/launch_checks.py's.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
-from training.parallel.deepspeed_config import (
+from training.deepspeed_config import (
     autotp_size,
     offload_devices,
     sequence_parallel_size,
     zero_stage,
 )
-from training.parallel.mesh import Mesh, MeshError
+from training.mesh import Mesh, MeshError
 
 Family = Literal["single", "ddp", "fsdp", "deepspeed"]
 Device = Literal["none", "cpu", "nvme"]
@@ -39,7 +39,7 @@ class Strategy:
     """Who wraps the model: nobody (one process, "single"), DDP, torch's FSDP through accelerate, or a DeepSpeed
     engine."""
     mesh: Mesh = Mesh()
-    """The degrees of every parallel axis (training/parallel/mesh.py): pipeline, data-parallel replicas and shards,
+    """The degrees of every parallel axis (training/mesh.py): pipeline, data-parallel replicas and shards,
     ring context, Ulysses sequence and tensor parallelism; their product is the launched world."""
     zero_stage: int = 0
     """DeepSpeed's ZeRO stage (0 to 3); 0 outside DeepSpeed."""

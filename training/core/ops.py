@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from training.compat import build_lock_blocks
-from training.parallel.deepspeed_config import offload_devices
+from training.deepspeed_config import offload_devices
 
 # The ops a launch of this project can JIT-compile: the optimizer (fused Adam on GPUs, CPU Adam under offload),
 # async I/O for NVMe offload and, on CPU ranks, pinned buffers and shared-memory collectives.

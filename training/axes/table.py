@@ -1,5 +1,5 @@
 """Which model-parallel axis composes with which data-parallel wrapper: one table, read by the launch checks
-(training/parallel/launch.py, sequence.py), the memory planner (training/plan/memory/stages.py, fit.py), the
+(training/core/launch.py, sequence.py), the memory planner (training/plan/memory/stages.py, fit.py), the
 step-time planner (training/plan/step_time.py, layouts.py), recipes/compare.py and the doctor.
 
 A wrapper is what holds the data-parallel copies: one process (`single`), DDP, FSDP or a DeepSpeed engine by its
@@ -17,7 +17,7 @@ DEEPSPEED = ("zero1", "zero2", "zero3")
 
 @dataclass(frozen=True)
 class Axis:
-    """One model-parallel axis of the mesh (training/parallel/mesh.py) and the wrappers it composes with."""
+    """One model-parallel axis of the mesh (training/mesh.py) and the wrappers it composes with."""
 
     name: str  # in words, as errors and reports name it
     trains_under: tuple[str, ...]  # the wrappers recipes/train.py trains it under; its launch checks refuse the rest
@@ -28,11 +28,11 @@ class Axis:
 
 AXES = {
     # torch.distributed.pipelining's stages, with one process's optimizer, DDP's all-reduce or FSDP2 per stage
-    # (training/parallel/pipeline.py); a DeepSpeed engine wraps and steps the whole model.
+    # (training/axes/pipeline.py); a DeepSpeed engine wraps and steps the whole model.
     # DeepSpeed's own pipeline engine runs ZeRO-0/1 only, on a model rewritten as its PipelineModule.
     "pp": Axis("pipeline parallelism", ("single", "ddp", "fsdp"), published_under=("zero1",), alone=False),
     # DeepSpeed AutoTP, built by the engine (`tensor_parallel.autotp_size`), or the model's plan with torch's
-    # DTensor APIs under FSDP2 (an accelerate YAML's parallelism_config_tp_size: training/parallel/tensor.py; a DDP
+    # DTensor APIs under FSDP2 (an accelerate YAML's parallelism_config_tp_size: training/axes/tensor.py; a DDP
     # YAML's dp_replicate x tp is FSDP2 on a replicate-only mesh, as torch's DTensor-aware `replicate` is).
     # Megatron-LM's runs split layers under DDP.
     "tp": Axis(
@@ -42,7 +42,7 @@ AXES = {
         alone=False,
     ),
     # DeepSpeed's Ulysses: the engine reduces the gradients over the sequence-parallel ranks
-    # (training/parallel/sequence.py).
+    # (training/axes/sequence.py).
     "sp": Axis("sequence parallelism (Ulysses)", DEEPSPEED),
     # torch's ring attention through accelerate, over FSDP2's dp_shard x cp mesh (CUDA only).
     "cp": Axis("context parallelism (ring attention)", ("fsdp",)),
@@ -51,7 +51,7 @@ AXES = {
 
 # Axes that train together, and the wrappers that hold them: DTensor tensor parallelism inside pipeline stages, the
 # stages under one process's optimizer, DDP (torchrun's --tensor_parallel_degree) or FSDP2 (a YAML's
-# parallelism_config with --pipeline_parallel_degree): training/parallel/pipeline.py, tensor.py.
+# parallelism_config with --pipeline_parallel_degree): training/axes/pipeline.py, tensor.py.
 COMPOSED = {frozenset(("tp", "pp")): ("single", "ddp", "fsdp")}
 
 

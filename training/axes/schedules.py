@@ -1,7 +1,7 @@
 """The pipeline schedules' facts: which of torch's schedules this project trains with, how a schedule places its
 stages on the pipeline ranks and the layers in each stage, and what each schedule requires of a launch. Plain
 Python: the configuration, the launch checks and the planners read them without the pipeline runtime
-(training/parallel/pipeline.py) or torch.distributed.
+(training/axes/pipeline.py) or torch.distributed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ALL_SCHEDULES = (*SCHEDULES, "DualPipeV")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble",)
 MULTI_STAGE = LOOPED + V_SHAPED
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")  # refused with FSDP2 (training/parallel/strategy.py)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")  # refused with FSDP2 (training/strategy.py)
 
 
 def stages_per_rank(schedule: str, requested: int | None) -> int:

@@ -29,48 +29,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.parallel.axes import AXES, composes
-from training.parallel.mesh import Mesh, block_degree, parallelism_block
+from training.axes.table import AXES, composes
+from training.mesh import Mesh
 
 if TYPE_CHECKING:
     from model import ShardGPTConfig
     from training.config import RunConfig
+    from training.environment import Environment
 
 # Attention kernels DeepSpeed's Ulysses wraps (it needs one that masks causally by itself: eager builds a 4D mask).
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
-def yaml_sequence_parallel_size() -> int:
-    """The accelerate YAML's `parallelism_config_sp_size`; 1 without it."""
-    return block_degree("sp_size")
-
-
-def with_sequence_parallel(ds: dict, source: str, from_yaml: int | None = None) -> dict:
-    """The DeepSpeed JSON `ds` with the launch's sequence-parallel degree in it, where DeepSpeed and the batch
-    arithmetic read it: the accelerate YAML's `parallelism_config_sp_size` (`from_yaml`; by default as `accelerate
-    launch` exported it) or the JSON's own `sequence_parallel_size`; the two must agree where both are given."""
-    sp = launched_sequence_parallel_size(ds, source, yaml_sequence_parallel_size() if from_yaml is None else from_yaml)
-    return {**ds, "sequence_parallel_size": sp} if sp > 1 else ds
-
-
-def launched_sequence_parallel_size(ds: dict, source: str, from_yaml: int) -> int:
-    """The sequence-parallel degree of the YAML's `from_yaml` and the JSON `ds`'s `sequence_parallel_size` (1
-    without either); a mismatch is refused."""
-    from_json = int(ds.get("sequence_parallel_size", 1) or 1)
-    if from_yaml > 1 and from_json > 1 and from_yaml != from_json:
-        raise ValueError(
-            f"the accelerate config's parallelism_config_sp_size is {from_yaml} but the DeepSpeed config {source} "
-            f"sets sequence_parallel_size: {from_json}; give the degree in one of them, or the same in both"
-        )
-    return max(from_yaml, from_json)
-
-
-def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: int, world: int,
-                            held_by: str) -> None:  # fmt: skip
+def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: int, world: int, held_by: str,
+                            env: Environment) -> None:  # fmt: skip
     """Refuse, before any process group, a sequence-parallel launch that could not train as asked. Each message
     names the setting, its value and the fix. `held_by`: the launch's data-parallel wrapper
-    (training/parallel/axes.py)."""
-    block = parallelism_block() or {}
+    (training/axes/table.py); `env`: the launcher's, with the YAML's parallelism_config block."""
+    block = env.block or {}
     cp = int(block.get("cp_size", "1") or 1)
     if cp > 1 and sp > 1 and AXES["sp"].alone:
         raise ValueError(
@@ -124,11 +100,6 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
             f"--block_size {cfg.block_size} is not divisible by sp_size {sp}: each rank holds block_size / sp "
             f"positions; pass a multiple of {sp}"
         )
-
-
-def yaml_context_parallel_size() -> int:
-    """The accelerate YAML's `parallelism_config_cp_size` (torch's ring context parallelism); 1 without it."""
-    return block_degree("cp_size")
 
 
 def check_context_parallel(cfg: RunConfig, cp: int, held_by: str, fsdp_version: int, cuda: bool) -> None:
@@ -194,12 +165,12 @@ def context_parallel(accelerator):
     return enter
 
 
-def accelerator_parallelism_config(mesh: Mesh):
+def accelerator_parallelism_config(mesh: Mesh, env: Environment):
     """The accelerate `ParallelismConfig` that turns Ulysses on in `prepare` for a launch whose degree came from
     the DeepSpeed JSON (no accelerate YAML block): the launch's mesh, sp over consecutive ranks, the rest
     data-parallel. None where the YAML's own block is in force (accelerate reads it) or without sequence
     parallelism."""
-    if mesh.sp == 1 or parallelism_block() is not None:
+    if mesh.sp == 1 or env.block is not None:
         return None
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
