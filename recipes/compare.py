@@ -315,7 +315,7 @@ def predict_memory(res: Result, out: Path, args) -> None:
 def pipeline_strategy(strategy, run: dict):
     """`strategy` with the schedule and stages per rank of the run's flags (`run_config.json`), or None where the
     planner does not model that pipeline."""
-    from training.axes.schedules import stages_per_rank
+    from training.axes.pipeline.schedules import stages_per_rank
     from training.plan.memory.stages import models_pipeline
 
     schedule = run["pipeline_parallel_schedule"]

@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
             "ddp",
             "fsdp",
             "fsdp-shard-grad-op",
-        )  # what a pipeline's stages run under (training/axes/pipeline.py)
+        )  # what a pipeline's stages run under (training/axes/pipeline/runtime.py)
         names = (pipelined if pp > 1 else STRATEGIES) if args.strategy == "all" else args.strategy.split(",")
         strategies = [Strategy.from_name(name, args.num_gpus) for name in names]
         if pp > 1:

@@ -18,7 +18,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -31,7 +30,7 @@ from training.arguments import parse_run_config
 from training.checkpoints.checkpoint import CheckpointSpaceError, check_resume, load_checkpoint, resolve_resume_once
 from training.compat import check_versions
 from training.core.accelerator import make_accelerator
-from training.core.launch_checks import check_deepspeed_ops, check_fsdp_wrap
+from training.core.family import family_of
 from training.core.ranks import BAD_INPUT, run_rank
 from training.flops import flops_per_token, peak_flops
 from training.launch import resolve_launch
@@ -67,9 +66,7 @@ def main(argv: list[str] | None = None) -> object:
     cfg, strategy, world = launch.cfg, launch.strategy, launch.world
     config = cfg.model_config()
     check_resume(cfg, strategy)  # the global batch, and a checkpoint of another strategy converts
-    check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
-    with torch.device("meta"):  # the module tree without memory, to check the FSDP wrap classes
-        check_fsdp_wrap(strategy, shardgpt.ShardGPTForCausalLM(config))
+    family_of(strategy).check_start(strategy)  # DeepSpeed: the ops it compiles said, a stale build lock refused
     check_launch_fits(launch, config)  # the planner's prediction against this host's free memory and disk
 
     accelerator = make_accelerator(cfg, strategy, launch.environment)  # collective: initialises the process group

@@ -25,7 +25,7 @@ from data import BlockDataset, prepare_data
 from training.arguments import parse_run_config
 from training.compat import check_versions
 from training.core.build import build_model
-from training.core.launch_checks import check_deepspeed_ops
+from training.core.family import family_of
 from training.core.ranks import run_rank
 from training.flops import flops_per_token, peak_flops
 from training.launch import resolve_launch
@@ -70,13 +70,13 @@ def main(argv: list[str] | None = None) -> object:
         )
     if strategy.family != "deepspeed" and strategy.tp_size > 1:
         # The Trainer prepares the model through accelerate, whose FSDP2 x TP preparation cannot import with
-        # transformers 5 (training/axes/tensor.py); recipes/train.py applies the plan itself.
+        # transformers 5 (training/axes/tensor/plan.py); recipes/train.py applies the plan itself.
         raise ValueError(
             f"tensor parallelism of degree {strategy.tp_size} under {strategy.family.upper()} needs recipes/train.py: "
             "the HF Trainer prepares it through accelerate, which cannot with transformers 5; launch recipes/train.py "
             "with the same config and flags, or use DeepSpeed AutoTP (ds_configs/autotp.json) with the Trainer"
         )
-    check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
+    family_of(strategy).check_start(strategy)  # DeepSpeed: the ops it compiles said, a stale build lock refused
     args = training_arguments(cfg, strategy)
     is_main = args.process_index == 0  # creating the arguments initialised the process group
     set_seed(cfg.seed)  # then data, then model, in recipes/train.py's order: the same initial weights

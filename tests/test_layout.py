@@ -84,10 +84,11 @@ def test_no_import_circles():
 CONFIGURATION = {
     "training", "training.adamw", "training.arguments", "training.compat", "training.config", "training.faults",
     "training.flops", "training.limits", "training.paths", "training.pretrained", "training.axes.table",
-    "training.mesh", "training.axes.schedules", "training.strategy", "training.deepspeed_config",
+    "training.mesh", "training.axes.pipeline.schedules", "training.strategy", "training.deepspeed_config",
     "training.environment",
 }  # fmt: skip
-LAYERS = {"training.core": 1, "training.axes": 1, "training.launch": 2, "training.plan": 2, "training.checkpoints": 2, "training.loop": 3,
+LAYERS = {"training.core": 1, "training.axes": 1, "training.launch": 2, "training.plan": 2, "training.checkpoints": 2,
+          "training.loop": 3,
           "training.report": 4, "training.compare": 5, "training.doctor": 5, "training.measure": 5}  # fmt: skip
 # What the planners may read of the parallel layer: the launch's description, not a runtime of it.
 PLANNERS_READ = {"training.strategy", "training.deepspeed_config", "training.axes.sequence"}

@@ -17,7 +17,7 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   2.13.
 - torch's functional collectives' `AsyncCollectiveTensor`: a DTensor redistribution's output not waited for yet,
   whose storage cannot be read; the saved-tensor counter waits for it (`arrived`, training/measure/saved.py),
-  and a compiled first decoder layer takes it arrived (`is_in_flight`, training/axes/tensor.py).
+  and a compiled first decoder layer takes it arrived (`is_in_flight`, training/axes/tensor/plan.py).
 - DeepSpeed's `zero.Init` dtype choice (`InsertPostInitMethodToModuleSubClasses._set_dtype`), patched where the
   device has no fp16 (CPU): see `keep_zero3_param_dtype`.
 - torch < 2.13's grouped `fully_shard([a, b, ...])` casts forward inputs to the policy's `param_dtype` at the group's

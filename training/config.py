@@ -22,7 +22,7 @@ import torch
 from data.arguments import DataArguments, flag
 from model import PRESETS, ShardGPTConfig
 from training.adamw import recipe_learning_rate
-from training.axes.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
+from training.axes.pipeline.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
 from training.limits import GPU_STEP_TIMEOUT, HUNG, parse_steps
 
 PRESET_NAMES = tuple(PRESETS)
@@ -355,7 +355,7 @@ class RunConfig(DataArguments):
 
     def check_pipeline(self, micro_batches: int) -> None:
         """The pipeline flags against torch's schedules (`micro_batches`: the accumulation in force) and the model's
-        depth (training/axes/pipeline.py)."""
+        depth (training/axes/pipeline/runtime.py)."""
         if self.pipeline_parallel_degree < 1:
             raise ValueError(f"--pipeline_parallel_degree {self.pipeline_parallel_degree} must be at least 1")
         if self.pipeline_parallel_degree == 1:

@@ -11,6 +11,7 @@ import inspect
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,15 @@ DEEPSPEED_KEYS = {
     "use_data_before_expert_parallel", "graph_harvesting", "log_level", "disable_python_gc",
     "zenflow", "use_node_local_storage", "legacy_fusion", "sequence_parallel_size",
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DeepSpeedJSON:
+    """The DeepSpeed config a launch names, as written ("auto" unresolved; the YAML's sequence-parallel degree joined
+    in: training/launch.py), and how messages name it."""
+
+    raw: dict
+    source: str
 
 
 def load_json(path: str | os.PathLike) -> dict:

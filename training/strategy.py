@@ -177,6 +177,23 @@ class Strategy:
     tp_size = property(lambda self: self.mesh.tp, doc="Ranks each layer is split over (AutoTP; the plan under FSDP2).")
     data_parallel_size = property(lambda self: self.mesh.dp, doc="Ranks that train on different data.")
 
+    @property
+    def gradient_divisor(self) -> int:
+        """What the gradient reduction divides each summed gradient by: the data-parallel count, or with sp (Ulysses)
+        or cp (ring context) ranks a sequence, dp groups of them. DeepSpeed 0.19.8 under Ulysses: ZeRO-3's
+        reduce-scatter (`reduce_scatter`, true by default) by every rank of the sequence-and-data-parallel group
+        (runtime/comm/coalesced_collectives.py: `reduce_scatter_coalesced` pre-divides by the group's size); ZeRO-1 and
+        2, and ZeRO-3 without reduce_scatter, by that count over sp (runtime/zero/stage_1_and_2.py `average_tensor`,
+        stage3.py `__avg_scatter_contiguous_grads`: `world_size / sequence_parallel_size`). FSDP2 under ring context
+        parallelism reduce-scatters over accelerate's flattened dp_shard x cp mesh, averaging over all of its ranks.
+        The step multiplies each rank's loss by it (training/loop/step.py), so that the update is one process's."""
+        m, zero = self.mesh, (self.deepspeed or {}).get("zero_optimization") or {}
+        if m.cp > 1:
+            return m.dp * m.cp
+        if m.sp > 1 and self.zero_stage == 3 and zero.get("reduce_scatter", True):
+            return m.dp * m.sp
+        return m.dp
+
     def data_parallel_rank(self, rank: int) -> int:
         """Which share of the global batch `rank` trains on."""
         return self.mesh.dp_rank(rank)

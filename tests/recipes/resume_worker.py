@@ -22,7 +22,7 @@ load_checkpoint = train.load_checkpoint
 def load_and_record(accelerator, path, config: dict, strategy, prepared: tuple) -> dict:
     """`load_checkpoint`, then the loaded state gathered (collective: every rank gathers) and written by rank 0."""
     state = load_checkpoint(accelerator, path, config, strategy, prepared)  # collective
-    loaded = gather_neutral(*prepared[:2])  # collective
+    loaded = gather_neutral(*prepared[:2], strategy)  # collective
     loaded["lr"] = prepared[2].get_last_lr()
     if accelerator.is_main_process:  # rank 0 only: the file write
         torch.save(loaded, Path(path).parent / "loaded.pt")  # --resume_from_checkpoint=auto: the output directory

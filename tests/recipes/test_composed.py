@@ -3,7 +3,7 @@
 YAML on 8 ranks with a pipeline flag on top (FSDP2 x TP x PP, 2 x 2 x 2), and torchrun with
 --tensor_parallel_degree beside --pipeline_parallel_degree (TP x PP).
 
-The layers split by the model's plan over each pair of consecutive ranks (training/axes/tensor.py), FSDP2 shards
+The layers split by the model's plan over each pair of consecutive ranks (training/axes/tensor/plan.py), FSDP2 shards
 every slice over the two pairs; each pair trains on one micro batch of 4, so a step takes the reference's 8
 sequences. Losses and gradient norms (clipping active at every step) must equal one process's at the parity cells'
 tolerances (tests/recipes/test_strategies.py's docstring): a gradient off by the tensor-parallel degree, or a slice's

@@ -26,7 +26,7 @@ TRAIN = [
 ]  # fmt: skip
 TOLERANCE = 1e-5  # fp32: the strategies sum gradients in different orders
 
-# Two pipeline stages on 2 ranks: the global batch of 8 as 2 micro batches of 4 (training/axes/pipeline.py).
+# Two pipeline stages on 2 ranks: the global batch of 8 as 2 micro batches of 4 (training/axes/pipeline/runtime.py).
 PIPELINE = ["--pipeline_parallel_degree=2", "--gradient_accumulation_steps=2"]
 # FSDP2 x TP x PP on 8 ranks (accelerate_configs/fsdp_tp.yaml's dp_shard 2 x tp 2, two stages): 2 micro batches of 2
 # on each of 2 data-parallel ranks.

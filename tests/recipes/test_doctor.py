@@ -231,7 +231,7 @@ def test_the_doctor_counts_the_modules_autotp_splits_as_the_launch_measures_them
     from collections import Counter
 
     from model import ShardGPTConfig, ShardGPTForCausalLM
-    from training.core.inspection import tp_plan_styles
+    from training.axes.tensor.checks import tp_plan_styles
 
     with torch.device("meta"):
         net = ShardGPTForCausalLM(ShardGPTConfig.from_preset("debug"))

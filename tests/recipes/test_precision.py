@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from recipes.compare import parse_args, train_flags
 from training.compare.report import Result, Spec, add_loss_differences, per_precision
 from training.config import RunConfig
-from training.core.accelerator import fsdp_precision
+from training.core.fsdp import fsdp_precision
 from training.deepspeed_config import load_json, resolve_deepspeed
 
 STEPS = 4
@@ -307,13 +307,15 @@ def test_compiled_ddp_is_read_through_not_rewritten(tmp_path):
     rank in this process; nothing is compiled until a forward, which this test does not run."""
     from torch.distributed import FileStore, destroy_process_group, init_process_group
 
-    from training.core.inspection import observe_strategy, uncompiled
+    from training.core.inspection import observe_strategy
+    from training.core.wrapped import uncompiled
+    from training.strategy import Strategy
 
     init_process_group("gloo", store=FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
         compiled = torch.compile(ddp)
-        seen = observe_strategy(compiled, torch.optim.AdamW(ddp.parameters()))
+        seen = observe_strategy(compiled, torch.optim.AdamW(ddp.parameters()), Strategy.of("single"))
         assert compiled._orig_mod is ddp and uncompiled(compiled) is ddp
         assert seen["compiled"] is True and seen["engine"] == "DistributedDataParallel", seen
     finally:

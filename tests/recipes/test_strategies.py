@@ -271,7 +271,7 @@ def test_autotp_under_zero2_and_zero3_trains_the_same_model(stage, corpus, refer
     assert_same_training(run, reference)
 
 
-# Pipeline parallelism through the training script (training/axes/pipeline.py; every schedule's own proof is
+# Pipeline parallelism through the training script (training/axes/pipeline/runtime.py; every schedule's own proof is
 # tests/training/test_pipeline.py): (launcher, config, ranks, schedule, micro batch, strategy). The micro batches of a
 # step are the accumulation, 2 here: the reference's global batch of 8 is micro x 2 x the data-parallel ranks.
 PIPELINES = [

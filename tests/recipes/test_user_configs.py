@@ -347,7 +347,7 @@ def test_fsdp_options_that_cannot_run_are_refused_before_the_process_group(name,
 
     import model as shardgpt
     from training.config import RunConfig
-    from training.core.launch_checks import check_fsdp_wrap
+    from training.core.fsdp import check_fsdp_wrap
     from training.launch import resolve_launch
 
     env, field, fix = FSDP_REFUSED[name]

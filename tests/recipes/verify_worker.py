@@ -1,4 +1,4 @@
-"""Launched by test_bad_launches.py: the strategy a launch prepared, checked by `verify_strategy` against what
+"""Launched by test_bad_launches.py: the strategy a launch prepared, checked by `verify_in_force` against what
 it is and against each thing it is not, with the "not sharded" case forced by counting every parameter as held
 whole on this rank. Rank 0 writes {case: the refusal, or "ok"} to refusals.json."""
 
@@ -12,12 +12,12 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 from training.config import RunConfig
-from training.core import inspection
+from training.core import wrapped
 from training.core.accelerator import make_accelerator
 from training.core.build import build_model
-from training.core.inspection import verify_strategy
 from training.core.ranks import run_rank
 from training.launch import resolve_launch
+from training.loop.engine import verify_in_force
 from training.loop.optim import make_optimizer
 from training.measure.synthetic import StandInTokenizer
 from training.strategy import Strategy
@@ -56,7 +56,7 @@ def main() -> dict:
         seen["as launched, rows and columns swapped"] = check(accelerator, net, strategy)
         model.tp_plan = plan
     # Every parameter counted as whole on this rank: what a strategy that did not shard would show.
-    with mock.patch.object(inspection, "_local_numel", inspection._global_numel):
+    with mock.patch.object(wrapped, "local_numel", wrapped.global_numel):
         seen["as launched, not sharded"] = check(accelerator, net, strategy)
     if accelerator.is_main_process:  # rank 0 only: the file write
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
@@ -68,7 +68,7 @@ def main() -> dict:
 
 def check(accelerator, net, asked: Strategy) -> str:
     try:
-        verify_strategy(accelerator, net, asked)
+        verify_in_force(accelerator, net, asked)
     except RuntimeError as e:
         return str(e)
     return "ok"

@@ -1,5 +1,5 @@
 """Launched by tests/training/test_pipeline.py with torchrun: a few AdamW steps of a 4-layer `debug` model under each
-pipeline schedule asked for (training/axes/pipeline.py), and, on rank 0, the same steps in one process on the whole
+pipeline schedule asked for (training/axes/pipeline/), and, on rank 0, the same steps in one process on the whole
 model; rank 0 writes both runs' losses and gradient norms to OUT/<spec>.json.
 
     torchrun --nproc_per_node 4 tests/training/pipeline_worker.py PP SCHEDULE[:STAGES_PER_RANK[:DATA_PARALLEL]] ... \
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.adamw import param_groups
-from training.axes.pipeline import build_pipeline, fsdp2_stages
+from training.axes.pipeline.runtime import build_pipeline, fsdp2_stages
 from training.core.gradnorm import clip_, grad_norm
 from training.core.ranks import run_rank
 from training.loop.step import pipelined_step

@@ -19,7 +19,8 @@ CFG = {"output_dir": "/nonexistent/shardgpt-test"}
 
 @pytest.mark.parametrize("held_by", DEEPSPEED)
 def test_a_pipeline_under_a_deepspeed_engine_is_refused_as_the_table_says(held_by):
-    from training.launch import DeepSpeedJSON, check_pipeline_with_deepspeed
+    from training.axes.pipeline.checks import check_pipeline_with_deepspeed
+    from training.deepspeed_config import DeepSpeedJSON
 
     raw = {"zero_optimization": {"stage": int(held_by[4])}}
     cfg = RunConfig(**CFG, pipeline_parallel_degree=2)
@@ -31,7 +32,7 @@ def test_a_pipeline_under_a_deepspeed_engine_is_refused_as_the_table_says(held_b
 @pytest.mark.parametrize("held_by", WRAPPERS)
 def test_sequence_parallelism_trains_under_the_wrappers_the_table_lists(held_by):
     from model import ShardGPTConfig
-    from training.axes.sequence import check_sequence_parallel
+    from training.axes.ulysses import check_sequence_parallel
 
     config = ShardGPTConfig.from_preset("debug")
     cfg = RunConfig(**CFG)
@@ -44,7 +45,7 @@ def test_sequence_parallelism_trains_under_the_wrappers_the_table_lists(held_by)
 
 @pytest.mark.parametrize("held_by", WRAPPERS)
 def test_context_parallelism_trains_under_the_wrappers_the_table_lists(held_by):
-    from training.axes.sequence import check_context_parallel
+    from training.axes.context import check_context_parallel
 
     cfg = RunConfig(**CFG, block_size=64)
     if composes("cp", held_by):

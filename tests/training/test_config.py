@@ -251,7 +251,6 @@ def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variabl
     the strategy counts world / cp data-parallel ranks, FSDP2 shards over dp_shard x cp, and the step divides by
     the same count FSDP2 averages over. What it cannot run is refused in one line. CUDA is faked: no process group
     or kernel is touched."""
-    from training.axes.sequence import gradient_divisor
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for key, value in {**CP_FSDP2, **variables}.items():
@@ -268,13 +267,13 @@ def test_ring_context_parallelism_is_passed_through_on_gpus(monkeypatch, variabl
     assert (strategy.name, strategy.data_parallel_size, strategy.shard_size) == ("fsdp-cp2", 2, 4)
     assert [strategy.data_parallel_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert Strategy.from_name("fsdp-cp2", 4) == strategy
-    assert gradient_divisor(strategy.mesh, 0, {}) == 4
+    assert strategy.gradient_divisor == 4
 
 
 def test_sequence_parallel_refuses_key_value_heads_it_cannot_split():
     """DeepSpeed's rule: the key-value heads are split over sp ranks or replicated to them."""
     from model import ShardGPTConfig
-    from training.axes.sequence import check_sequence_parallel
+    from training.axes.ulysses import check_sequence_parallel
 
     config = ShardGPTConfig.from_preset("debug", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
     with pytest.raises(ValueError, match="model's 3 key-value heads are neither a multiple nor a divisor of sp_size 2"):
@@ -356,7 +355,7 @@ def test_the_trainer_refuses_sequence_parallelism(monkeypatch):
 
 def test_a_ddp_and_an_fsdp2_yaml_with_dp_replicate_x_tp_are_one_strategy(monkeypatch):
     """A DDP YAML's parallelism_config (dp_replicate 2 x tp 2) and an FSDP2 YAML's with the same block are one layout:
-    FSDP2 on a replicate-only mesh around the slices (training/parallel/launch.replicated_tensor_parallel). The DDP
+    FSDP2 on a replicate-only mesh around the slices (training/core/ddp.replicated_tensor_parallel). The DDP
     YAML is launched against one process in tests/recipes/test_composed.py; this holds the FSDP2 YAML to the same
     strategy, as `accelerate launch` exports each."""
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (training/axes/pipeline.py): every schedule trains like one process, alone and with DDP or
+"""Pipeline parallelism (training/axes/pipeline/): every schedule trains like one process, alone and with DDP or
 FSDP2 across the pipelines, and every bad layout is refused in one line before any process group.
 
 The launches run tests/training/pipeline_worker.py: a 4-layer `debug` model (tied embeddings), 3 AdamW steps with
@@ -20,7 +20,7 @@ import torch
 from launching import ROOT, launch, launcher_command
 
 from model import ShardGPTConfig
-from training.axes.schedules import SCHEDULES, check_pipeline, stage_layers, stage_ranks
+from training.axes.pipeline.schedules import SCHEDULES, check_pipeline, stage_layers, stage_ranks
 from training.plan.memory.planner import predict
 from training.strategy import Strategy
 
@@ -234,7 +234,7 @@ def test_a_pipeline_built_otherwise_than_asked_is_refused(built, refusal):
     """Every engine's strategy is verified: the pipeline as built (`Pipeline.in_force`) against the strategy."""
     from types import SimpleNamespace
 
-    from training.core.inspection import verify_pipeline
+    from training.axes.pipeline.runtime import verify_pipeline
 
     strategy = Strategy.of("fsdp", 4, pp=2)
     layout = {"degree": 2, "schedule": "1F1B", "stages_per_rank": 1, "data_parallel_size": 2, "data_parallel": "fsdp2",

@@ -239,7 +239,7 @@ def test_pipeline_stages_send_activations_forward_and_gradients_back():
 def test_under_a_pipeline_fsdp2_gathers_inside_the_stage_and_reduces_after_the_last_backward():
     """A stage's FSDP2 units are gathered ahead of their use in every micro batch's forward and backward, as without a
     pipeline; the gradients wait for the last backward (torch's pipelining syncs them only there), and DDP's flat
-    all-reduce for the flush (training/axes/pipeline.py): exposed."""
+    all-reduce for the flush (training/axes/pipeline/runtime.py): exposed."""
     gpus = cluster("h100", 64)
     lay = Layout("fsdp", 8, pp=8, micro_batch=1, micro_batches=16)
     rows = st.data_parallel_seconds(BIG, gpus, lay)

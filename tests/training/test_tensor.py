@@ -1,4 +1,4 @@
-"""Tensor parallelism from an accelerate YAML's parallelism_config (training/axes/tensor.py): the launch checks
+"""Tensor parallelism from an accelerate YAML's parallelism_config (training/axes/tensor/plan.py): the launch checks
 that refuse what it cannot run, each in one line naming the setting and the fix, before any process group; the
 strategy's name read back; the plan as torch's styles."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from model import ShardGPTConfig
-from training.axes.tensor import VocabParallelHead, check_tensor_parallel, sequence_parallel_plan, torch_plan
+from training.axes.tensor.checks import check_parallelism_config_tp, check_tensor_parallel, check_tensor_parallel_flag
+from training.axes.tensor.plan import sequence_parallel_plan, torch_plan
+from training.axes.tensor.vocab import VocabParallelHead
 from training.config import RunConfig
-from training.core.launch_checks import check_parallelism_config_tp, check_tensor_parallel_flag
 from training.environment import Environment
 from training.strategy import Strategy
 
@@ -53,7 +54,7 @@ def test_tp_outside_fsdp2_is_refused(block, deepspeed, fsdp_version, expected):
 
 def test_a_ddp_config_replicates_the_split_model_and_refuses_shards(block):
     """DDP x TP: a DDP YAML's dp_replicate x tp runs (as FSDP2 on a replicate-only mesh); its dp_shard cannot."""
-    from training.launch import replicated_tensor_parallel
+    from training.core.ddp import replicated_tensor_parallel
 
     block(dp_replicate_size=2, tp_size=2)
     check_parallelism_config_tp(

@@ -28,11 +28,11 @@ class Axis:
 
 AXES = {
     # torch.distributed.pipelining's stages, with one process's optimizer, DDP's all-reduce or FSDP2 per stage
-    # (training/axes/pipeline.py); a DeepSpeed engine wraps and steps the whole model.
+    # (training/axes/pipeline/runtime.py); a DeepSpeed engine wraps and steps the whole model.
     # DeepSpeed's own pipeline engine runs ZeRO-0/1 only, on a model rewritten as its PipelineModule.
     "pp": Axis("pipeline parallelism", ("single", "ddp", "fsdp"), published_under=("zero1",), alone=False),
     # DeepSpeed AutoTP, built by the engine (`tensor_parallel.autotp_size`), or the model's plan with torch's
-    # DTensor APIs under FSDP2 (an accelerate YAML's parallelism_config_tp_size: training/axes/tensor.py; a DDP
+    # DTensor APIs under FSDP2 (an accelerate YAML's parallelism_config_tp_size: training/axes/tensor/plan.py; a DDP
     # YAML's dp_replicate x tp is FSDP2 on a replicate-only mesh, as torch's DTensor-aware `replicate` is).
     # Megatron-LM's runs split layers under DDP.
     "tp": Axis(
@@ -51,7 +51,7 @@ AXES = {
 
 # Axes that train together, and the wrappers that hold them: DTensor tensor parallelism inside pipeline stages, the
 # stages under one process's optimizer, DDP (torchrun's --tensor_parallel_degree) or FSDP2 (a YAML's
-# parallelism_config with --pipeline_parallel_degree): training/axes/pipeline.py, tensor.py.
+# parallelism_config with --pipeline_parallel_degree): training/axes/pipeline/runtime.py, tensor.py.
 COMPOSED = {frozenset(("tp", "pp")): ("single", "ddp", "fsdp")}
 
 

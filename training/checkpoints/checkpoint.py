@@ -339,8 +339,11 @@ def load_checkpoint(accelerator: Accelerator, path: Path, model_config: dict, st
         accelerator.load_state(str(path))
         return state
     model, optimizer, scheduler = prepared
-    portable.load_neutral(model, optimizer, neutral_form(accelerator, path))  # collective
-    portable.load_around(path, optimizer, scheduler, accelerator.process_index, written["world_size"] == world)
+    portable.load_neutral(model, optimizer, neutral_form(accelerator, path), strategy)  # collective
+    same_world = written["world_size"] == world
+    portable.load_around(
+        path, optimizer, scheduler, accelerator.process_index, same_world, portable.written_by(written)
+    )
     logger.info("converted %s (%s on %d ranks) for %s", path, written["strategy"], written["world_size"], strategy.name)
     return state
 

@@ -2,8 +2,9 @@
 shardgpt folder or any Llama-architecture transformers folder). Shared by `recipes/train.py` and
 `recipes/trainer.py`, so that both start from the same weights for the same seed.
 
-A fresh model is built without drawing a single random number, where the launch shards it: under ZeRO-3 inside
-DeepSpeed's `zero.Init`, under FSDP2 on the meta device and then sharded (`shard_on_meta`), elsewhere whole. Its
+A fresh model is built without drawing a single random number, where the launch shards it, as its family builds it
+(training/core/family.py): under ZeRO-3 inside DeepSpeed's `zero.Init`, under FSDP2 on the meta device and then
+sharded, elsewhere whole. Its
 weights are then drawn by the model's own `_init_weights`, module by module in the order transformers'
 `initialize_weights` uses, each module's parameters whole for the moment of their draw (`initialize`): every path
 gives the same weights for the same seed, and no rank holds more than its share plus one module's parameters.
@@ -11,22 +12,18 @@ gives the same weights for the same seed, and no rank holds more than its share 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
-from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from transformers import initialization as init
-from transformers.integrations.deepspeed import deepspeed_config, is_deepspeed_zero3_enabled
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
+from training.core.family import family_for
 
 
 def build_model(
@@ -56,12 +53,13 @@ def build_model(
         )
     config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
-    on_meta = accelerator is not None and fsdp2_builds_on_meta(accelerator)
-    files = checkpoint_covering(model_name_or_path, config) if on_meta and model_name_or_path else []
-    if on_meta and (model_name_or_path is None or files):
+    family = family_for(accelerator)
+    files = family.sharded_build(accelerator, config, model_name_or_path)  # FSDP2: built on meta, then sharded
+    if files is not None:
         net = empty_model(config)  # its weights are written once it is sharded, below
     elif model_name_or_path is None:
-        net = fresh_model(config)
+        # ZeRO-3: inside zero.Init, each rank its partitions (collective); the others whole, drawn module by module
+        net = family.fresh_model(config) or fresh_model(config)
     else:
         # Under ZeRO-3 (accelerate's DeepSpeed plugin sets transformers' HfDeepSpeedConfig) transformers builds
         # the model inside deepspeed.zero.Init and loads the checkpoint into each rank's partitions.
@@ -71,30 +69,17 @@ def build_model(
     if torch_compile:
         compile_blocks(net)
     net.config.use_cache = False  # training never reads a KV cache
-    if on_meta and (model_name_or_path is None or files):
-        net = shard_on_meta(accelerator, net)  # collective: the device mesh
-        if files:
-            load_shards(files, dict(net.named_parameters()))  # each rank reads its rows of every tensor
-        else:
-            initialize(net, sharded_whole)
+    if files is not None:
+        net = family.shard_built(accelerator, net, files)  # collective: the device mesh
     return net
 
 
-def fresh_model(config: ShardGPTConfig) -> ShardGPTForCausalLM:
-    """A new model with the weights `initialize` draws: under ZeRO-3 built inside `zero.Init`, partitioned module by
-    module as it is built, else whole. (FSDP2 builds on the meta device: `build_model`.)"""
-    if is_deepspeed_zero3_enabled():  # accelerate's DeepSpeed plugin has set transformers' HfDeepSpeedConfig
-        import deepspeed
-
-        with deepspeed.zero.Init(config_dict_or_path=deepspeed_config()), init.no_init_weights():
-            net = ShardGPTForCausalLM(config)
-        net.tie_weights()  # no_init_weights also skips the tie that post_init makes
-        initialize(net, gathered_whole)  # collective: each module's partitions are gathered in turn
-    else:
-        with init.no_init_weights():  # the constructors' own draws (nn.Linear's reset_parameters) are skipped
-            net = ShardGPTForCausalLM(config)
-        net.tie_weights()
-        initialize(net, as_is)
+def new_model(config: ShardGPTConfig) -> ShardGPTForCausalLM:
+    """The model with its parameters allocated but not drawn: the constructors' own draws (nn.Linear's
+    reset_parameters) are skipped, and `initialize` draws them in one order for every family."""
+    with init.no_init_weights():
+        net = ShardGPTForCausalLM(config)
+    net.tie_weights()  # no_init_weights also skips the tie that post_init makes
     return net
 
 
@@ -110,12 +95,17 @@ def compile_blocks(net: ShardGPTForCausalLM) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+def fresh_model(config: ShardGPTConfig) -> ShardGPTForCausalLM:
+    """A whole new model, its weights drawn from the global RNG module by module (`initialize`)."""
+    net = new_model(config)
+    initialize(net, as_is)
+    return net
+
+
 def empty_model(config: ShardGPTConfig) -> ShardGPTForCausalLM:
     """The model on the meta device: its module tree and shapes, no storage, nothing drawn."""
-    with torch.device("meta"), init.no_init_weights():
-        net = ShardGPTForCausalLM(config)
-    net.tie_weights()
-    return net
+    with torch.device("meta"):
+        return new_model(config)
 
 
 # ---------------------------------------------------------------------------- initialisation, module by module
@@ -169,105 +159,5 @@ def as_is(module: nn.Module, names: list[str]):
     return nullcontext()
 
 
-@contextmanager
-def gathered_whole(module: nn.Module, names: list[str]):
-    """ZeRO-3: the partitions gathered while the module is initialised; rank 0's values are kept (collective). The
-    draws go into whole fp32 temporaries on the CPU, as a whole model's do, and are copied into the gathered
-    parameters: under `zero.Init` those live on the GPU in the run's precision, where the CUDA generator and bf16
-    would draw other weights than every other strategy."""
-    import deepspeed
-
-    params = {name: getattr(module, name) for name in names}
-    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0, enabled=bool(params)):
-        with temporaries(module, names, torch.float32) as temps:
-            yield
-        for name, p in params.items():
-            p.data.copy_(temps[name])
-
-
-@contextmanager
-def sharded_whole(module: nn.Module, names: list[str]):
-    """FSDP2: a whole temporary per sharded parameter while the module is initialised; then this rank's rows of it
-    are copied into its shard."""
-    shards = {name: getattr(module, name) for name in names}
-    with temporaries(module, names) as temps:
-        yield
-    for name, p in shards.items():
-        local(p).copy_(temps[name][own_rows(p)])
-
-
-# ---------------------------------------------------------------------------- FSDP2: built on meta, then sharded
-
-
-def fsdp2_builds_on_meta(accelerator: Accelerator) -> bool:
-    """Whether the launch is FSDP2 and `prepare` can take a model already sharded. Not with accelerate's
-    `cpu_ram_efficient_loading` (it loads rank 0's whole model into the shards) or `fsdp_activation_checkpointing`
-    (`prepare` wraps the decoder layers before sharding them, looking them up by their unsharded class)."""
-    if accelerator.distributed_type != DistributedType.FSDP:
-        return False
-    plugin = accelerator.state.fsdp_plugin
-    return plugin.fsdp_version == 2 and not (plugin.cpu_ram_efficient_loading or plugin.activation_checkpointing)
-
-
-def shard_on_meta(accelerator: Accelerator, net: nn.Module) -> nn.Module:
-    """`net`, built on the meta device, sharded as `accelerator.prepare` shards it (accelerate's
-    `fsdp2_prepare_model`: `fully_shard` per decoder layer and the root, still on meta), then given storage for this
-    rank's shards only (`to_empty`), for the caller to write. `accelerator.prepare` then finds the model sharded and
-    binds the optimizer to its shards (its own sharding, on meta, would bind it by storage address, which meta
-    tensors lack). Collective: builds the device mesh."""
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    net = fsdp2_prepare_model(accelerator, net)
-    offloaded = isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
-    return net.to_empty(device="cpu" if offloaded else accelerator.device)
-
-
-def own_rows(param: torch.Tensor) -> slice:
-    """The rows of the whole tensor that this rank's shard of `param` holds. FSDP2 shards dimension 0 over one
-    dimension of its mesh (`Shard(0)`; hybrid sharding replicates over the other), split as `torch.chunk` splits it
-    (the documented semantics of `Shard`). A plain tensor: all of it."""
-    if not isinstance(param, DTensor):
-        return slice(None)
-    rows = param.shape[0]
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0:
-                raise ValueError(f"a shard of dimension {placement.dim}: only FSDP2's Shard(0) is read here")
-            per_rank = math.ceil(rows / param.device_mesh.size(mesh_dim))
-            start = min(param.device_mesh.get_local_rank(mesh_dim) * per_rank, rows)
-            return slice(start, min(start + per_rank, rows))
-    return slice(None)
-
-
 def local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
-
-
-def checkpoint_covering(model_name_or_path: str, config: ShardGPTConfig) -> list[Path]:
-    """The safetensors files of a local checkpoint folder when they hold every parameter of a model of `config`
-    under its own name and shape (shardgpt's and Llama's names are the same); otherwise none, and transformers
-    loads it."""
-    folder = Path(model_name_or_path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
-    shapes = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            shapes |= {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict); headers only
-    wanted = {name: tuple(p.shape) for name, p in empty_model(config).named_parameters()}
-    return files if files and all(shapes.get(name) == shape for name, shape in wanted.items()) else []
-
-
-@torch.no_grad()
-def load_shards(files: list[Path], params: dict[str, torch.Tensor]) -> None:
-    """Each parameter's shard read from the checkpoint's safetensors files: only this rank's rows are read (cast
-    to the parameter's dtype, as `from_pretrained(dtype=float32)` does); a tied head shares the embedding's."""
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys() & params.keys():
-                param = params[key]
-                local(param).copy_(f.get_slice(key)[own_rows(param)].to(param.dtype))

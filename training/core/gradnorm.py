@@ -68,13 +68,6 @@ def grad_norm(parameters, device: torch.device, sharded_group: dist.ProcessGroup
     return total.sqrt()
 
 
-def fsdp1_shards(net: torch.nn.Module, fsdp_version: int, fsdp_sharding: str) -> dist.ProcessGroup | None:
-    """The ranks torch's FSDP1 shards `net`'s flat parameters over (each original parameter's `.grad` is then this
-    rank's slice of its shard), for `grad_norm`'s `sharded_group`; None outside FSDP1 or under NO_SHARD (whole
-    copies). FSDP2's gradients are DTensors, which say how they are sharded."""
-    return net.process_group if fsdp_version == 1 and fsdp_sharding != "NO_SHARD" else None
-
-
 def clip_(parameters, max_norm: float, total: torch.Tensor) -> None:
     """Scale every gradient of `parameters` by min(1, max_norm / (total + 1e-6)), as torch's `clip_grad_norm_`
     does; nothing when `max_norm` is 0 or less (clipping off, the norm still measured)."""

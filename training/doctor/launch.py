@@ -279,7 +279,7 @@ def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) ->
     import torch
 
     from model import ShardGPTForCausalLM
-    from training.core.inspection import tp_plan_styles
+    from training.axes.tensor.checks import tp_plan_styles
     from training.plan.communication import ModelShape, paper_volume, step_payloads
     from training.plan.memory.fit import planned_config
 

@@ -2,9 +2,10 @@
 one `step`, `evaluate` and `full_state_dict` whichever axes are on.
 
 `prepare` builds it from the typed strategy: the whole model on every rank, wrapped by accelerate (DDP, FSDP or a
-DeepSpeed engine: `Replicated`), or this rank's pipeline stages, run by torch.distributed.pipelining's schedules
-with DDP's all-reduce or FSDP2 across the pipelines (`Pipelined`, training/axes/pipeline.py). The loop does not ask
-which.
+DeepSpeed engine: `Replicated`), its family's module (training/core/) doing what differs; or this rank's pipeline
+stages, run by torch.distributed.pipelining's schedules with DDP's all-reduce or FSDP2 across the pipelines
+(`Pipelined`, training/axes/pipeline/). An axis's module is imported only where its degree is above 1. The loop does
+not ask which.
 """
 
 from __future__ import annotations
@@ -12,33 +13,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
 
 from model import ShardGPTConfig
-from training.axes.pipeline import Pipeline, build_pipeline, fsdp2_stages
-from training.axes.sequence import context_parallel
-from training.axes.tensor import shard_tensor_parallel
 from training.checkpoints.checkpoint import save_checkpoint
-from training.checkpoints.export import full_state_dict
-from training.compat import cast_grouped_inputs
 from training.config import RunConfig
-from training.core.accelerator import fsdp_precision
 from training.core.build import build_model
-from training.core.gradnorm import fsdp1_shards
-from training.core.inspection import (
-    StateShares,
-    observe_strategy,
-    uncompiled,
-    unwrap,
-    verify_pipeline,
-    verify_strategy,
-)
+from training.core.family import Family, family_of
+from training.core.inspection import StateShares, observe_strategy, refusal, verify_strategy
+from training.core.wrapped import uncompiled, unwrap
 from training.loop.evaluate import evaluate
 from training.loop.optim import make_optimizer, make_scheduler
 from training.loop.step import StepResult, accumulated_loss_scale, pipelined_step, train_step
 from training.strategy import Strategy
+
+if TYPE_CHECKING:
+    from training.axes.pipeline.runtime import Pipeline
 
 
 @dataclass
@@ -56,6 +49,10 @@ class Engine:
     def __post_init__(self):
         self.shares = StateShares(self.optimizer)  # gradient and optimizer-state shares, read after the first step
 
+    @property
+    def family(self) -> Family:
+        return family_of(self.strategy)
+
     def unwrapped(self) -> torch.nn.Module:
         """The model as transformers sees it (its config, `save_pretrained`)."""
         return unwrap(self.accelerator, uncompiled(self.net))
@@ -70,16 +67,20 @@ class Replicated(Engine):
     """The whole model on every rank, as accelerate's `prepare` wrapped it: DDP, FSDP or a DeepSpeed engine."""
 
     def in_force(self) -> dict:
-        seen = verify_strategy(self.accelerator, self.net, self.strategy)  # refuses a run not sharded as asked
-        return seen | observe_strategy(self.net, self.optimizer)  # engine, optimizer, offload, resharding
+        seen = verify_in_force(self.accelerator, self.net, self.strategy)  # refuses a run not sharded as asked
+        return seen | observe_strategy(self.net, self.optimizer, self.strategy)  # engine, optimizer, offload, ...
 
     def step(self, micro_batches: list[dict], step: int) -> StepResult:
         # Token-weighted accumulation across micro batches and data-parallel ranks (see training/loop/step.py); under
-        # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (training/axes/sequence.py).
+        # sequence parallelism DeepSpeed's own divisor, which depends on the ZeRO stage (`Strategy.gradient_divisor`).
         s = self.strategy
         loss_scale = accumulated_loss_scale(s, self.cfg.gradient_accumulation_steps)
-        context = context_parallel(self.accelerator) if s.cp_size > 1 else None  # CUDA only: ring attention
-        shards = fsdp1_shards(self.net, s.fsdp_version, s.fsdp_sharding)  # FSDP1's gradients' ranks, for the norm
+        context = None
+        if s.cp_size > 1:  # CUDA only: ring attention shards each micro batch's positions
+            from training.axes.context import context_parallel
+
+            context = context_parallel(self.accelerator)
+        shards = self.family.norm_group(self.net, s)  # FSDP1's gradients' ranks, for the norm
         return train_step(self.accelerator, self.net, self.optimizer, self.scheduler, micro_batches, loss_scale,
                           self.cfg.max_grad_norm, step, s.tp_size, context, shards)  # fmt: skip
 
@@ -87,19 +88,21 @@ class Replicated(Engine):
         return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank)  # collective: reduced sums
 
     def full_state_dict(self) -> dict:
-        return full_state_dict(self.accelerator, uncompiled(self.net))  # collective: the shards gathered
+        return self.family.full_state_dict(self.accelerator, uncompiled(self.net))  # collective: shards gathered
 
 
 @dataclass
 class Pipelined(Engine):
-    """This rank's pipeline stages (training/axes/pipeline.py), with DDP's all-reduce or FSDP2 across the
+    """This rank's pipeline stages (training/axes/pipeline/runtime.py), with DDP's all-reduce or FSDP2 across the
     pipelines."""
 
     pipeline: Pipeline | None = None
 
     def in_force(self) -> dict:
+        from training.axes.pipeline.runtime import verify_pipeline
+
         seen = verify_pipeline(self.accelerator, self.pipeline.in_force(), self.strategy)  # refuses another layout
-        seen |= observe_strategy(self.net, self.optimizer)
+        seen |= observe_strategy(self.net, self.optimizer, self.strategy)
         seen["autocast"] = self.accelerator.mixed_precision != "no"  # the schedule runs inside accelerate's autocast
         return seen
 
@@ -139,17 +142,37 @@ class Pipelined(Engine):
             torch.save(self.scheduler.state_dict(), path / "scheduler.bin")
 
 
+def verify_in_force(accelerator: Accelerator, net: torch.nn.Module, strategy: Strategy) -> dict:
+    """Refuse to train unless the prepared model is what the launch asked for: wrapped and sharded by its family
+    (training/core/inspection.py), its layers split as the tensor-parallel plan says, its attention Ulysses'; each
+    axis verified by its own module, imported only where its degree is above 1. Returns what was seen."""
+    seen = verify_strategy(accelerator, net, strategy)
+    refuse = refusal(strategy, seen)
+    model = uncompiled(net)
+    if strategy.tp_size > 1:
+        from training.axes.tensor.checks import verify_tensor_parallel
+
+        seen["tensor_parallel"] = verify_tensor_parallel(model, unwrap(accelerator, model), strategy, refuse)
+    if strategy.sp_size > 1:
+        from training.axes.ulysses import verify_ulysses
+
+        seen["sequence_parallel"] = verify_ulysses(model, unwrap(accelerator, model), strategy, refuse)
+    return seen
+
+
 def build_net(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config: ShardGPTConfig,
               tokenizer) -> torch.nn.Module:  # fmt: skip
     """The model as `prepare` builds it, before a pipeline keeps its stages and before `accelerator.prepare`: under
     FSDP2 x TP already split and sharded (collective: the device mesh)."""
     pipelined = strategy.pp_size > 1
-    tensor_parallel = (
-        strategy.family == "fsdp" and strategy.tp_size > 1 and not pipelined
-    )  # a pipeline splits its stages
+    # a pipeline splits its stages itself; DeepSpeed's engine builds AutoTP
+    tensor_parallel = strategy.family == "fsdp" and strategy.tp_size > 1 and not pipelined
     net = build_model(config, tokenizer, cfg.gradient_checkpointing, cfg.model_name_or_path,
                       None if pipelined or tensor_parallel else accelerator, cfg.torch_compile)  # fmt: skip
     if tensor_parallel:  # collective: the device mesh; the plan's slices over tp, FSDP2 over the data-parallel ranks
+        from training.axes.tensor.plan import shard_tensor_parallel
+        from training.core.fsdp import fsdp_precision
+
         # accelerate's plugin finds the YAML's wrap classes by name in the model, which FSDP2 renames
         # (FSDPShardGPTDecoderLayer): resolved before sharding, as accelerate's own FSDP2 preparation does.
         accelerator.state.fsdp_plugin.set_auto_wrap_policy(net)
@@ -163,7 +186,6 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     """The model (fresh from the seed, or --model_name_or_path's weights), AdamW and the schedule, prepared for
     `strategy`. Collective: under FSDP2 and ZeRO-3 the model is built into each rank's shards; `prepare` shards or
     broadcasts; a pipeline creates its process groups and shards its stages."""
-    pipelined = strategy.pp_size > 1
     # Fresh (vocabulary padded to a multiple of 128) or --model_name_or_path's weights; special ids from the
     # tokenizer (training/core/build.py). Under ZeRO-3 the model is built, or the checkpoint loaded, straight into
     # each rank's partitions inside zero.Init (collective: each module is gathered to initialise or load it). Under
@@ -171,10 +193,12 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     # pipeline rank builds the whole model, as one process would, and keeps its stages. Every path draws the same
     # weights for a seed. --torch_compile compiles each decoder layer, after checkpointing, before any sharding.
     # Under tensor parallelism (FSDP2 x TP) every rank builds the whole model, as one process would, and keeps its
-    # slices and shards of it (training/axes/tensor.py).
+    # slices and shards of it (training/axes/tensor/plan.py).
     net = build_net(cfg, strategy, accelerator, config, tokenizer)
     pipeline = None
-    if pipelined:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config
+    if strategy.pp_size > 1:  # this rank's stages, FSDP2-sharded over the data-parallel ranks under an FSDP config
+        from training.axes.pipeline.runtime import build_pipeline
+
         shard = stage_sharder(cfg, strategy, accelerator.device) if strategy.family == "fsdp" else None
         pipeline = build_pipeline(
             net, strategy, accelerator.process_index, cfg.gradient_accumulation_steps, accelerator.device, shard
@@ -182,18 +206,20 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
     fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
-    if pipelined:
+    if pipeline is not None:
         return Pipelined(accelerator, strategy, cfg, net, optimizer, scheduler, pipeline=pipeline)
     # Wraps the model in DDP, FSDP2 or a DeepSpeedEngine as the launch asked (collective: shards/broadcasts).
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
-    if strategy.fsdp_version == 2 and cfg.mixed_precision != "no":
-        cast_grouped_inputs(net, fsdp_precision(cfg).param_dtype)  # torch < 2.13: the tail unit's own casts
+    family_of(strategy).after_prepare(net, cfg)  # FSDP2 on torch < 2.13: the grouped tail unit casts its inputs
     return Replicated(accelerator, strategy, cfg, net, optimizer, scheduler)
 
 
 def stage_sharder(cfg: RunConfig, strategy: Strategy, device: torch.device):
     """FSDP2 for pipeline stages, with the project's mixed precision and the FSDP config's resharding."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from training.axes.pipeline.runtime import fsdp2_stages
+    from training.core.fsdp import fsdp_precision
 
     policy = fsdp_precision(cfg) if cfg.mixed_precision != "no" else MixedPrecisionPolicy()
     return fsdp2_stages(policy, strategy.fsdp_sharding == "FULL_SHARD", device.type)

@@ -19,12 +19,13 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from data import EpochSampler
 from model.export import write_model_code
 from training import faults
-from training.compat import skip_deepspeed_muon
+from training.compat import keep_zero3_param_dtype, skip_deepspeed_muon
 from training.config import RunConfig
-from training.core.accelerator import keep_zero3_param_dtype
-from training.core.gradnorm import clip_, fsdp1_shards, grad_norm
-from training.core.inspection import StateShares, observe_strategy, verify_strategy
+from training.core.family import family_of
+from training.core.gradnorm import clip_, grad_norm
+from training.core.inspection import StateShares, observe_strategy
 from training.loop.comms import StepCommunication
+from training.loop.engine import verify_in_force
 from training.loop.metrics import MetricsWriter, memory_gb
 from training.loop.optim import make_optimizer, make_scheduler
 from training.loop.preemption import PreemptionWatch
@@ -45,7 +46,7 @@ class ShardGPTTrainer(Trainer):
     def __init__(self, *args, run_config: RunConfig, strategy, fused_adamw: bool, **kwargs):
         self.run_config, self.strategy, self.fused_adamw = run_config, strategy, fused_adamw
         super().__init__(*args, **kwargs)
-        if strategy.family != "deepspeed":  # DeepSpeed norms in float64 itself
+        if not family_of(strategy).clips_itself():  # DeepSpeed norms in float64 itself
             # The Trainer clips, and logs the norm, through its accelerator's `clip_grad_norm_`: on this Trainer's
             # accelerator that is recipes/train.py's norm, summed in float64 (training/core/gradnorm.py).
             self.accelerator.clip_grad_norm_ = self.clip_grad_norm_
@@ -56,9 +57,8 @@ class ShardGPTTrainer(Trainer):
             raise ValueError(f"norm_type {norm_type}: the gradient norm here is the 2-norm")
         self.accelerator.unscale_gradients()  # fp16: the loss scaler's gradients back to their true size first
         parameters = list(parameters)
-        s = self.strategy
-        total = grad_norm(parameters, self.accelerator.device, fsdp1_shards(self.model_wrapped, s.fsdp_version,
-                                                                             s.fsdp_sharding))  # fmt: skip
+        shards = family_of(self.strategy).norm_group(self.model_wrapped, self.strategy)  # FSDP1's flat shards
+        total = grad_norm(parameters, self.accelerator.device, shards)
         clip_(parameters, max_norm, total)
         return total
 
@@ -120,8 +120,8 @@ class MetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         model, optimizer = self.trainer.model_wrapped, self.trainer.optimizer
-        self.seen = verify_strategy(self.trainer.accelerator, model, self.strategy)
-        self.seen |= observe_strategy(model, optimizer)
+        self.seen = verify_in_force(self.trainer.accelerator, model, self.strategy)
+        self.seen |= observe_strategy(model, optimizer, self.strategy)
         self.shares = StateShares(optimizer)  # measured at the first optimizer step, as recipes/train.py does
         self.comms = StepCommunication(state.global_step + 1, state.max_steps, self.profiled)
         if state.is_world_process_zero and args.deepspeed:  # as the Trainer resolved it
@@ -223,7 +223,7 @@ def cpu_ranks(strategy) -> dict:
     if strategy.deepspeed is None:
         return {"use_cpu": True, "ddp_backend": "gloo"}
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    keep_zero3_param_dtype()  # the engine's ZeRO-3 partitions keep fp32 on CPU (see training/core/accelerator.py)
+    keep_zero3_param_dtype()  # the engine's ZeRO-3 partitions keep fp32 on CPU (see training/compat.py)
     PartialState(backend="gloo", timeout=timedelta(minutes=30))  # collective: initialises the process group
     # use_cpu: TrainingArguments refuses --bf16 without a GPU unless it is set; with the configured state above it
     # changes nothing else (DeepSpeed stays in force, as strategy.json shows).

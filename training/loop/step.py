@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from training import faults
-from training.axes.sequence import gradient_divisor
+from training.core.family import family_for
 from training.core.gradnorm import clip_, grad_norm
 
 
@@ -44,7 +44,8 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
     global batch, however it is split into micro batches and ranks. `loss_scale` counts data-parallel ranks: the
     `tp_size` ranks of a tensor-parallel group compute the same loss on the same batch.
 
-    `sharded_group`: the ranks FSDP1 shards the gradients over, for their norm (`clip_gradients`).
+    `sharded_group`: the ranks that hold shards of the plain gradients, for their norm (the family's `norm_group`:
+    FSDP1's process group; `clip_gradients`).
 
     `context(micro)`, if given, is a context manager each micro batch's forward and backward run in (ring context
     parallelism shards the micro batch's positions in it: training/axes/sequence.py).
@@ -81,15 +82,14 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
 
 def accumulated_loss_scale(strategy, accumulation: int) -> float:
     """`train_step`'s `loss_scale` for the launch: what the gradient reduction divides by on the strategy's mesh
-    (training/axes/sequence.py's `gradient_divisor`: the data-parallel ranks, or DeepSpeed's own divisor under
-    sequence parallelism) times the accumulation steps accelerate and DeepSpeed divide the loss by."""
-    zero = (strategy.deepspeed or {}).get("zero_optimization") or {}
-    return gradient_divisor(strategy.mesh, strategy.zero_stage, zero) * accumulation
+    (`Strategy.gradient_divisor`: the data-parallel ranks, or DeepSpeed's own divisor under sequence parallelism)
+    times the accumulation steps accelerate and DeepSpeed divide the loss by."""
+    return strategy.gradient_divisor * accumulation
 
 
 def pipelined_step(pipeline, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float, step: int,
                    autocast, accelerator=None) -> StepResult:  # fmt: skip
-    """One optimizer step of this rank's pipeline stages (training/axes/pipeline.py): every micro batch through the
+    """One optimizer step of this rank's pipeline stages (training/axes/pipeline/): every micro batch through the
     schedule, forward and backward, with the gradients reduced as one process's would be, then the tail every step
     shares (`check_loss`, `update`). No loss scaling: the pipelines run fp32 or bf16."""
     # collective: the stages' sends, the data-parallel reduction, the tied gradient, the loss to every rank
@@ -167,7 +167,7 @@ def clip_gradients(accelerator, net, max_norm: float, sharded_group=None) -> flo
     in float64 as DeepSpeed sums its own (training/core/gradnorm.py). `max_norm` 0 disables clipping; the norm is
     still measured. `sharded_group`: the ranks FSDP1 shards the plain gradients over (None: each rank holds them whole,
     or they are DTensors that say so)."""
-    if accelerator.distributed_type.name == "DEEPSPEED":
+    if family_for(accelerator).clips_itself():
         return None  # DeepSpeed clips inside its step and reports the norm after it
     accelerator.unscale_gradients()  # fp16: the loss scaler's gradients back to their true size first
     parameters = list(net.parameters())

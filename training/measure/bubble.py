@@ -7,7 +7,7 @@ M x 3 `seconds`; the rest of the step is the bubble. GPipe's (Huang et al. 2019)
 Narayanan et al. 2021) bubble is (P - 1) / (M + P - 1) of the step; GPipe holds all M micro batches' activations at
 its peak, 1F1B at most P (stage s: P - s).
 
-The model's own stages (`measure_model`: training/axes/pipeline.py's `build_pipeline`, one stage per rank) are timed
+The model's own stages (`measure_model`: the pipeline runtime's `build_pipeline`, one stage per rank) are timed
 with the training's busy clock and counted in bytes: the peak of what a stage holds for its backward, autograd's
 saved tensors and the outputs the stage keeps (training/measure/saved.py), which the planner predicts
 (training/plan/memory/stages.stage_held).
@@ -130,7 +130,7 @@ def save_against_micro_batches(fig, axes, micro_batches: list[int], path: str, l
 
 
 def _rank(rank: int, pp: int, store: str, cases: list[tuple[str, int]], seconds: float, steps: int, queue) -> None:
-    from training.axes.schedules import stage_ranks, stages_per_rank
+    from training.axes.pipeline.schedules import stage_ranks, stages_per_rank
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=pp)
@@ -224,7 +224,7 @@ class ModelCase:
 def _model_rank(rank: int, world: int, store: str, cases: list[tuple[str, int]], model: ModelCase, steps: int,
                 tp: int, queue) -> None:  # fmt: skip
     from model import ShardGPTConfig, ShardGPTForCausalLM
-    from training.axes.pipeline import build_pipeline
+    from training.axes.pipeline.runtime import build_pipeline
     from training.measure.saved import HeldBytes
     from training.strategy import Strategy
 

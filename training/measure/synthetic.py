@@ -18,11 +18,9 @@ from training.arguments import parse_run_config
 from training.config import RunConfig
 from training.core.accelerator import make_accelerator
 from training.core.build import build_model
-from training.core.gradnorm import fsdp1_shards
-from training.core.inspection import verify_strategy
-from training.core.launch_checks import check_deepspeed_ops
+from training.core.family import family_of
 from training.launch import resolve_launch
-from training.loop.engine import build_net
+from training.loop.engine import build_net, verify_in_force
 from training.loop.optim import make_optimizer, make_scheduler
 from training.loop.step import accumulated_loss_scale, train_step
 from training.strategy import Strategy
@@ -46,7 +44,7 @@ def set_up(argv: list[str] | None):
     launch = resolve_launch(parse_run_config(argv))  # the flags, the environment and the JSON, read once
     cfg, world, strategy = launch.cfg, launch.world, launch.strategy
     config = cfg.model_config()
-    check_deepspeed_ops(strategy)  # a stale op-build lock would hang every rank
+    family_of(strategy).check_start(strategy)  # DeepSpeed: a stale op-build lock would hang every rank
     accelerator = make_accelerator(cfg, strategy, launch.environment)  # collective: initialises the process group
     set_seed(cfg.seed)
     return cfg, world, config, strategy, accelerator
@@ -74,7 +72,7 @@ class SyntheticRun:
         loss_scale = accumulated_loss_scale(self.strategy, self.cfg.gradient_accumulation_steps)
         batch = next(self.loader)
         s = self.strategy
-        shards = fsdp1_shards(self.net, s.fsdp_version, s.fsdp_sharding)  # FSDP1's gradients' ranks, for the norm
+        shards = family_of(s).norm_group(self.net, s)  # FSDP1's gradients' ranks, for the norm
         train_step(self.accelerator, self.net, self.optimizer, self.scheduler, batch, loss_scale,
                    self.cfg.max_grad_norm, step, s.tp_size, None, shards)  # fmt: skip
 
@@ -97,7 +95,7 @@ def synthetic_run(argv: list[str] | None = None) -> SyntheticRun:
     optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
     net, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)  # collective
-    seen = verify_strategy(accelerator, net, strategy)
+    seen = verify_in_force(accelerator, net, strategy)
 
     # Random tokens, the same on every rank, through the real loader (this rank's micro batches; the ranks of a
     # tensor-parallel group share theirs).

@@ -3,7 +3,7 @@ parallelism, measured decoder layer by decoder layer against the planner (`layer
 Korthikanti et al. 2022's accounting (their equations for a GPT layer, section 4).
 
 Each case runs `tp` processes (gloo) that build the model, split it by its plan as the training script does
-(training/axes/tensor.py: `torch_plan`, or `sequence_parallel_plan` under sequence parallelism) over a one-axis
+(training/axes/tensor/plan.py: `torch_plan`, or `sequence_parallel_plan` under sequence parallelism) over a one-axis
 `DeviceMesh`, and take one training forward of the same micro batch (every tensor-parallel rank reads the whole
 batch), counting the tensors autograd saves (training/measure/saved.py, a DTensor by its local shard): each decoder
 layer's bytes are the held bytes its forward added. tp = 1 is one process, the model whole. Collectives: the plan's
@@ -36,7 +36,7 @@ def _rank(rank: int, tp: int, port: int, queue, sequence_parallel: bool, preset:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from training.axes.tensor import (
+        from training.axes.tensor.plan import (
             save_sequence_shards,
             sequence_parallel_plan,
             tie_split_embedding,
@@ -86,7 +86,7 @@ def measure(tp: int, sequence_parallel: bool, preset: str, micro: int, block: in
     """One case: what each decoder layer's forward saved on each of the `tp` ranks (the most over the ranks), beside
     the planner's figure and Korthikanti et al.'s, per token; `selective`: each layer under torchtitan's per-op
     selective recomputation (`saved.PerOpPolicy`), what it keeps, beside `selective_layer_bytes`."""
-    from training.axes.tensor import check_tensor_parallel
+    from training.axes.tensor.checks import check_tensor_parallel
 
     config, e = config_for(preset, block), torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     check_tensor_parallel(config, tp, flag="tp")  # a layer the degree does not split: refused

@@ -181,7 +181,7 @@ def vocab_parallel_loss_bytes(tokens: int, hidden_size: int) -> int:
 
 def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int, rank: int,
                       bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
-    """The payload bytes of global rank `rank` per step under pipeline parallelism (training/axes/pipeline.py),
+    """The payload bytes of global rank `rank` per step under pipeline parallelism (training/axes/pipeline/runtime.py),
     with tensor parallelism inside its stages or not, and one process, DDP's average or FSDP2 across the pipelines;
     measured to the byte under GPipe and 1F1B on 2 to 8 CPU ranks (2 stages of one layer; tp 1 and 2; one process,
     DDP and FSDP2), and by hand under Interleaved1F1B (tp 2 x pp 2, 4 stages of one layer). Ranks differ: the first
@@ -210,7 +210,7 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
       busy share of the schedule gathered from every rank (not under the zero-bubble schedules).
     The loss's and the gradient norm's all-reduces (a few scalars) are not in it.
     """
-    from training.axes.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
+    from training.axes.pipeline.schedules import ZERO_BUBBLE, stage_layers, stage_ranks
 
     looped = strategy.pp_stages_per_rank > 1 and strategy.family == "fsdp"  # FSDP2's gathers: not measured
     if looped or strategy.cp_size > 1 or strategy.sp_size > 1 or strategy.replicas > 1:

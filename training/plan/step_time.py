@@ -124,7 +124,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 #   after the optimizer step, with nothing to hide behind (ZeRO paper, section 7).
 # - ZeRO-3 and FSDP prefetch the next layer's parameters during the current layer's forward and backward and
 #   reduce-scatter gradients during the backward (DeepSpeed `overlap_comm`, FSDP's prefetch: Zhao et al. 2023, 3.3).
-# - Under a pipeline the data-parallel reduction runs after the flush (training/axes/pipeline.py; Megatron-LM 2021;
+# - Under a pipeline the data-parallel reduction runs after the flush (training/axes/pipeline/; Megatron-LM 2021;
 #   torch's pipelining syncs FSDP2's gradients after the last backward only): exposed. FSDP2's gathers still run ahead
 #   of each unit's use inside the stage, in every micro batch's forward and backward.
 OVERLAP = {
@@ -137,7 +137,7 @@ OVERLAP = {
 PER_MICRO_BATCH = {"zero2", "zero3", "fsdp"}  # reduce (and gather) every micro batch, not once per step
 
 # Whose runtime runs the layout (STACKS): this project's ("shardgpt": OVERLAP above; under a pipeline the
-# data-parallel reduction waits for the flush, training/axes/pipeline.py; tensor parallelism with torch's DTensor
+# data-parallel reduction waits for the flush, training/axes/pipeline/; tensor parallelism with torch's DTensor
 # styles or DeepSpeed's AutoTP, which all-reduce each column-split module's input gradient on its own, 7 all-reduces a
 # layer, measured: training/plan/communication.dtensor_payloads); Megatron-LM 2021's and BLOOM's Megatron-DeepSpeed
 # ("megatron-lm-2021": the same overlap, 4 all-reduces a layer: Shoeybi et al. 2019, section 3); or Megatron-Core's as
@@ -248,7 +248,7 @@ class Layout:
 
     @property
     def dtensor_parallel(self) -> bool:
-        """Whether this project splits the layers with torch's DTensor plan (training/axes/tensor.py): under
+        """Whether this project splits the layers with torch's DTensor plan (training/axes/tensor/plan.py): under
         FSDP2 and inside pipeline stages; DeepSpeed's AutoTP elsewhere."""
         return self.sharding == "fsdp" or self.pp > 1
 

@@ -68,7 +68,7 @@ _LAYOUTS: dict[tuple[str, bool, int], Layout] = {}  # by the config's JSON: the 
 def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1) -> Layout:
     """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight, under
     the model's `tp_plan` (the decoder's matrices, and the embedding and head by vocabulary rows), which AutoTP and
-    the DTensor plan (training/axes/tensor.py) both apply; the norms whole."""
+    the DTensor plan (training/axes/tensor/plan.py) both apply; the norms whole."""
     key = (config.to_json_string(use_diff=False), decay_embeddings, tp)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp)

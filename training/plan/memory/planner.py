@@ -18,7 +18,7 @@ the model states (`states.py`), the activations and temporaries (`activations.py
 Tensor parallelism (DeepSpeed AutoTP, `zero1-autotp`): every module of the model's tp plan holds 1/tp of its
 weight on each rank (q, k, v, gate, up and the vocabulary-parallel embedding and tied head by rows, o and down by
 columns), the norms stay whole; ZeRO-1 then partitions that local model over the world / tp data-parallel ranks.
-Under FSDP2 x TP (a YAML's parallelism_config, training/axes/tensor.py) the modules split the same way, the
+Under FSDP2 x TP (a YAML's parallelism_config, training/axes/tensor/plan.py) the modules split the same way, the
 norms whole, and the chunked loss runs over the vocabulary shards; FSDP2 shards each rank's slice on its dim 0 over
 the data-parallel ranks; Megatron's sequence parallelism keeps every saved tensor of a layer on sequence shards.
 """
@@ -125,7 +125,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
     # Under DDP and ZeRO-1/2 every rank builds the model in fp32 in host RAM before `accelerator.prepare` moves
     # it. Under ZeRO-3 (inside zero.Init) and FSDP2 (on the meta device, then sharded and initialised one tensor
     # at a time) a rank holds its partition and the one module or tensor being built (training/core/build.py).
-    # Under FSDP2 x TP every rank builds the whole model before it keeps its slices (training/axes/tensor.py).
+    # Under FSDP2 x TP every rank builds the whole model before it keeps its slices (training/axes/tensor/plan.py).
     partitioned = strategy.zero_stage == 3 or strategy.family == "fsdp" and not dtensor
     out["host_ram_at_start"] = 4 * (
         math.ceil(whole.psi / world_size) + whole.largest_module if partitioned else whole.psi

@@ -5,7 +5,7 @@ it, and the model states and activations of each pipeline rank under DDP or FSDP
 from __future__ import annotations
 
 from model import ShardGPTConfig
-from training.axes.schedules import check_pipeline, stage_layers
+from training.axes.pipeline.schedules import check_pipeline, stage_layers
 from training.axes.table import composes, composes_with, wrapper
 from training.plan.memory.activations import (
     adam_temporaries,
@@ -89,7 +89,7 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
     first stage's token ids, 8 bytes per token of the whole step (the schedule's micro batches are views of the
     step's ids, whose storage any of them keeps), and with checkpointing the one layer being recomputed.
     Measured to the byte on the model's own stages (tests/training/test_bubble.py), fp32, without tensor
-    parallelism and with it (`tp` ranks a stage, with Megatron's sequence parallelism: training/axes/tensor.py's
+    parallelism and with it (`tp` ranks a stage, with Megatron's sequence parallelism: training/axes/tensor/plan.py's
     `split_stage`), where each layer saves `layer_activation_bytes`' sequence-parallel share (measured outside
     pipelines too: training/measure/tensor_memory.py), and the input kept with checkpointing and the output sent on are
     the rank's sequence shard."""
@@ -109,7 +109,7 @@ def stage_held(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int, c
 def models_pipeline(strategy: Strategy) -> bool:
     """Whether `pipeline_stages` plans `strategy`: one stage per rank under GPipe or 1F1B, each stage one process,
     DDP or FSDP2 (full shard or shard-grad-op), its layers split by the model's plan over tp ranks or not, as
-    training/axes/pipeline.py runs them."""
+    training/axes/pipeline/runtime.py runs them."""
     if strategy.family == "fsdp" and (strategy.fsdp_version != 2 or strategy.offloads or strategy.replicas > 1):
         return False
     held_by = wrapper(strategy.family, strategy.zero_stage)
@@ -124,7 +124,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
     """Bytes one rank of each pipeline stage needs, by category as `predict`'s, for a pipeline of
     `strategy.pp_size` stages, one per rank, under GPipe or 1F1B (`strategy.pp_schedule`), `micro_batches` a step.
 
-    Model states as training/axes/pipeline.py keeps them: a stage's parameters (under tensor parallelism its
+    Model states as training/axes/pipeline/runtime.py keeps them: a stage's parameters (under tensor parallelism its
     slices: 1/tp of each decoder matrix and of the embedding's and head's vocabulary rows, the norms whole) on each
     of its ranks, with one
     all-reduce of a flat copy of its gradients where pipelines run side by side (ddp-pp: no DDP reducer, so no
@@ -174,7 +174,7 @@ def pipeline_stages(config: ShardGPTConfig, strategy: Strategy, precision: str, 
         }
         row["model_states"] = row["params"] + row["grads"] + row["optimizer_states"]
         row["total"] = row["model_states"] + row["activations"] + row["logits"] + row["temporary"]
-        # Every rank builds the whole model from the seed before it keeps its stage (training/axes/pipeline.py).
+        # Every rank builds the whole model from the seed before it keeps its stage (training/axes/pipeline/runtime.py).
         row.update(host_ram=0, host_ram_at_start=4 * whole.psi, nvme=0)
         row["detail"] = {f"{it.where}:{it.category}.{it.label}": it.nbytes for it in states + temps if it.nbytes}
         row["inputs"] = dict(

@@ -22,86 +22,22 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
-from transformers.masking_utils import create_causal_mask
 
 from training import compat
-from training.axes.busy_clock import BackwardMark, BusyClock
-from training.axes.groups import new_groups
-from training.axes.schedules import ZERO_BUBBLE, check_schedule_on_gloo, stage_layers, stage_ranks
-from training.axes.tensor import data_parallel_dims, device_mesh, split_modules, split_stage, tie_split_embedding
+from training.axes.pipeline.busy_clock import BusyClock
+from training.axes.pipeline.groups import new_groups
+from training.axes.pipeline.schedules import ZERO_BUBBLE, check_schedule_on_gloo, stage_ranks
+from training.axes.pipeline.stage import Stage, keep_stages
+from training.axes.tensor.plan import data_parallel_dims, device_mesh, split_modules, split_stage, tie_split_embedding
 from training.core.build import local
 from training.core.gradnorm import clip_, grad_norm
+from training.core.inspection import check_world
 from training.strategy import Strategy
-
-
-class Stage(nn.Module):
-    """One pipeline stage of the model: the embedding (first stage), a run of decoder layers, and the final norm and
-    head (last stage). Its modules are the model's own (shared, not copied). The first stage takes token ids, the
-    others the hidden states (B, T, C) the stage before sends; the last returns its micro batch's summed
-    cross-entropy, shape (1,), which the schedule's loss function scales."""
-
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool, clock: BusyClock | None = None):
-        super().__init__()
-        self.clock = clock  # this rank's: every stage it holds adds its compute
-        self.config = model.config
-        self.embed_tokens = model.model.embed_tokens if first else None
-        self.layers = nn.ModuleList(model.model.layers[i] for i in layers)
-        self.norm = model.model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self.rotary_emb = model.model.rotary_emb
-        self.sequence_shards = 1  # under tensor parallelism (`split_stage`): the ranks a sequence is sharded over
-
-    def forward(self, x: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
-        timed = self.clock is not None and torch.is_grad_enabled()
-        start = self.clock.mark() if timed else None
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, C)
-        h = BackwardMark.apply(h, self.clock, False) if timed else h  # the backward ends here (the embedding's: after)
-        out = self.layers_forward(h, shift_labels)
-        if timed:
-            self.clock.spans.append((start, self.clock.mark()))
-            out = BackwardMark.apply(out, self.clock, True)  # the backward starts here
-        return out
-
-    def layers_forward(self, h: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
-        # A later stage under sequence parallelism receives its rank's shard of the sequence; its attention sees the
-        # whole sequence (gathered), whose positions and mask these are.
-        seq_len = h.shape[1] * (self.sequence_shards if self.embed_tokens is None else 1)
-        position_ids = torch.arange(seq_len, device=h.device).unsqueeze(0)
-        whole = h if seq_len == h.shape[1] else h.new_empty(h.shape[0], seq_len, 0)  # the mask reads shape and dtype
-        # None where the attention kernel's own causal masking is exact (sdpa, training: no padding), as in the model.
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=whole, attention_mask=None, cache=None, position_ids=None
-        )
-        position_embeddings = self.rotary_emb(h, position_ids)
-        for layer in self.layers:
-            h = layer(h, position_embeddings=position_embeddings, attention_mask=mask, position_ids=position_ids)
-        if self.lm_head is None:
-            return h
-        return self.lm_head(self.norm(h), targets=shift_labels).reshape(1)  # summed cross-entropy, fp32
-
-
-def keep_stages(model: nn.Module, stages: list[int], num_stages: int, clock: BusyClock | None = None) -> list[Stage]:
-    """This rank's `stages` of `model`, whose other layers, embedding and head are dropped in place (the model keeps
-    its HF parameter names). Returns the Stage modules, in stage order."""
-    num_layers = model.config.num_hidden_layers
-    kept = {i for s in stages for i in stage_layers(num_layers, num_stages, s)}
-    first, last = 0 in stages, num_stages - 1 in stages
-    for i in range(num_layers):
-        if i not in kept:
-            model.model.layers[i] = nn.Module()  # a placeholder: the kept layers keep their indices (names)
-    result = [
-        Stage(model, stage_layers(num_layers, num_stages, s), s == 0, s == num_stages - 1, clock)
-        for s in sorted(stages)
-    ]
-    if not first:
-        model.model.embed_tokens = None
-    if not last:
-        model.model.norm = model.lm_head = None
-    return result
 
 
 @dataclass
@@ -402,3 +338,32 @@ def fsdp2_stages(policy, reshard: bool, device_type: str):
         fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
 
     return shard
+
+
+def verify_pipeline(accelerator: Accelerator, layout: dict, strategy: Strategy) -> dict:
+    """Refuse to train unless the pipeline as built (`Pipeline.in_force`) is the strategy's: its degree, schedule and
+    stages per rank, and the data parallelism across the pipelines (FSDP2 under an FSDP config, else an all-reduce
+    of whole copies where there are several). Returns what was seen, as `verify_strategy` does."""
+    world = check_world(accelerator, strategy)
+    pipe = layout["pipeline"]
+    dp = strategy.data_parallel_size
+    expected = {
+        "degree": strategy.pp_size,
+        "schedule": strategy.pp_schedule,
+        "stages_per_rank": strategy.pp_stages_per_rank,
+        "data_parallel_size": dp,
+        "data_parallel": "fsdp2" if strategy.family == "fsdp" else "all-reduce" if dp > 1 else "none",
+        "tensor_parallel_size": strategy.tp_size,
+    }
+    built = {key: pipe[key] for key in expected}
+    if built != expected:
+        wrong = ", ".join(f"{k} {built[k]} (asked: {v})" for k, v in expected.items() if built[k] != v)
+        raise RuntimeError(f"asked for {strategy.name} on {world} ranks, but the pipeline runs {wrong}; seen: {layout}")
+    if strategy.tp_size > 1 and not pipe["split_modules"]:
+        raise RuntimeError(f"asked for {strategy.name}, but no matrix of this rank's stages is split; seen: {layout}")
+    return {
+        "strategy": strategy.name,
+        "distributed_type": "PIPELINE",
+        "world_size": world,
+        "mixed_precision": accelerator.mixed_precision,
+    } | layout

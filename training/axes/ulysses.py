@@ -7,25 +7,27 @@ interface, exchanges the q, k and v of the local positions for all positions of 
 attends, and exchanges back (an all-to-all). The degree comes from the launch's configuration: an accelerate YAML's
 `parallelism_config` block (`parallelism_config_sp_size`, `parallelism_config_sp_backend: deepspeed`), or the
 DeepSpeed JSON's own `sequence_parallel_size` under the `deepspeed` launcher and torchrun. Either way accelerate's
-`prepare` registers the attention and hands DeepSpeed its groups (`accelerator_parallelism_config`).
+`prepare` registers the attention and hands DeepSpeed its groups.
 
 The loss, done so that the gradients are the one process's: each rank's loss is the sum of its positions'
 cross-entropy over the targets of the whole global batch (the loader's `num_items_in_batch`, as without sequence
 parallelism), so the ranks' losses add up to the global batch's mean. DeepSpeed then averages each gradient over
-the sequence-and-data-parallel ranks, dividing by a count that depends on the ZeRO stage (`gradient_divisor`); the
+the sequence-and-data-parallel ranks, dividing by a count that depends on the ZeRO stage (`Strategy.gradient_divisor`);
+the
 step multiplies the loss by that count. The recipe in DeepSpeed's tutorial, accelerate's docs and the HF Trainer
 (every rank computes the sequence's whole loss from the gathered per-rank losses) makes each rank's gradient sp
 times its share: right where DeepSpeed divides by the world (ZeRO-3's reduce-scatter) and sp times too large where it
 divides by world / sp (ZeRO-1 and 2).
 
-Torch's ring context parallelism (an FSDP2 YAML's `parallelism_config_cp_size`) is passed through to accelerate on
-CUDA GPUs only (`check_context_parallel`, `context_parallel`): the same loss, inside accelerate's context that shards
-each micro batch's positions.
+Imported only by a launch whose sequence-parallel degree is above 1: its launch checks, and what it reads back as in
+force. The loss divisor is the strategy's (`Strategy.gradient_divisor`); the parallelism config that turns it on
+where the JSON gives the degree is the ZeRO family's (training/core/zero.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from model import ShardGPTConfig
     from training.config import RunConfig
     from training.environment import Environment
+    from training.strategy import Strategy
 
 # Attention kernels DeepSpeed's Ulysses wraps (it needs one that masks causally by itself: eager builds a 4D mask).
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -102,80 +105,24 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
         )
 
 
-def check_context_parallel(cfg: RunConfig, cp: int, held_by: str, fsdp_version: int, cuda: bool) -> None:
-    """Torch's ring context parallelism, passed through to accelerate where it can run: FSDP2 on CUDA GPUs, whose
-    flash or memory-efficient attention kernels its ring attention needs (accelerate shards the batch's positions in
-    `maybe_context_parallel`, load-balanced: 2 x cp chunks of each sequence). Unproven here: this project has no
-    machine with several GPUs (docs/strategies.md). Refused elsewhere, in one line each."""
-    if cp == 1:
-        return
-    if not cuda:
-        raise ValueError(
-            f"the accelerate config's parallelism_config sets cp_size: {cp} (torch's ring context parallelism), which "
-            "needs CUDA's flash or memory-efficient attention kernels and cannot run on CPU ranks; for long sequences "
-            "here use Ulysses: parallelism_config_sp_size with a DeepSpeed config (docs/strategies.md), or remove "
-            "parallelism_config_cp_size"
-        )
-    if not composes("cp", held_by) or fsdp_version != 2:
-        raise ValueError(
-            f"parallelism_config_cp_size: {cp} needs FSDP2 (accelerate shards over its dp_shard x cp mesh): launch "
-            "with an FSDP config with fsdp_version: 2, or use parallelism_config_sp_size with a DeepSpeed config"
-        )
-    if cfg.pipeline_parallel_degree > 1 and AXES["cp"].alone:
-        raise ValueError(
-            f"parallelism_config_cp_size: {cp} with --pipeline_parallel_degree {cfg.pipeline_parallel_degree}: the "
-            "pipeline's stages run outside accelerate's context-parallel preparation; choose one of them"
-        )
-    if cfg.block_size % (2 * cp):
-        raise ValueError(
-            f"--block_size {cfg.block_size} is not divisible by 2 x cp_size = {2 * cp} (torch's load-balanced ring "
-            f"attention splits each sequence into 2 x cp chunks): pass a multiple of {2 * cp}"
-        )
+def verify_ulysses(engine, unwrapped: torch.nn.Module, strategy: Strategy,
+                   refuse: Callable[[str], NoReturn]) -> dict:  # fmt: skip
+    """Ulysses in force as asked: the engine's sequence-parallel size, this rank's place in DeepSpeed's groups (the
+    loader's slice and shard), and transformers' attention for the model's implementation replaced by DeepSpeed's
+    all-to-all wrapper (without it each rank would attend within its own slice only)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    sp = strategy.sp_size
+    if engine.sequence_parallel_size != sp:
+        refuse(f"the engine splits sequences over {engine.sequence_parallel_size} ranks")
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as groups
 
-def gradient_divisor(mesh: Mesh, zero_stage: int, zero: dict) -> int:
-    """What the gradient reduction divides each summed gradient by, on the launch's `mesh`: with sp (Ulysses) or cp
-    (ring context) ranks a sequence, dp groups of them, the data-parallel count without either. DeepSpeed 0.19.8 under
-    Ulysses (`zero` the config's zero_optimization): ZeRO-3's reduce-scatter (`reduce_scatter`, true by default) by
-    every rank of the sequence-and-data-parallel group (runtime/comm/coalesced_collectives.py:
-    `reduce_scatter_coalesced` pre-divides by the group's size); ZeRO-1 and 2, and ZeRO-3 without reduce_scatter,
-    by that count over sp (runtime/zero/stage_1_and_2.py `average_tensor`, stage3.py
-    `__avg_scatter_contiguous_grads`: `world_size / sequence_parallel_size`). FSDP2 under ring context parallelism
-    reduce-scatters over accelerate's flattened dp_shard x cp mesh, averaging over all of its ranks."""
-    if mesh.cp > 1:
-        return mesh.dp * mesh.cp
-    if mesh.sp > 1 and zero_stage == 3 and zero.get("reduce_scatter", True):
-        return mesh.dp * mesh.sp
-    return mesh.dp
-
-
-def context_parallel(accelerator):
-    """The context each micro batch's forward and backward run in under ring context parallelism (CUDA only):
-    accelerate's `maybe_context_parallel`, which shards the positions of the inputs, the shifted labels and the
-    position ids over the cp ranks (load-balanced) and keeps them sharded; the loss of each shard is its share of
-    the global batch's mean, as under Ulysses."""
-
-    def enter(micro: dict):
-        batch, length = micro["input_ids"].shape
-        micro["position_ids"] = torch.arange(length, device=micro["input_ids"].device).expand(batch, length)
-        buffers = [micro["input_ids"], micro["shift_labels"], micro["position_ids"]]
-        return accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
-                                                  no_restore_buffers=set(buffers))  # fmt: skip
-
-    return enter
-
-
-def accelerator_parallelism_config(mesh: Mesh, env: Environment):
-    """The accelerate `ParallelismConfig` that turns Ulysses on in `prepare` for a launch whose degree came from
-    the DeepSpeed JSON (no accelerate YAML block): the launch's mesh, sp over consecutive ranks, the rest
-    data-parallel. None where the YAML's own block is in force (accelerate reads it) or without sequence
-    parallelism."""
-    if mesh.sp == 1 or env.block is not None:
-        return None
-    from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import DeepSpeedSequenceParallelConfig
-
-    return ParallelismConfig(
-        dp_shard_size=mesh.dp, sp_size=mesh.sp, sp_backend="deepspeed",
-        sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
-    )  # fmt: skip
+    rank = torch.distributed.get_rank()
+    place = (groups.get_sequence_parallel_rank(), groups.get_sequence_data_parallel_world_size() // sp)
+    if place != (strategy.sequence_parallel_rank(rank), strategy.data_parallel_size):
+        refuse(f"rank {rank} holds slice {place[0]} of the sequences among {place[1]} data-parallel groups")
+    implementation = unwrapped.config._attn_implementation
+    attention = ALL_ATTENTION_FUNCTIONS.get(implementation)
+    if getattr(attention, "__name__", "") != "uattn_wrapper":
+        refuse(f"transformers' {implementation} attention is not DeepSpeed's Ulysses wrapper")
+    return {"size": sp, "data_parallel_size": strategy.data_parallel_size, "attention": implementation}

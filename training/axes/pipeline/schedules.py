@@ -1,7 +1,7 @@
 """The pipeline schedules' facts: which of torch's schedules this project trains with, how a schedule places its
 stages on the pipeline ranks and the layers in each stage, and what each schedule requires of a launch. Plain
 Python: the configuration, the launch checks and the planners read them without the pipeline runtime
-(training/axes/pipeline.py) or torch.distributed.
+(training/axes/pipeline/runtime.py) or torch.distributed.
 """
 
 from __future__ import annotations

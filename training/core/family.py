@@ -1,0 +1,206 @@
+"""The data-parallel families, one module each: one process and DDP (`ddp.py`), FSDP2 with FSDP1's YAMLs
+(`fsdp.py`), DeepSpeed ZeRO-1/2/3 with its offloads (`zero.py`). accelerate wraps the model for all of them; a
+family's module holds what the project does around that call, readable top to bottom: its strategy built from the
+launch and its checks, the Accelerator's settings, how the model is built (whole, on the meta device and sharded,
+or inside `zero.Init`), its precision policy, its gradient norm, what it reads back as in force, its checkpoint
+format and the export's gather.
+
+The launch, the build, the loop, the checkpoints and the export ask the launch's family (`family_of`); none of them
+branches on which family it is. A family's module is imported only by a launch of that family. `Family` holds what
+most families do alike; each module overrides what its family does otherwise.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from training.config import RunConfig
+    from training.environment import Environment
+    from training.strategy import Strategy
+
+MODULES = {"single": "ddp", "ddp": "ddp", "fsdp": "fsdp", "deepspeed": "zero"}
+"""Which module of training/core/ serves each `Strategy.family` (FSDP1's YAMLs: `fsdp1`)."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's states per parameter, in the strategy-neutral checkpoint form (training/checkpoints/portable.py)."""
+
+
+def family_of(strategy: Strategy) -> Family:
+    """The family that runs `strategy`, its module imported now."""
+    return family_named(strategy.family, strategy.fsdp_version)
+
+
+def family_named(family: str, fsdp_version: int = 2) -> Family:
+    """The family of a `Strategy.family` name (and FSDP version), its module imported now."""
+    module = "fsdp1" if family == "fsdp" and fsdp_version == 1 else MODULES[family]
+    return import_module(f"training.core.{module}").FAMILY
+
+
+def family_for(accelerator: Accelerator | None) -> Family:
+    """The family of an Accelerator as made (`make_accelerator`): for what only needs the prepared state."""
+    kind = accelerator.distributed_type.name if accelerator is not None else "NO"
+    if kind == "FSDP":
+        return family_named("fsdp", accelerator.state.fsdp_plugin.fsdp_version)
+    return family_named("deepspeed" if kind == "DEEPSPEED" else "ddp")
+
+
+class Family:
+    """What a family does at each point of a run; the defaults are one process's and DDP's."""
+
+    # ------------------------------------------------------------------ the launch, before any process group
+
+    def check_start(self, strategy: Strategy) -> None:
+        """On every rank before the process group, with side effects allowed (a line saying what is compiled)."""
+
+    def accelerator_kwargs(self, cfg: RunConfig, strategy: Strategy, env: Environment) -> dict:
+        """What the Accelerator is made with, beside the run's own settings."""
+        return {} if torch.cuda.is_available() else {"cpu": True}  # gloo MULTI_CPU
+
+    def configure(self, accelerator: Accelerator, cfg: RunConfig, strategy: Strategy, env: Environment) -> None:
+        """The Accelerator as made, set up for the family (its state switched, its precision policy)."""
+
+    # ------------------------------------------------------------------ the model
+
+    def sharded_build(self, accelerator: Accelerator | None, config, model_name_or_path: str | None):
+        """Where the family builds the model empty and shards it before its weights are written (FSDP2): the
+        checkpoint's files to read into the shards ([] for fresh weights); None to build it whole."""
+        return None
+
+    def fresh_model(self, config):
+        """A new model built as the family builds it (ZeRO-3: partitioned as it is built, inside `zero.Init`), its
+        weights drawn; None: whole, as one process builds it (training/core/build.py)."""
+        return None
+
+    def after_prepare(self, net: torch.nn.Module, cfg: RunConfig) -> None:
+        """After `accelerator.prepare`: what the family fixes on the wrapped model."""
+
+    # ------------------------------------------------------------------ a step
+
+    def norm_group(self, net: torch.nn.Module, strategy: Strategy):
+        """The ranks that hold shards of the plain (non-DTensor) gradients, for their norm (None: each whole)."""
+        return None
+
+    def clips_itself(self) -> bool:
+        """Whether the engine clips inside its own step and reports the norm after it (DeepSpeed)."""
+        return False
+
+    # ------------------------------------------------------------------ what is in force
+
+    def parameter_counts(self, model: torch.nn.Module, unwrapped: torch.nn.Module) -> tuple[int, int]:
+        """(this rank's, the whole model's) parameter elements, whatever this rank holds of them."""
+        from training.core import wrapped
+
+        return sum(wrapped.local_numel(p) for p in unwrapped.parameters()), wrapped.parameter_count(unwrapped)
+
+    def verify(self, accelerator: Accelerator, model, unwrapped, strategy: Strategy, local: int, total: int,
+               refuse) -> None:  # fmt: skip
+        """Refuse (`refuse(why)`) a prepared model that is not wrapped as the family should wrap it."""
+        world = strategy.world_size
+        if world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            refuse(f"the prepared model is a {type(model).__name__}, not DistributedDataParallel")
+
+    def observe(self, model: torch.nn.Module, optimizer) -> dict:
+        """What the prepared objects say of the family's sharding and precision, for strategy.json."""
+        return {}
+
+    def full_state_dict(self, accelerator: Accelerator, model: torch.nn.Module) -> dict:
+        """The whole model's weights for the export (collective where the family shards them)."""
+        from training.core.wrapped import unwrap
+
+        # the model inside DDP, unwrapped without importing DeepSpeed (`unwrap`)
+        return accelerator.get_state_dict(unwrap(accelerator, model), unwrap=False)
+
+    # ------------------------------------------------------------------ checkpoints in the neutral form
+
+    def checkpoint_format(self, strategy: Strategy) -> str:
+        """What decides the files of this family's checkpoints: two launches with the same format read each other's
+        checkpoints natively."""
+        return "plain"
+
+    def converts(self, strategy: Strategy) -> bool:
+        """Whether a checkpoint of `strategy` converts through the neutral form (to or from another strategy)."""
+        return True
+
+    def read_neutral(self, path, state: dict) -> dict:
+        """The neutral form of a checkpoint this family wrote, offline in one process: DDP's and one process's
+        files, the model's safetensors and torch's optimizer state dict, whose parameters are numbered in the order
+        of the optimizer's parameter groups (rebuilt here on a meta model)."""
+        from safetensors.torch import load_file
+
+        from training.adamw import param_groups
+
+        model = meta_model(state)
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = param_groups(model, 0.0, state["run_config"]["decay_embeddings"])
+        order = [names[id(p)] for g in groups for p in g["params"]]
+        optim = torch.load(path / "optimizer.bin", weights_only=False)
+        numbers = [i for g in optim["param_groups"] for i in g["params"]]
+        by_name = {name: optim["state"][i] for name, i in zip(order, numbers, strict=True)}
+        return from_optimizer_state(load_file(path / "model.safetensors"), by_name)
+
+    def load_neutral(self, net, optimizer, neutral: dict) -> None:
+        """Weights, Adam's moments and step into the prepared model and optimizer, with torch's full state dict
+        setters (collective under FSDP: each rank keeps its shard)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from training.core.wrapped import optimizer_chain, uncompiled
+
+        full = StateDictOptions(full_state_dict=True)
+        module, torch_optimizer = uncompiled(net), optimizer_chain(optimizer)[-1]
+        weights = neutral["weights"]
+        template = get_model_state_dict(module, options=full)  # collective under FSDP: gathers, for the keys
+        tied = getattr(getattr(module, "module", module), "_tied_weights_keys", None) or {}  # DDP's inner model
+        model_sd = {k: weights[k if k in weights else tied[k]].to(v.dtype) for k, v in template.items()}
+        set_model_state_dict(module, model_sd, options=full)  # collective under FSDP: each rank keeps its shard
+        optim_sd = get_optimizer_state_dict(module, torch_optimizer, options=full)  # collective; creates the state
+        for name, state in optim_sd["state"].items():
+            state["step"] = torch.tensor(float(neutral["step"]), dtype=state["step"].dtype)
+            for key in MOMENTS:  # a pipeline's last stage names the tied embedding's copy lm_head.weight
+                state[key] = neutral[key][name if name in neutral[key] else tied[name]].to(state[key].dtype)
+        set_optimizer_state_dict(module, torch_optimizer, optim_sd, options=full)  # collective under FSDP
+
+    def gather_neutral(self, net, optimizer) -> dict:
+        """The neutral form of the prepared model and optimizer on every rank, with torch's getters (collective
+        under FSDP: the shards gathered)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        from training.core.wrapped import optimizer_chain, uncompiled
+
+        inner = optimizer_chain(optimizer)[-1]
+        weights, optim = get_state_dict(uncompiled(net), inner, options=StateDictOptions(full_state_dict=True))
+        return from_optimizer_state(weights, optim["state"])
+
+    def scheduler_state(self, path) -> dict:
+        """accelerate's `scheduler.bin`."""
+        return torch.load(path / "scheduler.bin", weights_only=False)
+
+
+def meta_model(state: dict) -> torch.nn.Module:
+    """A checkpoint's model (its trainer state's `model_config`) without memory: its parameter names, shapes and
+    optimizer groups."""
+    from model import ShardGPTConfig, ShardGPTForCausalLM
+
+    with torch.device("meta"):
+        return ShardGPTForCausalLM(ShardGPTConfig.from_dict(state["model_config"]))
+
+
+def from_optimizer_state(weights: dict, state: dict) -> dict:
+    """The neutral form from weights and an optimizer state keyed by parameter name: {"step", "weights", "exp_avg",
+    "exp_avg_sq"}, fp32 tensors."""
+    neutral = {"step": int(next(iter(state.values()))["step"]), "weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, moments in state.items():
+        neutral["weights"][name] = weights[name].float().contiguous()
+        for key in MOMENTS:
+            neutral[key][name] = moments[key].float().contiguous()
+    return neutral
