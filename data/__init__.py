@@ -12,7 +12,7 @@ See docs/data.md.
 """
 
 from .arguments import DataArguments
-from .loader import BlockDataset, EpochSampler, ShardedLoader, epoch_order, iter_eval_batches
+from .loader import BlockDataset, EpochSampler, ShardedLoader, epoch_order, iter_eval_batches, rank_micro_batches
 from .packing import PackedStream
 from .prepare import PackedData, prepare_data
 
@@ -26,4 +26,5 @@ __all__ = [
     "epoch_order",
     "iter_eval_batches",
     "prepare_data",
+    "rank_micro_batches",
 ]

@@ -49,7 +49,7 @@ def _as_long(rows: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(rows, dtype=np.int64))
 
 
-def _shard(
+def rank_micro_batches(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     micro: int,
@@ -197,7 +197,7 @@ class ShardedLoader:
                 continue
             # Count the step before handing it out: a checkpoint taken after training on it resumes after it.
             self.step += 1
-            yield _shard(
+            yield rank_micro_batches(
                 batch[:, :-1],
                 batch[:, 1:],
                 self.micro_batch_size,
@@ -260,7 +260,7 @@ def iter_eval_batches(
         inputs = torch.zeros(span, length, dtype=torch.long)
         labels = torch.full((span, length), IGNORE_INDEX, dtype=torch.long)
         inputs[:n], labels[:n] = chunk[:, :-1], chunk[:, 1:]
-        yield _shard(inputs, labels, micro_batch_size, 1, world_size, rank)[0]
+        yield rank_micro_batches(inputs, labels, micro_batch_size, 1, world_size, rank)[0]
 
 
 class BlockDataset(Dataset):

@@ -50,7 +50,7 @@ from dataclasses import replace
 
 from model import PRESETS, ShardGPTConfig
 from training.arguments import ArgumentParser
-from training.deepspeed_config import load_json
+from training.deepspeed_config import autotp_size, load_json
 from training.flops import PEAK_FLOPS
 from training.plan.hardware import GPU_KINDS, cluster
 from training.plan.layouts import llama_config, plan
@@ -73,7 +73,8 @@ from training.plan.published import (
     compare_mfu,
     compare_tuned,
 )
-from training.plan.step_time import ATTN_IMPLEMENTATIONS, DP_STRATEGIES, STACKS
+from training.plan.step_compute import ATTN_IMPLEMENTATIONS
+from training.plan.step_layout import DP_STRATEGIES, STACKS
 from training.report.console import configure_console
 from training.strategy import Strategy
 
@@ -403,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
                 replace(s.with_degrees(pp=pp), pp_schedule=args.pipeline_parallel_schedule) for s in strategies
             ]
         ds = load_json(args.ds_config) if args.ds_config else None
+        if ds is not None:  # AutoTP's degree is the JSON's
+            strategies = [s.with_degrees(tp=autotp_size(ds)) if s.family == "deepspeed" and s.tp_size > 1 else s
+                          for s in strategies]  # fmt: skip
         if args.largest:
             print(largest(args, overrides, strategies, ds))
             return

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> object:
     if strategy.sp_size > 1:
         # transformers' Trainer computes each rank's loss as the whole sequence's, from the gathered per-rank losses:
         # under ZeRO-1/2, which divide by world / sp, every gradient is sp times too large
-        # (training/axes/sequence.py).
+        # (training/axes/ulysses.py).
         raise ValueError(
             f"sequence parallelism (sp_size {strategy.sp_size}) needs recipes/train.py: the HF Trainer's Ulysses loss "
             f"gives gradients {strategy.sp_size} times too large under ZeRO-1/2 (its clipping and logged norms "

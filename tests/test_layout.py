@@ -19,12 +19,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def project_imports(path: Path) -> set[str]:
-    """The project modules a file imports, at any depth of the file (inside functions and TYPE_CHECKING too)."""
+def project_imports(path: Path, tree: ast.AST | None = None) -> set[str]:
+    """The project modules a file imports (or `tree`, part of it), at any depth of the file (inside functions and
+    TYPE_CHECKING too)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree or ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -79,19 +80,21 @@ def test_no_import_circles():
 
 
 # training/'s layers, lowest first: a module imports its own subpackage and lower layers, never a layer above it nor
-# another subpackage of its own layer. The configuration (layer 0) is the flags, the version floors and the plain
-# facts of the mesh, the axes table and the pipeline schedules: it imports no runtime.
+# another subpackage of its own layer. The configuration (layer 0) is the flags, the version floors, the launcher's
+# environment, the plain facts of the mesh, the strategy, the DeepSpeed JSON, the axes table and the pipeline
+# schedules: it imports no runtime. Above it the core (one process, DDP, FSDP2, ZeRO), then the axes beside it and
+# the checkpoints, the launch resolved from them, the loop, what a run shows, and above everything the planners, then
+# the doctor, the comparison and the measuring tools, which nothing below imports.
 CONFIGURATION = {
     "training", "training.adamw", "training.arguments", "training.compat", "training.config", "training.faults",
-    "training.flops", "training.limits", "training.paths", "training.pretrained", "training.axes.table",
-    "training.mesh", "training.axes.pipeline.schedules", "training.strategy", "training.deepspeed_config",
-    "training.environment",
+    "training.flops", "training.limits", "training.paths", "training.pretrained", "training.mesh",
+    "training.strategy", "training.deepspeed_config", "training.environment", "training.axes",
+    "training.axes.table", "training.axes.pipeline", "training.axes.pipeline.schedules",
 }  # fmt: skip
-LAYERS = {"training.core": 1, "training.axes": 1, "training.launch": 2, "training.plan": 2, "training.checkpoints": 2,
-          "training.loop": 3,
-          "training.report": 4, "training.compare": 5, "training.doctor": 5, "training.measure": 5}  # fmt: skip
-# What the planners may read of the parallel layer: the launch's description, not a runtime of it.
-PLANNERS_READ = {"training.strategy", "training.deepspeed_config", "training.axes.sequence"}
+LAYERS = {"training.core": 1, "training.axes": 2, "training.checkpoints": 2, "training.launch": 3, "training.loop": 4,
+          "training.report": 5, "training.plan": 6, "training.compare": 7, "training.doctor": 7,
+          "training.measure": 7}  # fmt: skip
+CORE_LAUNCH = ("training.core", "training.checkpoints", "training.launch", "training.loop", "training.report")
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -99,14 +102,13 @@ def layer_of(module: str) -> tuple[int, str]:
     if module in CONFIGURATION:
         return 0, "configuration"
     package = ".".join(module.split(".")[:2])
-    package = "training.core" if package == "training.axes" else package
     assert package in LAYERS, f"{module} is in no layer of tests/test_layout.py: give its subpackage one"
     return LAYERS[package], package
 
 
 def test_training_imports_follow_its_layers():
-    """The configuration imports no runtime, the axes' runtimes do not import the loop's step, the planners no
-    training code, and nothing imports back up."""
+    """The configuration imports no runtime, the core no axis, the planners nothing but the configuration (no
+    runtime: no DeepSpeed, no training code), and nothing imports back up."""
     wrong = []
     for path in sources():
         name = module_name(path)
@@ -114,15 +116,44 @@ def test_training_imports_follow_its_layers():
             continue
         layer, package = layer_of(name)
         for imported in project_imports(path):
-            if imported.split(".")[0] != "training":
+            top = imported.split(".")[0]
+            if top == "data" and package == "training.plan":
+                wrong.append(f"{name}, a planner, imports {imported}")
+            if top != "training":
                 continue
             other, other_package = layer_of(imported)
             if not (other < layer or other_package == package):
                 wrong.append(f"{name} (layer {layer}) imports {imported} (layer {other})")
-            planner_reads = package == "training.plan" and other_package == "training.parallel"
-            if planner_reads and imported not in PLANNERS_READ:
+            if package == "training.plan" and other not in (0, LAYERS["training.plan"]):
                 wrong.append(f"{name}, a planner, imports {imported}")
     assert not wrong, wrong
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The project modules a file imports when it is imported: at its top level, not inside a function."""
+    tree = ast.parse(path.read_text())
+    top = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[])
+    return project_imports(path, top)
+
+
+def test_a_core_launch_imports_no_axis():
+    """A launch of one process, DDP, FSDP2 or ZeRO imports no axis's runtime: recipes/train.py's module-level imports,
+    and theirs, reach no module of training/axes/ but the table and the schedules' facts; the core, the launch and
+    the loop import an axis only inside the function that runs it, where its degree is above 1 (measured on real
+    launches: recipes/measure/launch_imports.py)."""
+    seen, todo = set(), ["recipes.train"]
+    files = {module_name(p): p for p in sources()}
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in files:
+            continue
+        seen.add(name)
+        todo += module_level_imports(files[name])
+    axes = sorted(m for m in seen if m.startswith("training.axes") and m not in CONFIGURATION)
+    assert not axes, axes
+    core = [files[name] for name in files if name.startswith(CORE_LAUNCH)]
+    lazily = {m for path in core for m in project_imports(path) if m.startswith("training.axes.")} - CONFIGURATION
+    assert lazily, "the core launches no axis at all: the test reads nothing"
 
 
 SCRIPTS = sorted(p for p in (ROOT / "recipes").rglob("*.py") if p.name != "__init__.py")

@@ -31,7 +31,7 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
 - the operators torchtitan's per-op selective recomputation keeps (the flash and memory-efficient attention kernels,
   sdpa's CPU kernel, the functional reduce-scatter: `torch.ops.aten._scaled_dot_product_*`,
   `torch.ops._c10d_functional.reduce_scatter_tensor`) and torch's pytree leaves of an op's output, for the measurement
-  of what that policy keeps (training/plan/memory/saved.PerOpPolicy): see `selective_kept_ops`, `tensor_leaves`.
+  of what that policy keeps (training/measure/saved.PerOpPolicy): see `selective_kept_ops`, `tensor_leaves`.
 - DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
   out of a run whose optimizer is not Muon, see `skip_deepspeed_muon`.
 """
@@ -203,7 +203,7 @@ def pipeline_sends_to_own_rank() -> str | None:
     each stage to each neighbour, a neighbour on the same rank included, as torch 2.11 does; None where they hand a
     same-rank neighbour its value in memory (2.13 and 2.14: `PipelineScheduleMulti._warmup_p2p`). gloo makes no send
     from a rank to itself ("Pair is not connected", 2.11 and 2.13 alike), so a V-shaped schedule, whose middle stages
-    share a rank, fails there on the first step (training/parallel/schedules.check_schedule_on_gloo)."""
+    share a rank, fails there on the first step (training/axes/pipeline/schedules.check_schedule_on_gloo)."""
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
     return None if hasattr(PipelineScheduleMulti, "_warmup_p2p") else torch.__version__

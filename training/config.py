@@ -3,10 +3,8 @@
 `RunConfig` holds every flag of `recipes/train.py` (names as in transformers' `run_clm.py` and
 `TrainingArguments`; choices are `Literal`s, which the argument parser enforces) and owns the batch arithmetic
 (global batch = micro batch x accumulation x data-parallel ranks, the world over the tensor-parallel degree).
-`RunConfig.resolve` turns the parsed flags into the run's final config once, before any process group: every flag
-checked, then the accumulation --global_batch_size gives, the checkpoint's own tokenizer and the launch's precision
-filled in. The config is frozen: nothing changes it afterwards. The DeepSpeed JSON's `"auto"` values are resolved
-from it in `training/deepspeed_config.py`.
+`RunConfig.resolve` makes the run's final config once, before any process group (training/launch.py calls it); it is
+frozen. The DeepSpeed JSON's `"auto"` values are resolved from it in `training/deepspeed_config.py`.
 """
 
 from __future__ import annotations
@@ -212,10 +210,9 @@ class RunConfig(DataArguments):
     # ---------------------------------------------------------------- the run's final config
 
     def resolve(self, data_parallel_size: int, launch_precision: str = "no") -> RunConfig:
-        """The run's final config, made once before any process group: every flag checked (`validate`), then
-        what the flags and the launch settle, in a new RunConfig that nothing changes afterwards: the
-        accumulation --global_batch_size gives over `data_parallel_size` ranks (the launch's world over its
-        tensor-parallel degree: `training.strategy.launched_data_parallel_size`), the tokenizer of
+        """The run's final config, made once before any process group: every flag checked (`validate`), then what
+        the flags and the launch settle, in a new RunConfig: the accumulation --global_batch_size gives over
+        `data_parallel_size` ranks (training/launch.py's `Launched.data_parallel_ranks`), the tokenizer of
         --model_name_or_path's folder (unless --tokenizer_name), and the precision of the accelerate config's
         mixed_precision (`launch_precision`: "no" where it sets none)."""
         self.validate(data_parallel_size)
@@ -355,9 +352,7 @@ class RunConfig(DataArguments):
 
     def check_pipeline(self, micro_batches: int) -> None:
         """The pipeline flags against torch's schedules (`micro_batches`: the accumulation in force) and the model's
-        depth (training/axes/pipeline/runtime.py)."""
-        if self.pipeline_parallel_degree < 1:
-            raise ValueError(f"--pipeline_parallel_degree {self.pipeline_parallel_degree} must be at least 1")
+        depth (training/axes/pipeline/schedules.py). A degree below 1 is refused as the config is made."""
         if self.pipeline_parallel_degree == 1:
             raise ValueError(
                 f"--pipeline_parallel_virtual_stages {self.pipeline_parallel_virtual_stages} without pipeline "

@@ -11,6 +11,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -255,6 +256,29 @@ CPU_BUCKETS = {"reduce_bucket_size": 10_000_000, "allgather_bucket_size": 10_000
                "stage3_prefetch_bucket_size": 10_000_000}  # fmt: skip
 
 
+# DeepSpeed's defaults of the `zero_optimization` keys the memory and step-time planners read, where a JSON leaves
+# them out (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig; tests/training/test_config.py holds them to it).
+ZERO_DEFAULTS = {
+    "contiguous_gradients": True, "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+    "sub_group_size": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000, "stage3_model_persistence_threshold": sys.maxsize,
+}  # fmt: skip
+
+
+def zero_defaults(zero: dict) -> dict:
+    """`zero` with DeepSpeed's defaults where it leaves a key out; `overlap_comm` defaults on under ZeRO-3 only."""
+    stage = int(zero.get("stage", 0))
+    return {"overlap_comm": stage == 3, **ZERO_DEFAULTS, **zero}
+
+
+def auto_buckets(zero: dict, hidden_size: int) -> dict:
+    """The values of `zero`'s "auto" communication buckets, sized from the model as the HF Trainer sizes them."""
+    sizes = {"reduce_bucket_size": hidden_size * hidden_size,
+             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+             "stage3_param_persistence_threshold": 10 * hidden_size}  # fmt: skip
+    return {key: value for key, value in sizes.items() if zero.get(key) == "auto"}
+
+
 def cpu_capped(zero: dict) -> dict:
     """The buckets of a `zero_optimization` section that CPU ranks cap, at their caps."""
     return {key: cap for key, cap in CPU_BUCKETS.items() if float(zero.get(key, 0)) > cap}
@@ -270,14 +294,7 @@ def resolve_zero(zero: dict, cfg: RunConfig, hidden_size: int, source: str, cpu_
             "DeepSpeed would silently keep the parameters on the GPU: set stage to 3, or remove offload_param "
             "(offload_optimizer works with stages 1-3)"
         )
-    # Communication buckets sized from the model, as the HF Trainer does.
-    for key, value in (
-        ("reduce_bucket_size", hidden_size * hidden_size),
-        ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-        ("stage3_param_persistence_threshold", 10 * hidden_size),
-    ):
-        if zero.get(key) == "auto":
-            zero[key] = value
+    zero.update(auto_buckets(zero, hidden_size))
     capped = cpu_capped(zero) if cpu_ranks else {}
     if capped:
         logging.getLogger("shardgpt").info(

@@ -1,11 +1,11 @@
 """What a launch asks for, read and checked before any process group exists.
 
 `Strategy` is the typed answer (family, ZeRO stage, offload targets, FSDP version and sharding, data-parallel, shard and
-tensor-parallel degrees), holding the launch's mesh, built once per launch by `requested_strategy`
-(training/core/launch.py) from the launcher's environment and the DeepSpeed JSON; everything else reads its fields.
+tensor-parallel degrees), holding the launch's mesh, built once per launch by its family (training/core/) as
+training/launch.py resolves the launch; everything else reads its fields.
 Its `name` (`zero3-offload-cpu`, `fsdp-shard-grad-op`) is how people and records spell it, and `Strategy.from_name` is
 the one place a name is read back: the planner's --strategy choices, the strategy a checkpoint or a measurement
-recorded. The checks that refuse a launch that could not run as asked are training/core/launch_checks.py's.
+recorded. The checks that refuse a launch that could not run as asked are its family's and each axis's.
 """
 
 from __future__ import annotations

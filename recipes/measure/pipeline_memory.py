@@ -5,8 +5,8 @@ under GPipe and 1F1B, measured beside the memory planner's prediction.
     python recipes/measure/pipeline_memory.py --pp 2 4 --micro_batches 4 8 16 --json rows.json
     python recipes/measure/pipeline_memory.py --rows rows.json  # table and plot of an earlier run's --json
 
-One process per stage (gloo, one thread each), training/axes/pipeline/runtime.py's stages of the model run by torch's
-schedules (training/loop/bubble.measure_model). Per stage: the step (the fastest of --steps), the share of it the stage
+One process per stage (gloo, one thread each), training/axes/pipeline/'s stages of the model run by torch's schedules
+(`measure_model`, training/measure/bubble.py). Per stage: the step (the fastest of --steps), the share of it the stage
 computed (its forward and backward, the training's busy clock) against M / (M + P - 1), and the most bytes it held for
 its backward at once (autograd's saved tensors and the stage's kept outputs, counted live), against the planner's
 `held_for_backward` (training/plan/memory/stages.stage_held). fp32. More stages than cores slows every stage: the bytes

@@ -3,7 +3,7 @@ the ZeRO paper.
 
 For every strategy, on every rank: the bytes of parameters, fp32 master copies, gradients and optimizer states
 that the engine really holds equal recipes/plan_memory.py's count to the byte; and they differ from the ZeRO
-paper's formulas (recipes/plan_memory.zero_paper) by exactly the terms asserted below, each computed here in
+paper's formulas (training/plan/memory/planner.zero_paper) by exactly the terms asserted below, each computed here in
 closed form from the model's shape. The `tiny` preset on 2 ranks has only even dimensions, so no padding
 term appears; the 3-rank launches of `debug` (odd shards, alignment padding) check the planner alone.
 """

@@ -202,7 +202,7 @@ def test_torch_compile_trains_the_same(launcher, config, corpus, reference, tmp_
     """--torch_compile (inductor) under each strategy: each decoder layer is compiled before the strategy wraps the
     model (the `debug` preset's 2), the losses match one eager process within FP32_RTOL, the export works, and
     compile time is logged apart. FSDP2 x TP on 4 ranks too: the compiled first layer takes the embedding's
-    reduce-scattered rows once they have arrived (training/parallel/tensor.arrive_before_compiled), and the compiled
+    reduce-scattered rows once they have arrived (training/axes/tensor/plan.arrive_before_compiled), and the compiled
     layers keep torch's layout of the saved activations."""
     run = launch_cell(launcher, config, ["--torch_compile"], corpus, tmp_path)
     assert run.strategy["compiled_blocks"] == 2, run.strategy

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism trains the one process's model, by configuration alone (training/axes/sequence.py).
+"""Ulysses sequence parallelism trains the one process's model, by configuration alone (training/axes/ulysses.py).
 
 Each launch splits every sequence over 2 ranks (sp 2) with the global batch of the reference (8 sequences): the
 loader slices the positions, DeepSpeed's attention exchanges them, and the loss of each slice is its share of the

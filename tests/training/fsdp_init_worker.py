@@ -35,13 +35,13 @@ def main() -> dict:
     accelerator = make_accelerator(cfg, launch.strategy, launch.environment)  # collective
     set_seed(cfg.seed)
     on_meta = []  # whether every parameter was still on meta when construction ended, before the sharding
-    shard = training.core.build.shard_on_meta
+    shard = training.core.fsdp.shard_on_meta
 
     def spy(accelerator, net):
         on_meta.append(all(p.is_meta for p in net.parameters()))
         return shard(accelerator, net)
 
-    training.core.build.shard_on_meta = spy
+    training.core.fsdp.shard_on_meta = spy
     net = build_model(config, StandInTokenizer(config.vocab_size), accelerator=accelerator)  # collective
     after = torch.rand(4)  # the global RNG after construction: a plain build's on every rank
     optimizer = make_optimizer(cfg, net, None, fused=False)

@@ -7,7 +7,7 @@ model; rank 0 writes both runs' losses and gradient norms to OUT/<spec>.json.
 
 DATA_PARALLEL, over the world / PP pipelines: ddp (the default: an all-reduce of whole copies) or fsdp (FSDP2
 shards each stage over the data-parallel ranks); or tp: the world / PP ranks of a stage split its layers by the
-model's plan with sequence parallelism (training/parallel/tensor.split_stage), one pipeline; or fsdp-tp: pairs of
+model's plan with sequence parallelism (training/axes/tensor/plan.split_stage), one pipeline; or fsdp-tp: pairs of
 ranks split each stage's layers so, and FSDP2 shards the slices over the world / (2 PP) pairs (FSDP2 x TP x PP).
 
 Every rank also writes OUT/<spec>-states-rank<R>.json: the bytes of the parameters, gradients and Adam's states its

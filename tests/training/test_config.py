@@ -372,3 +372,30 @@ def test_a_ddp_and_an_fsdp2_yaml_with_dp_replicate_x_tp_are_one_strategy(monkeyp
     fsdp = resolve_launch(cfg(per_device_train_batch_size=4)).strategy
     assert ddp == fsdp and ddp.name == "fsdp-hybrid-tp2", (ddp, fsdp)
     assert (ddp.replicas, ddp.shard_size, ddp.tp_size, ddp.data_parallel_size) == (2, 1, 2, 2)
+
+
+def test_the_zero_defaults_the_planners_read_are_deepspeeds():
+    """The planners read DeepSpeed's `zero_optimization` defaults from one table (training/deepspeed_config.py's
+    ZERO_DEFAULTS) without importing DeepSpeed: it is DeepSpeed's own model of the section, key by key, and
+    `overlap_comm` defaults on under ZeRO-3 only, as DeepSpeed resolves it."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from training.deepspeed_config import ZERO_DEFAULTS, zero_defaults
+
+    model = DeepSpeedZeroConfig()
+    by_key = {(f.alias or name): getattr(model, name) for name, f in DeepSpeedZeroConfig.model_fields.items()}
+    assert {key: by_key[key] for key in ZERO_DEFAULTS} == ZERO_DEFAULTS
+    for stage in (1, 2, 3):
+        assert zero_defaults({"stage": stage})["overlap_comm"] == DeepSpeedZeroConfig(stage=stage).overlap_comm
+
+
+def test_the_planner_finds_each_zero_strategys_json_in_the_shipped_configs():
+    """The JSON the planner plans each ZeRO strategy with is the one its shipped accelerate config launches."""
+    from training.plan.memory.layout import STRATEGIES, shipped_json
+
+    zero = [name for name in STRATEGIES if name.startswith("zero")]
+    assert {name: shipped_json()[name].name for name in zero} == {
+        "zero1": "zero1.json", "zero2": "zero2.json", "zero2-offload-cpu": "zero2_offload.json", "zero3": "zero3.json",
+        "zero3-offload-cpu": "zero3_offload_cpu.json", "zero3-offload-nvme": "zero3_offload_nvme.json",
+        "zero1-autotp": "autotp.json",
+    }  # fmt: skip

@@ -10,6 +10,8 @@ import pytest
 from model import ShardGPTConfig
 from training.flops import flops_per_token
 from training.plan import layouts as lay
+from training.plan import step_compute as sc
+from training.plan import step_layout as sl
 from training.plan import step_time as st
 from training.plan.communication import ModelShape
 from training.plan.hardware import GPU_KINDS, cluster
@@ -30,7 +32,8 @@ from training.plan.published import (
     run_layout,
 )
 from training.plan.ring import DEEPSPEED_BUCKET_ELEMENTS, GPT_TENSORS_OUTSIDE, GPT_TENSORS_PER_LAYER
-from training.plan.step_time import Layout, predict_step
+from training.plan.step_layout import Layout
+from training.plan.step_time import predict_step
 
 CONFIG = ShardGPTConfig.from_preset("llama-1b")
 SEQ = 2048
@@ -84,30 +87,30 @@ def test_compute_is_matmul_flops_at_the_efficiency_plus_memory_bound_bytes_at_hb
     tokens = 4 * 2 * SEQ
     matmuls = flops_per_token(CONFIG, SEQ) * tokens / (989e12 * gpus.efficiency)
     h, layers, vocab = CONFIG.hidden_size, CONFIG.num_hidden_layers, CONFIG.vocab_size
-    memory = 2 * (st.ELEMENTWISE_ACCESSES * h * layers + st.VOCAB_ACCESSES * vocab) * tokens / 3.35e12
+    memory = 2 * (sc.ELEMENTWISE_ACCESSES * h * layers + sc.VOCAB_ACCESSES * vocab) * tokens / 3.35e12
     assert row["compute_seconds"] == pytest.approx(matmuls + memory)
     # One GPU: nothing to send, so MFU is the compute's alone, below the matrix units' efficiency.
     assert row["communication_seconds"] == 0
     assert row["mfu"] == pytest.approx(flops_per_token(CONFIG, SEQ) * tokens / 989e12 / (matmuls + memory))
     ckpt = predict_step(CONFIG, gpus, Layout("ddp", 1, micro_batch=4, micro_batches=2, checkpointing=True), SEQ)
-    forward = 2 * st.ELEMENTWISE_ACCESSES * h * layers / 3 * tokens / 3.35e12  # the recomputed forward's
+    forward = 2 * sc.ELEMENTWISE_ACCESSES * h * layers / 3 * tokens / 3.35e12  # the recomputed forward's
     assert ckpt["compute_seconds"] == pytest.approx(4 / 3 * matmuls + memory + forward)
 
 
 def test_attention_written_out_reads_and_writes_every_score():
     heads, layers = CONFIG.num_attention_heads, CONFIG.num_hidden_layers
-    flash = st.memory_bound_bytes_per_token(CONFIG, SEQ, False)
-    eager = st.memory_bound_bytes_per_token(CONFIG, SEQ, False, "eager")
+    flash = sc.memory_bound_bytes_per_token(CONFIG, SEQ, False)
+    eager = sc.memory_bound_bytes_per_token(CONFIG, SEQ, False, "eager")
     assert eager - flash == pytest.approx(2 * layers * heads * SEQ * (4 + 6))
     dropout = ShardGPTConfig.from_preset("llama-1b", attention_dropout=0.1)
-    assert st.memory_bound_bytes_per_token(dropout, SEQ, False, "eager") - flash == pytest.approx(
+    assert sc.memory_bound_bytes_per_token(dropout, SEQ, False, "eager") - flash == pytest.approx(
         2 * layers * heads * SEQ * (6.5 + 8.5)
     )
-    eager_ckpt = st.memory_bound_bytes_per_token(CONFIG, SEQ, True, "eager")
-    ckpt = eager_ckpt - st.memory_bound_bytes_per_token(CONFIG, SEQ, True)
+    eager_ckpt = sc.memory_bound_bytes_per_token(CONFIG, SEQ, True, "eager")
+    ckpt = eager_ckpt - sc.memory_bound_bytes_per_token(CONFIG, SEQ, True)
     assert ckpt == pytest.approx(2 * layers * heads * SEQ * (2 * 4 + 6))  # the recomputed forward writes them again
     with pytest.raises(ValueError, match="attn_implementation 'flash': choose one of sdpa, eager"):
-        st.memory_bound_bytes_per_token(CONFIG, SEQ, False, "flash")
+        sc.memory_bound_bytes_per_token(CONFIG, SEQ, False, "flash")
 
 
 def test_the_hardware_constants_are_the_calibrations_solution_and_reproduce_its_runs():
@@ -116,7 +119,7 @@ def test_the_hardware_constants_are_the_calibrations_solution_and_reproduce_its_
     solved = calibrate()
     assert GPU_KINDS["h100"].efficiency == pytest.approx(solved["h100"], abs=1e-4)
     assert GPU_KINDS["a100-80gb"].efficiency == pytest.approx(solved["a100-80gb"], abs=1e-4)
-    assert abs(st.ELEMENTWISE_ACCESSES - solved["elementwise_accesses"]) < 0.1
+    assert abs(sc.ELEMENTWISE_ACCESSES - solved["elementwise_accesses"]) < 0.1
     for r in compare_mfu(CALIBRATION):
         assert r["communication_seconds"] == 0 and abs(r["error"]) < 0.06
 
@@ -281,7 +284,7 @@ def test_the_plan_ranks_layouts_that_fit_fastest_first():
 def test_a_pinned_micro_batch_is_tried_even_off_the_default_list():
     """A run's own micro batch (torchtitan's 8B x TP 8 ran 12 sequences a rank) is planned as pinned, where the
     enumeration's own list (MICRO_BATCHES) lacks it."""
-    assert 12 not in st.MICRO_BATCHES
+    assert 12 not in sl.MICRO_BATCHES
     pinned = lay.layouts(CONFIG, cluster("h100", 16), 192, SEQ, dict(dp=16, micro_batch=12, strategy="fsdp"))
     assert pinned and {(p.micro_batch, p.micro_batches) for p in pinned} == {(12, 1)}
 
@@ -314,7 +317,7 @@ def test_the_default_enumeration_holds_only_layouts_train_py_runs_and_any_layout
     assert {lay.strategy for lay in here if lay.tp > 1 and lay.pp == 1} == {"zero1", "zero2", "zero3", *fsdp2}
     assert {lay.strategy for lay in here if lay.pp > 1} == {"ddp", *fsdp2}
     assert {lay.strategy for lay in here if lay.pp > 1 and lay.tp > 1} == {"ddp", *fsdp2}
-    assert {lay.strategy for lay in here if lay.sp > 1} == set(st.WITH_SEQUENCE_PARALLEL)
+    assert {lay.strategy for lay in here if lay.sp > 1} == set(sl.WITH_SEQUENCE_PARALLEL)
     every = lay.layouts(CONFIG, gpus, 512, SEQ, any_layout=True)
     assert set(here) < set(every) and {lay for lay in every if lay.runs_here} == set(here)
     megatron = [lay for lay in every if not lay.runs_here]
@@ -363,7 +366,7 @@ def test_zero3_per_gpu_throughput_falls_with_gpus_at_a_fixed_batch_while_tensor_
 
 def test_zero3_of_2021_overlaps_nothing_and_reduces_fp16_and_recomputation_gathers_again():
     """Megatron-LM 2021's ZeRO-3 ran DeepSpeed 0.3, whose every parameter gather first synchronized the device
-    (step_time.STACKS): its gathers and reduce-scatters run after the compute, none beside it, a call per tensor, the
+    (step_layout.STACKS): its gathers and reduce-scatters run after the compute, none beside it, a call per tensor, the
     gradients in fp16.
     Past the live-parameter limits (a 175B model), a recomputed forward gathers each layer's parameters once more."""
     run = MEGATRON_TABLE_2[1]  # 175B, ZeRO-3 on 768 A100s
@@ -377,7 +380,7 @@ def test_zero3_of_2021_overlaps_nothing_and_reduces_fp16_and_recomputation_gathe
     # a module's parameters together and reduces in buckets; each of the three passes (forward, recomputed forward,
     # backward) gathers every tensor once.
     latency = st.ring_latency("all_gather", layout.dp, a100s.nodes_spanned(run.gpus))  # that of a reduce-scatter too
-    layers, shape = config.num_hidden_layers, st.rank_shape(config, layout)
+    layers, shape = config.num_hidden_layers, sc.rank_shape(config, layout)
     per_tensor = GPT_TENSORS_PER_LAYER * layers + GPT_TENSORS_OUTSIDE
     today_calls = 3 * 7 * layers + 1  # each linear layer's weight a pass, and the root once
     assert before["all_gather"] - seconds["all_gather"] == pytest.approx((3 * per_tensor - today_calls) * latency)
@@ -459,7 +462,7 @@ def test_sequence_parallelism_splits_the_hidden_wide_kernels_over_tp_and_sends_t
     whole, split = (predict_step(BIG, gpus, lay, 4096) for lay in (plain, sequence))
     # Without it every tp rank runs REPLICATED_SHARE of the memory-bound bytes whole: (1 - 1/tp) of them extra.
     tokens = 4 * 4096
-    replicated = 2 * st.REPLICATED_SHARE * st.ELEMENTWISE_ACCESSES * BIG.hidden_size * BIG.num_hidden_layers
+    replicated = 2 * sc.REPLICATED_SHARE * sc.ELEMENTWISE_ACCESSES * BIG.hidden_size * BIG.num_hidden_layers
     extra = tokens * replicated * (1 - 1 / 8) / gpus.hbm_bw
     assert whole["compute_seconds"] - split["compute_seconds"] == pytest.approx(extra, rel=1e-9)
     # An all-gather and a reduce-scatter in place of each all-reduce (the same ring time), the column-split modules'
@@ -496,7 +499,7 @@ def test_megatron_cores_distributed_optimizer_reduce_scatters_behind_the_last_ba
     assert set(sent) == {"reduce_scatter", "all_gather"}
     assert sent["reduce_scatter"][1] == "backward" and sent["all_gather"][1] == "forward"
     # bf16 both ways, the rank's slice of the model (1/tp of the matrices), one ring each
-    shape = st.rank_shape(BIG, lay)
+    shape = sc.rank_shape(BIG, lay)
     bandwidth = gpus.link_bandwidth(128, 8)
     assert sent["reduce_scatter"][0] > st.gather_seconds(2 * shape.parameters, 16, bandwidth)
     assert sent["all_gather"][0] == pytest.approx(sent["reduce_scatter"][0], rel=1e-3)
@@ -543,7 +546,7 @@ def test_selective_recomputation_keeps_less_than_none_more_than_full_and_costs_t
     g = BIG.num_key_value_heads * BIG.head_dim
     tokens, layers = 2 * 4096, BIG.num_hidden_layers  # each rank's micro batch
     gemm = 2 * (h * g + h * h + h * f) * layers * tokens / (gpus.peak_flops * gpus.efficiency)  # k, o, up's forward
-    accesses = st.ACTIVATION_BYTES * st.ELEMENTWISE_ACCESSES * h * layers / 3  # the memory-bound forward, per token
+    accesses = st.ACTIVATION_BYTES * sc.ELEMENTWISE_ACCESSES * h * layers / 3  # the memory-bound forward, per token
     assert times["selective"] - times["none"] == pytest.approx(gemm + accesses * tokens / gpus.hbm_bw)
 
 
@@ -554,11 +557,11 @@ def test_selective_recomputation_runs_the_even_gemms_of_torchtitans_policy_again
     from training.plan.published import llama
 
     eight_b = llama("llama-3-8b")
-    assert list(st.layer_gemms(eight_b)) == ["q", "k", "v", "o", "gate", "up", "down"]
-    assert sum(st.layer_gemms(eight_b).values()) == st.layer_parameters(eight_b)
+    assert list(sc.layer_gemms(eight_b)) == ["q", "k", "v", "o", "gate", "up", "down"]
+    assert sum(sc.layer_gemms(eight_b).values()) == sc.layer_parameters(eight_b)
     k, o, up = 4096 * 1024, 4096 * 4096, 4096 * 14336
-    assert st.selective_recomputed_gemms(eight_b) == pytest.approx((k + o + up) / (2 * o + 2 * k + 3 * up))
-    assert st.selective_recomputed_gemms(eight_b) == pytest.approx(0.365, abs=5e-4)
+    assert sc.selective_recomputed_gemms(eight_b) == pytest.approx((k + o + up) / (2 * o + 2 * k + 3 * up))
+    assert sc.selective_recomputed_gemms(eight_b) == pytest.approx(0.365, abs=5e-4)
 
 
 def test_fp8_under_sequence_parallelism_gathers_a_byte_an_element():
@@ -593,7 +596,7 @@ def test_a_whole_logits_loss_and_gathered_units_are_memory_the_composed_layout_h
     assert chunked[1] == whole[1] == "composed"
     logits = whole_logits_bytes(BIG, 1, 4096, 2) - logits_bytes(BIG, 1, 4096, 2)
     assert whole[0] - chunked[0] == pytest.approx(logits / 2)  # a tp-th of the vocabulary on each rank
-    psi = st.rank_shape(BIG, base).parameters
+    psi = sc.rank_shape(BIG, base).parameters
     assert memory(replace(base, strategy="fsdp-shard-grad-op"))[0] - chunked[0] == 2 * psi
     piped = replace(base, pp=4, micro_batches=8)
     assert memory(piped)[0] == memory(replace(piped, strategy="fsdp-shard-grad-op"))[0]
@@ -608,17 +611,17 @@ def test_fp8_speeds_the_layers_linear_gemms_only_and_pays_their_casts():
     bf16 = Layout("fsdp", 8, micro_batch=2)
     a, b = (predict_step(BIG, gpus, x, 4096)["compute_seconds"] for x in (bf16, replace(bf16, fp8=True)))
     tokens = 2 * 4096 / 1  # one rank's, fsdp: its own batch
-    linear = 6 * st.layer_parameters(BIG) * BIG.num_hidden_layers * tokens / (gpus.peak_flops * gpus.efficiency)
-    casts = 2 * st.fp8_cast_accesses(BIG) * BIG.num_hidden_layers * tokens / gpus.hbm_bw
+    linear = 6 * sc.layer_parameters(BIG) * BIG.num_hidden_layers * tokens / (gpus.peak_flops * gpus.efficiency)
+    casts = 2 * sc.fp8_cast_accesses(BIG) * BIG.num_hidden_layers * tokens / gpus.hbm_bw
     assert a - b == pytest.approx(linear / 2 - casts, rel=1e-9)
 
 
 def test_compiled_kernels_count_fewer_memory_bound_accesses():
-    eager, compiled = (st.memory_bound_bytes_per_token(BIG, 4096, False, compiled=c) for c in (False, True))
-    vocab = 2 * st.VOCAB_ACCESSES * BIG.vocab_size
+    eager, compiled = (sc.memory_bound_bytes_per_token(BIG, 4096, False, compiled=c) for c in (False, True))
+    vocab = 2 * sc.VOCAB_ACCESSES * BIG.vocab_size
     per_layer = 2 * BIG.hidden_size * BIG.num_hidden_layers
-    assert (eager - vocab) / per_layer == pytest.approx(st.ELEMENTWISE_ACCESSES)
-    assert (compiled - vocab) / per_layer == pytest.approx(st.COMPILED_ELEMENTWISE_ACCESSES)
+    assert (eager - vocab) / per_layer == pytest.approx(sc.ELEMENTWISE_ACCESSES)
+    assert (compiled - vocab) / per_layer == pytest.approx(sc.COMPILED_ELEMENTWISE_ACCESSES)
 
 
 def test_fsdp2_x_tp_and_ddp_x_tp_x_pp_run_here_and_memory_is_checked_in_gib():

@@ -1,5 +1,5 @@
 """Which model-parallel axis composes with which data-parallel wrapper: one table, read by the launch checks
-(training/core/launch.py, sequence.py), the memory planner (training/plan/memory/stages.py, fit.py), the
+(training/launch.py, sequence.py), the memory planner (training/plan/memory/stages.py, fit.py), the
 step-time planner (training/plan/step_time.py, layouts.py), recipes/compare.py and the doctor.
 
 A wrapper is what holds the data-parallel copies: one process (`single`), DDP, FSDP or a DeepSpeed engine by its
@@ -42,7 +42,7 @@ AXES = {
         alone=False,
     ),
     # DeepSpeed's Ulysses: the engine reduces the gradients over the sequence-parallel ranks
-    # (training/axes/sequence.py).
+    # (training/axes/ulysses.py).
     "sp": Axis("sequence parallelism (Ulysses)", DEEPSPEED),
     # torch's ring attention through accelerate, over FSDP2's dp_shard x cp mesh (CUDA only).
     "cp": Axis("context parallelism (ring attention)", ("fsdp",)),

@@ -211,7 +211,7 @@ def write_report(results: list[Result], args, extra: list[str], out: Path, machi
         where = "the GPU's share" if on_gpu else "everything one rank holds in host memory (GPU share + offload)"
         lines += [
             "",
-            f"**predicted**: `recipes/plan_memory.predict(...)`, {where}, for the run's model, strategy, world "
+            f"**predicted**: the planner's `predict(...)`, {where}, for the run's model, strategy, world "
             "size, precision, micro batch and sequence length: model states, activations, logits and temporary "
             "buffers. It does not count the runtime (Python, torch, DeepSpeed, the data) that RSS includes.",
         ]

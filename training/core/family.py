@@ -42,8 +42,14 @@ def family_named(family: str, fsdp_version: int = 2) -> Family:
 
 
 def family_for(accelerator: Accelerator | None) -> Family:
-    """The family of an Accelerator as made (`make_accelerator`): for what only needs the prepared state."""
-    kind = accelerator.distributed_type.name if accelerator is not None else "NO"
+    """The family of an Accelerator as made (`make_accelerator`): for what only needs the prepared state. Without one
+    (the HF Trainer's build, before its Accelerator exists), ZeRO-3's where transformers' DeepSpeed config says so."""
+    if accelerator is None:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        kind = "DEEPSPEED" if is_deepspeed_zero3_enabled() else "NO"
+    else:
+        kind = accelerator.distributed_type.name
     if kind == "FSDP":
         return family_named("fsdp", accelerator.state.fsdp_plugin.fsdp_version)
     return family_named("deepspeed" if kind == "DEEPSPEED" else "ddp")

@@ -240,7 +240,7 @@ def ulysses_parallelism_config(strategy: Strategy, env: Environment):
     """The accelerate `ParallelismConfig` that turns Ulysses on in `prepare` for a launch whose degree came from
     the DeepSpeed JSON (no accelerate YAML block): the launch's mesh, sp over consecutive ranks, the rest
     data-parallel. None where the YAML's own block is in force (accelerate reads it) or without sequence
-    parallelism (training/axes/sequence.py)."""
+    parallelism (training/axes/ulysses.py)."""
     if strategy.sp_size == 1 or env.block is not None:
         return None
     from accelerate.parallelism_config import ParallelismConfig

@@ -48,7 +48,7 @@ def train_step(accelerator, net, optimizer, scheduler, micro_batches, loss_scale
     FSDP1's process group; `clip_gradients`).
 
     `context(micro)`, if given, is a context manager each micro batch's forward and backward run in (ring context
-    parallelism shards the micro batch's positions in it: training/axes/sequence.py).
+    parallelism shards the micro batch's positions in it: training/axes/ulysses.py).
 
     Returns the global batch's loss, the gradient norm (before clipping) and whether fp16 loss scaling skipped the
     update. Raises `NonFiniteLossError` before the optimizer step if the loss or the norm is not finite (unless

@@ -12,7 +12,7 @@ from pathlib import Path
 from model import ShardGPTConfig
 from training.paths import ROOT
 from training.plan.memory import planner as pm
-from training.plan.memory.layout import Layout, layout, tensor_parallel_size, zero_config
+from training.plan.memory.layout import Layout, layout, zero_config
 from training.plan.memory.states import Item, bytes_by_category, model_states
 from training.strategy import Strategy
 
@@ -51,7 +51,7 @@ def planner_inputs(record: dict) -> tuple[Layout, Strategy, dict | None]:
     or FSDP2 x TP), the strategy and the resolved ZeRO section."""
     config = ShardGPTConfig.from_preset(record["preset"], vocab_size=record["vocab_size"])
     strategy = recorded_strategy(record)
-    tp = tensor_parallel_size(strategy, record["ds_config"])
+    tp = strategy.tp_size
     zero = None
     if strategy.family == "deepspeed":
         zero = zero_config(strategy, config, record["world_size"] // tp, record["precision"],
@@ -64,7 +64,7 @@ def planned(record: dict) -> list[Item]:
     (under tensor parallelism: the rank's slice, over the data-parallel ranks; tp is the mesh's inner dimension;
     under hybrid FSDP2 over the ranks of its copy, dp_shard inside dp_replicate)."""
     lay, strategy, zero = planner_inputs(record)
-    tp = tensor_parallel_size(strategy, record["ds_config"])
+    tp = strategy.tp_size
     world, rank = record["world_size"] // tp, record["rank"] // tp
     if strategy.family == "fsdp":
         world, rank = strategy.shard_size, rank % strategy.shard_size

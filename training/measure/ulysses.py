@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from data.loader import _shard
+from data import rank_micro_batches
 from model import ShardGPTForCausalLM
 from training.measure.saved import HeldBytes
 from training.measure.spawned import config_for, join, run_ranks
@@ -31,7 +31,7 @@ def _rank(rank: int, sp: int, port: int, queue, preset: str, micro: int, block: 
         deepspeed.init_distributed("gloo")  # collective
         UlyssesSPAttentionHF.register_with_transformers(net, "sdpa", sp, micro, seq_length_is_variable=True)
     tokens = torch.randint(0, config.vocab_size, (micro, block + 1))
-    (batch,) = _shard(tokens[:, :-1], tokens[:, 1:], micro, 1, 1, 0, (sp, rank))
+    (batch,) = rank_micro_batches(tokens[:, :-1], tokens[:, 1:], micro, 1, 1, 0, (sp, rank))
     counter = HeldBytes(net.parameters())
     with counter.saving():
         loss = net(**batch).loss  # collectives inside: the all-to-alls, the position gather

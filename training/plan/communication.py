@@ -127,7 +127,7 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
                      micro_batches: int, hidden_size: int,
                      bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
     """The payload bytes per rank and step under FSDP2 x TP (the model's plan with torch's DTensor styles and
-    Megatron's sequence parallelism, training/parallel/tensor.sequence_parallel_plan), measured to the byte on 4 CPU
+    Megatron's sequence parallelism, training/axes/tensor/plan.sequence_parallel_plan), measured to the byte on 4 CPU
     ranks (dp_shard 2 x tp 2, and dp_replicate 2 x tp 2: DDP x TP) and on 8 (hybrid: dp_replicate 2 x dp_shard 2 x tp
     2) with one micro batch a step. `split_modules`: the count of each style the plan split (2 row-split modules a
     layer); each activation collective carries micro_tokens x hidden.
@@ -173,7 +173,7 @@ def dtensor_payloads(strategy, shape: ModelShape, split_modules: dict[str, int],
 
 
 def vocab_parallel_loss_bytes(tokens: int, hidden_size: int) -> int:
-    """All-reduced bytes of the loss over vocabulary shards (training/parallel/tensor.vocab_parallel_cross_entropy)
+    """All-reduced bytes of the loss over vocabulary shards (training/axes/tensor/vocab.vocab_parallel_cross_entropy)
     for a micro batch of `tokens`, in fp32 whatever the run computes in: the logits' row maxima, the softmax's
     denominators and the targets' logits (3 a token), and the hidden states' gradient (hidden a token)."""
     return 4 * tokens * (3 + hidden_size)
@@ -258,7 +258,7 @@ def pipeline_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mi
 def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
                      bytes_per_element: int = 4) -> dict[str, int] | None:  # fmt: skip
     """The payload bytes per rank and step under DeepSpeed's Ulysses sequence parallelism
-    (training/axes/sequence.py), measured to the byte on 2 and 4 CPU ranks; None where the ZeRO stage has no closed
+    (training/axes/ulysses.py), measured to the byte on 2 and 4 CPU ranks; None where the ZeRO stage has no closed
     form. `config`: the model's ShardGPTConfig; `micro_tokens`: a micro batch's sequences x block (whole sequences; each
     rank holds 1/sp of them).
 

@@ -11,7 +11,7 @@ HBM bandwidth, what memory-bound kernels (norms, activations, residuals, the los
 out) run at: the data sheets' 3.35 TB/s (H100 SXM), 4.8 (H200), 2.039 (A100 80GB SXM), 1.555 (A100 40GB).
 
 `efficiency`: the share of peak the matrix multiplies reach (attention's included, FlashAttention's kernels); the
-memory-bound work is counted apart, at HBM bandwidth (training/plan/step_time.py's ELEMENTWISE_ACCESSES). Both
+memory-bound work is counted apart, at HBM bandwidth (training/plan/step_compute.py's ELEMENTWISE_ACCESSES). Both
 are calibrated once, on one node, on MosaicML llm-foundry's published single-node sweep (scripts/train/benchmarking/
 README.md: MPT 125M to 7B, 8 GPUs, sequence 2048, FSDP full shard, no activation checkpointing, where NVLink hides
 FSDP's gathers): `training/plan/published.calibrate` solves them, tests/training/test_step_time.py checks that
@@ -30,7 +30,7 @@ GB = 1e9
 H100_NVL_PEAK = 835e12  # H100 NVL's dense bf16 (its data sheet: 1,671 with sparsity), at 350-400 W
 H100_500W_PEAK = H100_NVL_PEAK + (PEAK_FLOPS["H100"] - H100_NVL_PEAK) * (500 - 400) / (700 - 400)
 # `training/plan/published.calibrate()`'s solution (module docstring); the memory-bound count beside them is
-# step_time.ELEMENTWISE_ACCESSES.
+# step_compute.ELEMENTWISE_ACCESSES.
 H100_EFFICIENCY = 0.5708
 A100_EFFICIENCY = 0.7702
 

@@ -25,17 +25,16 @@ from training.plan.memory.layout import repo_json
 from training.plan.memory.planner import predict, zero_paper
 from training.plan.memory.stages import PIPELINE_SCHEDULES, gathered_stage, in_flight, interleaved_in_flight
 from training.plan.ring import ACTIVATION_BYTES
-from training.plan.step_time import (
+from training.plan.step_compute import model_flops_per_token, rank_shape
+from training.plan.step_layout import (
     DP_STRATEGIES,
     MICRO_BATCHES,
     WITH_PIPELINE,
     WITH_SEQUENCE_PARALLEL,
     WITH_TENSOR_PARALLEL,
     Layout,
-    model_flops_per_token,
-    predict_step,
-    rank_shape,
 )
+from training.plan.step_time import predict_step
 from training.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -140,7 +139,7 @@ def degree_options(config: ShardGPTConfig, num_gpus: int, gpus_per_node: int, se
                    fixed: dict[str, int | None]) -> list[tuple[int, int, int, int]]:  # fmt: skip
     """(tp, pp, sp, dp) with tp x pp x sp x dp = num_gpus: tp within a node and dividing the heads and key-value
     heads, pp dividing the layers, sp dividing the heads and the sequence and a multiple or divisor of the key-value
-    heads (Ulysses, as training/axes/sequence.py checks); `fixed` pins any of them."""
+    heads (Ulysses, as training/axes/ulysses.py checks); `fixed` pins any of them."""
     heads, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     out = []
     for tp in divisors(num_gpus):

@@ -4,7 +4,7 @@ authors report them.
 Calibration (`CALIBRATION`, `calibrate`): MosaicML llm-foundry's single-node sweep (scripts/train/benchmarking/
 README.md): MPT 125M to 7B, 8 GPUs, sequence 2048, FSDP full shard, no activation checkpointing, on A100 80GB and
 H100 80GB. It fixes three numbers: each GPU kind's matrix-unit efficiency and the memory-bound accesses per hidden unit
-(training/plan/hardware.py, step_time.ELEMENTWISE_ACCESSES).
+(training/plan/hardware.py, step_compute.ELEMENTWISE_ACCESSES).
 
 Checked against, outside the calibration:
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21):
@@ -40,7 +40,9 @@ from model import ShardGPTConfig
 from training.flops import PEAK_FLOPS
 from training.plan.hardware import cluster
 from training.plan.ring import ACTIVATION_BYTES
-from training.plan.step_time import VOCAB_ACCESSES, Layout, model_flops_per_token, predict_step
+from training.plan.step_compute import VOCAB_ACCESSES, model_flops_per_token
+from training.plan.step_layout import Layout
+from training.plan.step_time import predict_step
 
 SEQ_LEN, VOCAB = 2048, 51200
 ATTENTION_DROPOUT = 0.1  # Megatron-LM's default --attention-dropout, on scores written out (no FlashAttention then)
@@ -235,7 +237,7 @@ def llama(name: str) -> ShardGPTConfig:
 # at sequence 8192 on Meta's 96 GB HBM2e H100s ("h100-hbm2e"), tokens/s per GPU as published, turned into MFU by PaLM's
 # count against the SXM peak (the page's own convention: 8B at 33-39%). FSDP2 (with TP: torchtitan's SequenceParallel on
 # the norms, Megatron's sequence parallelism); "selective" activation checkpointing as torchtitan's per-op policy
-# (step_time.selective_recomputed_gemms, activations.selective_layer_bytes), "full" as full; torch.compile, fp8
+# (step_compute.selective_recomputed_gemms, activations.selective_layer_bytes), "full" as full; torch.compile, fp8
 # (torchao's float8 linears) and async TP where stated. Its pipelines as torchtitan at the benchmarks' commit 9dec370
 # runs them where the page states nothing more: the local batch split into as many micro batches as stages
 # (pipelining_utils.py's `pipeline_parallel_microbatches` default: 8 of 4 sequences for the 405B's local 32),
@@ -387,7 +389,7 @@ def compare_tuned(runs: list[TunedRun]) -> list[dict]:
 def calibrate() -> dict[str, float]:
     """The matrix units' efficiency per GPU kind and ELEMENTWISE_ACCESSES, solved by least squares (relative error)
     from CALIBRATION: on one node, nothing exposed, 1 / MFU = 1 / efficiency + peak x memory-bound seconds per model
-    FLOP (step_time.compute_seconds), linear in (1 / efficiency of each kind, ELEMENTWISE_ACCESSES)."""
+    FLOP (step_compute.compute_seconds), linear in (1 / efficiency of each kind, ELEMENTWISE_ACCESSES)."""
     kinds = sorted({run.gpu for run in CALIBRATION})
     rows, targets = [], []
     for run in CALIBRATION:
@@ -416,7 +418,7 @@ def megatron_flops(run: PublishedRun) -> float:
 def run_layout(run: PublishedRun) -> Layout:
     """The run's layout: its degrees, its micro batch under a pipeline (one sequence where the table is silent; the
     whole share of the batch otherwise, one micro batch a step), activation checkpointing on, under the runtime of
-    2021 (Megatron-LM's and Megatron-DeepSpeed's: step_time.STACKS)."""
+    2021 (Megatron-LM's and Megatron-DeepSpeed's: step_layout.STACKS)."""
     dp = run.gpus // (run.tp * run.pp)
     micro = run.micro_batch if run.pp > 1 else run.batch // dp
     return Layout(

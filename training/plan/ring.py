@@ -23,7 +23,7 @@ NCCL_NET_HOP = 14e-6
 DDP_BUCKET_BYTES = 25 * 2**20
 DEEPSPEED_BUCKET_ELEMENTS = 5e8
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
-# DeepSpeed 0.3's ZeRO-3 (what Megatron-LM 2021's Table 2 ran: training/plan/step_time.STACKS) made a call of its own
+# DeepSpeed 0.3's ZeRO-3 (what Megatron-LM 2021's Table 2 ran: training/plan/step_layout.STACKS) made a call of its own
 # for every parameter it gathered and every gradient it reduce-scattered (deepspeed/runtime/zero/
 # partition_parameters.py at v0.3.14: `_allgather_param`, `_reduce_scatter_gradient`, one per tensor): a Megatron GPT
 # layer's twelve tensors (the weight and bias of its two layer norms, of the fused query-key-value projection, of

@@ -49,12 +49,9 @@ than the links' bandwidth, zero-bubble schedules, the CPU's Adam step under offl
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from model import ShardGPTConfig
-from training.axes.table import AXES, composes, composes_with, wrapper
-from training.flops import flops_per_token
 from training.plan.communication import ModelShape, expected_payloads, ulysses_payloads
 from training.plan.hardware import Cluster
 from training.plan.ring import (
@@ -66,54 +63,13 @@ from training.plan.ring import (
     gather_seconds,
     ring_latency,
 )
+from training.plan.step_compute import (
+    compute_seconds,
+    model_flops_per_token,
+    rank_shape,
+)
+from training.plan.step_layout import Layout
 from training.strategy import Strategy
-
-# The data-parallel strategies a layout can use, by `Strategy.name`, and each one's wrapper (training/axes/table.py).
-# fsdp-shard-grad-op: FSDP2 keeping each unit gathered from its forward to its backward (reshard_after_forward=False),
-# a gather a micro batch where full sharding gathers twice (what torchtitan runs under a pipeline).
-DP_STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op", "zero1", "zero2", "zero3", "zero2-offload-cpu",
-                 "zero3-offload-cpu")  # fmt: skip
-WRAPPER = {name: wrapper(s.family, s.zero_stage) for name in DP_STRATEGIES for s in [Strategy.from_name(name)]}
-# The axes table's compositions: what recipes/train.py runs, and what published runs used beside it (Megatron-LM's
-# DDP, DeepSpeed's ZeRO-1 under its pipeline), which `any_layout` adds. Of the DeepSpeed stages AutoTP trains under, the
-# planners model ZeRO-1 (the memory planner's `zero1-autotp`). Each axis runs alone here (`Axis.alone`).
-PIPELINE_HERE = tuple(n for n in DP_STRATEGIES if composes("pp", WRAPPER[n]))
-WITH_PIPELINE = tuple(n for n in DP_STRATEGIES if n in PIPELINE_HERE or n in AXES["pp"].published_under)
-ONLOADED = tuple(n for n in DP_STRATEGIES if not Strategy.from_name(n).offloads)
-TENSOR_PARALLEL_HERE = tuple(n for n in ONLOADED if composes("tp", WRAPPER[n]))
-WITH_TENSOR_PARALLEL = tuple(n for n in DP_STRATEGIES if n in TENSOR_PARALLEL_HERE or n in AXES["tp"].published_under)
-TP_WITH_PIPELINE_HERE = tuple(n for n in PIPELINE_HERE if composes_with("tp", "pp", WRAPPER[n]))
-WITH_SEQUENCE_PARALLEL = tuple(n for n in DP_STRATEGIES if composes("sp", WRAPPER[n]))
-MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro batch sizes tried, in sequences
-
-# Memory-bound work, counted in reads and writes of 2-byte elements per token over a forward and a backward, at the
-# GPU's HBM bandwidth (a forward is a third of them; activation checkpointing runs it twice):
-# - ELEMENTWISE_ACCESSES per hidden unit per layer: norms, activation functions, residual adds, rotary, casts; how
-#   many depends on which kernels an implementation fuses, so it is calibrated with the matrix units' efficiency on
-#   llm-foundry's single-node sweep (training/plan/hardware.py; `published.calibrate` solves both). Under tensor
-#   parallelism its REPLICATED_SHARE runs whole on every rank.
-# - VOCAB_ACCESSES per vocabulary entry: the loss's logits written (1), read, upcast and log-softmaxed in fp32
-#   (1 + 2 + 2 + 2), their gradient in fp32 and cast back (2 + 2 + 1), read by the head's two gradient matmuls (2): 15.
-# - Attention written out (`attn_implementation="eager"`, Megatron-LM 2021's kernels) per score (heads x sequence per
-#   token and layer): the forward writes the scores (1), softmax reads and writes them (2), the value matmul reads
-#   them (1); the backward reads the probabilities (1), writes their gradient (1), softmax's backward reads two and
-#   writes one (3), the two matmuls read it (2). Dropout on the probabilities adds a read, a write and a one-byte mask
-#   each way (2.5 + 2.5). FlashAttention (sdpa on GPUs) keeps scores on chip: none.
-ELEMENTWISE_ACCESSES = 218.8
-# Counted from the eager kernels of this model's layer, the same accesses come to 219 (forward 73: each RMSNorm's
-# upcast, square, mean, scale, downcast and weight 18 x 2, rotary on q and k 18, SwiGLU on 8h/3 13.3, two residual adds
-# 6; a backward twice that): the calibration's figure. torch.compile fuses each chain into one kernel that reads its
-# inputs and writes its outputs once: forward 20 (each norm with the residual add before it 4 x 2, rotary 4, SwiGLU
-# 3 x 8/3), backward 25.3 (norms 4 x 2, rotary 4, SwiGLU 5 x 8/3): 45.3, counted, not fitted.
-COMPILED_ELEMENTWISE_ACCESSES = 45.3
-VOCAB_ACCESSES = 15
-# Of ELEMENTWISE_ACCESSES, the share on hidden-wide tensors, which tensor parallelism does not split: a layer's
-# forward reads and writes its two norms' (2 x 2) and its two residual adds' (2 x 3) per hidden unit, 10, against the
-# MLP activation's 8 on the split inner width (GELU on 4h, or SwiGLU reading 2 x 8h/3 and writing 8h/3).
-REPLICATED_SHARE = 10 / 18
-SCORE_ACCESSES = {"forward": 4, "backward": 6}
-DROPOUT_ACCESSES = {"forward": 2.5, "backward": 2.5}
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 # Which collectives hide behind which compute, per strategy. "backward": behind the backward of the micro batch it
 # belongs to (2/3 of its compute); "forward": behind its forward (1/3); None: exposed.
@@ -136,19 +92,6 @@ OVERLAP = {
 }
 PER_MICRO_BATCH = {"zero2", "zero3", "fsdp"}  # reduce (and gather) every micro batch, not once per step
 
-# Whose runtime runs the layout (STACKS): this project's ("shardgpt": OVERLAP above; under a pipeline the
-# data-parallel reduction waits for the flush, training/axes/pipeline/; tensor parallelism with torch's DTensor
-# styles or DeepSpeed's AutoTP, which all-reduce each column-split module's input gradient on its own, 7 all-reduces a
-# layer, measured: training/plan/communication.dtensor_payloads); Megatron-LM 2021's and BLOOM's Megatron-DeepSpeed
-# ("megatron-lm-2021": the same overlap, 4 all-reduces a layer: Shoeybi et al. 2019, section 3); or Megatron-Core's as
-# its H100 runs launch it (README, "Training Speed and
-# Scalability": `--overlap-grad-reduce --overlap-param-gather`, `--tp-comm-overlap`, pipeline communication
-# overlapped): its gradient buckets reduced as they are ready in each stage's last micro batch's backward, the
-# distributed optimizer (`zero1` here: a reduce-scatter of the gradients and an all-gather of the updated
-# parameters, Megatron-Core's docs/distrib_optimizer.md) gathering them during the next step's first forward, the
-# interleaved schedule's sends and receives beside its compute (`overlap_p2p_comm`), its reductions in the gradients'
-# bf16 (`DistributedDataParallelConfig.grad_reduce_in_fp32 = False`).
-STACKS = ("shardgpt", "megatron-core", "megatron-lm-2021")
 # Megatron-LM 2021's ZeRO-3 comparison (its Table 2) ran DeepSpeed's ZeRO-3 of spring 2021 (DeepSpeed 0.3.x,
 # "integrated into our codebase using the DeepSpeed Python library"), whose runtime differs from today's: each
 # parameter's all-gather first synchronizes the whole device (`torch.cuda.synchronize()` in
@@ -162,216 +105,7 @@ STACKS = ("shardgpt", "megatron-core", "megatron-lm-2021")
 # async TP): each GEMM beside a collective is cut into tp chunks and each chunk's transfer runs beside another
 # chunk's GEMM (Wang et al. 2022, "Overlap Communication with Dependent Computation via Decomposition"); one chunk's
 # transfer in tp stays exposed, and the rest hides up to the layer's matrix compute.
-# fp8: the decoder layers' linear layers at the GPU's dense fp8 peak (FP8_SPEEDUP x bf16's on H100/H200: 1979 and
-# 989 TFLOP/s in the data sheet), at the same share of it; attention and the head stay bf16 (torchtitan's float8
-# converts the layers' nn.Linear, not the output head; FlashAttention in bf16). Dynamic tensorwise scaling casts each
-# GEMM's operands per token (`fp8_cast_accesses`): a linear layer's input in the forward and its output's gradient in
-# the backward, each read for its amax and read again and written in fp8 (2.5 two-byte accesses an element), and
-# both again in the transposed layout the weight's gradient GEMM takes (1.5); q, k and v each cast their (shared)
-# input, as gate and up do.
-# Selective recomputation as torch's selective activation checkpointing runs it (torchtitan's "op" policy,
-# `_custom_policy` with `_save_list` in parallelize_llama.py, the same at 9dec370, 820504e and e7c0cae): the outputs
-# of attention, of the reduce-scatters and of every other `aten.mm` of a layer's forward are kept (the count's odd
-# ones: q, v, gate and down in the forward's order q, k, v, o, gate, up, down), the rest of the forward runs again in
-# the backward: every memory-bound kernel and the even GEMMs, k, o and up (`selective_recomputed_gemms`; o's output
-# rebuilds the residual the second norm takes, compiled or not).
-FP8_SPEEDUP = 2.0
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to lay a step out over the cluster's GPUs."""
-
-    strategy: str  # one of DP_STRATEGIES
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    sp: int = 1
-    schedule: str = "1F1B"  # GPipe, 1F1B or Interleaved1F1B, with pp > 1
-    micro_batch: int = 1  # sequences per micro batch per data-parallel rank
-    micro_batches: int = 1  # M: micro batches per step (gradient accumulation, or the pipeline's)
-    checkpointing: bool = False
-    virtual_stages: int = 1  # stages each pipeline rank holds (Interleaved1F1B: 2 or more)
-    sequence_parallel: bool = False  # Megatron's: norms and residuals on sequence shards between the tp regions
-    stack: str = "shardgpt"  # whose runtime overlaps the communication (STACKS)
-    tp_overlap: bool = False  # tensor-parallel collectives overlapped with their GEMMs (TP_OVERLAP)
-    fp8: bool = False  # the decoder layers' linear layers in fp8 (FP8)
-    compiled: bool = False  # torch.compile fuses the memory-bound kernels (COMPILED_ELEMENTWISE_ACCESSES)
-    selective: bool = False  # selective recomputation (selective_recomputed_gemms)
-    whole_loss: bool = False  # the loss on the whole (tokens, vocabulary) logits in fp32, not in chunks (memory only)
-    compiled_loss: bool = False  # that loss compiled on its own: its logits kept, not their fp32 copies (memory only)
-
-    def stage_layers(self, config: ShardGPTConfig) -> int:
-        """Decoder layers on the busiest pipeline rank: its `virtual_stages` stages of an equal share of the layers
-        each, rounded up where they do not split evenly."""
-        return math.ceil(config.num_hidden_layers / (self.pp * self.virtual_stages)) * self.virtual_stages
-
-    @property
-    def memory_schedule(self) -> str:
-        """The schedule the memory planner plans: an interleaved one as 1F1B's, which holds as many micro batches in
-        flight (Narayanan et al. 2021, section 2.2.2) on as many layers a rank."""
-        return "1F1B" if self.virtual_stages > 1 else self.schedule
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
-
-    @property
-    def typed(self) -> Strategy:
-        """The data-parallel strategy, typed (over the data-parallel ranks)."""
-        return Strategy.from_name(self.strategy, self.dp)
-
-    @property
-    def sharding(self) -> str:
-        """How the strategy shards, as OVERLAP keys it: ddp, fsdp or zero1/2/3 (offloaded or not)."""
-        typed = self.typed
-        return f"zero{typed.zero_stage}" if typed.family == "deepspeed" else typed.family
-
-    @property
-    def runs_here(self) -> bool:
-        """Whether recipes/train.py runs this layout (the axes table: PIPELINE_HERE, TENSOR_PARALLEL_HERE,
-        TP_WITH_PIPELINE_HERE): with this project's runtime (Megatron's sequence parallelism exactly where torch's
-        DTensor plan splits the layers), none of the options it lacks (tensor-parallel overlap, fp8, selective
-        recomputation); Megatron-LM's layouts (tensor parallelism with DDP, ZeRO-1 under a pipeline) do not."""
-        if self.stack != "shardgpt" or self.tp_overlap or self.fp8 or self.selective or self.whole_loss:
-            return False
-        # Megatron's sequence parallelism runs here wherever torch's DTensor plan splits the layers, always.
-        if self.sequence_parallel != (self.tp > 1 and self.dtensor_parallel):
-            return False
-        if self.pp > 1:
-            tensor = self.tp == 1 or self.strategy in TP_WITH_PIPELINE_HERE
-            return self.strategy in PIPELINE_HERE and self.sp == 1 and tensor
-        if self.tp > 1:
-            return self.strategy in TENSOR_PARALLEL_HERE and self.sp == 1
-        return self.sp == 1 or self.strategy in WITH_SEQUENCE_PARALLEL
-
-    @property
-    def dtensor_parallel(self) -> bool:
-        """Whether this project splits the layers with torch's DTensor plan (training/axes/tensor/plan.py): under
-        FSDP2 and inside pipeline stages; DeepSpeed's AutoTP elsewhere."""
-        return self.sharding == "fsdp" or self.pp > 1
-
-    @property
-    def name(self) -> str:
-        parts = [self.strategy, f"dp{self.dp}"] + [f"{k}{v}" for k, v in (("tp", self.tp), ("sp", self.sp)) if v > 1]
-        if self.pp > 1:
-            parts.append(f"pp{self.pp} {self.schedule}")
-            parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
-        parts.append(f"micro {self.micro_batch} x{self.micro_batches}")
-        options = [("SP", self.sequence_parallel), ("TP overlap", self.tp_overlap), ("fp8", self.fp8),
-                   ("compiled", self.compiled), ("ckpt", self.checkpointing), ("selective", self.selective),
-                   ("compiled whole-logits loss" if self.compiled_loss else "whole-logits loss", self.whole_loss),
-                   (self.stack, self.stack != "shardgpt")]  # fmt: skip
-        return " ".join(parts + [word for word, on in options if on])
-
-
-# ---------------------------------------------------------------------------------------------- the ring
-# ---------------------------------------------------------------------------------------------- one layout
-
-
-def model_flops_per_token(config: ShardGPTConfig, seq_len: int) -> float:
-    """PaLM's 6 N + 12 L h T: the model FLOPs MFU counts."""
-    return flops_per_token(config, seq_len)
-
-
-def memory_bound_bytes_per_token(config: ShardGPTConfig, seq_len: int, checkpointing: bool,
-                                 attn_implementation: str = "sdpa", compiled: bool = False) -> float:  # fmt: skip
-    """HBM bytes per token of a step's memory-bound kernels (ELEMENTWISE_ACCESSES, or compiled its fused count, and
-    its neighbours)."""
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        known = ", ".join(ATTN_IMPLEMENTATIONS)
-        raise ValueError(f"attn_implementation {attn_implementation!r}: choose one of {known}")
-    forwards = 2 if checkpointing else 1  # the recomputed forward
-    layer = elementwise_accesses(compiled) * config.hidden_size * (forwards + 2) / 3
-    if attn_implementation == "eager":
-        dropout = getattr(config, "attention_dropout", 0.0) > 0  # a Llama config.json field; this model has none
-        passes = {k: v + (DROPOUT_ACCESSES[k] if dropout else 0) for k, v in SCORE_ACCESSES.items()}
-        layer += config.num_attention_heads * seq_len * (forwards * passes["forward"] + passes["backward"])
-    return ACTIVATION_BYTES * (config.num_hidden_layers * layer + VOCAB_ACCESSES * config.vocab_size)
-
-
-def elementwise_accesses(compiled: bool) -> float:
-    """Memory-bound accesses per hidden unit and layer over a forward and a backward, eager or compiled."""
-    return COMPILED_ELEMENTWISE_ACCESSES if compiled else ELEMENTWISE_ACCESSES
-
-
-def compute_seconds(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_len: int,
-                    attn_implementation: str = "sdpa") -> float:  # fmt: skip
-    """One step's compute on the busiest GPU: the matrix multiplies' FLOPs (PaLM's, one more forward with
-    checkpointing) at the efficiency, and the memory-bound kernels' bytes at HBM bandwidth. Each GPU runs its stage's
-    layers over its replica's tokens, split over tp (but the hidden-wide kernels, REPLICATED_SHARE, unless Megatron's
-    sequence parallelism splits them over the sequence) and sp; under a pipeline the busiest stage is the last, whose
-    share of the layers is rounded up and which also runs the head and the loss (its step sets the pipeline's pace).
-    With fp8 the layers' linear layers run at FP8_SPEEDUP x the peak, plus their casts."""
-    tokens = layout.micro_batch * layout.micro_batches * seq_len / layout.sp  # a GPU's, of its replica's batch
-    forwards = 2 if layout.checkpointing else 1
-    passes = (forwards + 2) / 3
-    recomputed = layout.checkpointing or layout.selective  # the memory-bound kernels' forward runs twice
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    head_flops = 6 * vocab * h  # the head's matmul (tied to the embedding or not, it is one)
-    layer_flops = (model_flops_per_token(config, seq_len) - head_flops) / layers
-    head_bytes = ACTIVATION_BYTES * VOCAB_ACCESSES * vocab
-    layer_bytes = (memory_bound_bytes_per_token(config, seq_len, recomputed, attn_implementation,
-                                                layout.compiled) - head_bytes) / layers  # fmt: skip
-    replicated = ACTIVATION_BYTES * REPLICATED_SHARE * elementwise_accesses(layout.compiled) * h * (3 + recomputed) / 3
-    if layout.fp8:
-        layer_bytes += ACTIVATION_BYTES * fp8_cast_accesses(config)
-    stage = layout.stage_layers(config)
-    gemms = 6 * layer_parameters(config)  # a layer's linear layers, what fp8 speeds up
-    linear = gemms / FP8_SPEEDUP if layout.fp8 else gemms
-    flops = (stage * (layer_flops - gemms + linear) + head_flops) * passes
-    if layout.selective:  # the policy's even GEMMs of the forward again
-        flops += stage * selective_recomputed_gemms(config) * linear / 3
-    flops /= layout.tp
-    split = layout.tp if layout.sequence_parallel else 1  # what the hidden-wide kernels split over
-    memory = stage * (layer_bytes / layout.tp + replicated * (1 / split - 1 / layout.tp))
-    memory += head_bytes / layout.tp
-    return tokens * (flops / (cluster.peak_flops * cluster.efficiency) + memory / cluster.hbm_bw)
-
-
-def layer_gemms(config: ShardGPTConfig) -> dict[str, int]:
-    """A decoder layer's linear layers in its forward's order, each one's matrix elements."""
-    h, f = config.hidden_size, config.intermediate_size
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, g = config.num_attention_heads * d, config.num_key_value_heads * d
-    return {"q": h * q, "k": h * g, "v": h * g, "o": q * h, "gate": h * f, "up": h * f, "down": f * h}
-
-
-def selective_recomputed_gemms(config: ShardGPTConfig) -> float:
-    """The share of a layer's linear FLOPs that selective recomputation runs again: the even GEMMs of its forward
-    (the second, fourth and sixth: k, o and up), for Llama 3 8B 36.5%, where a GEMM of every two would be half."""
-    sizes = list(layer_gemms(config).values())  # in the forward's order
-    return sum(sizes[1::2]) / sum(sizes)
-
-
-def fp8_cast_accesses(config: ShardGPTConfig) -> float:
-    """Two-byte accesses per token and layer of fp8's casts (FP8_SPEEDUP above): the linear layers' inputs (q, k, v
-    each of h, o of h, gate and up each of h, down of f: 6h + f) and their outputs' gradients (q and o of h, k and v
-    of g, gate and up of f, down of h: 3h + 2g + 2f), 2.5 + 1.5 accesses an element each."""
-    h, f = config.hidden_size, config.intermediate_size
-    g = config.num_key_value_heads * (getattr(config, "head_dim", None) or h // config.num_attention_heads)
-    return (2.5 + 1.5) * ((6 * h + f) + (3 * h + 2 * g + 2 * f))
-
-
-def layer_parameters(config: ShardGPTConfig) -> int:
-    """One decoder layer's matrix elements (its linear layers'; the norms apart)."""
-    return ModelShape.of(config).matrices // config.num_hidden_layers
-
-
-def rank_shape(config: ShardGPTConfig, layout: Layout) -> ModelShape:
-    """The slice of the model one rank's data-parallel traffic carries: the largest pipeline stage's layers (and the
-    embedding, the norm and the head, on the first or last stage), 1/tp of every weight but the norms."""
-    whole = ModelShape.of(config)
-    h, embedding = config.hidden_size, config.vocab_size * config.hidden_size
-    params, outside = whole.parameters, whole.outside_layers
-    if layout.pp > 1:  # the last stage: its layers, the final norm and the head (a copy of a tied embedding)
-        layer = (whole.parameters - whole.outside_layers) // config.num_hidden_layers
-        outside = embedding + h
-        params = layer * layout.stage_layers(config) + outside
-    norms = (2 * layout.stage_layers(config) + 1) * h
-    local = (params - norms) // layout.tp + norms
-    return ModelShape(local, outside // layout.tp, 0, norms, norms)
 
 
 def data_parallel_seconds(
@@ -492,7 +226,7 @@ def predict_step(config: ShardGPTConfig, cluster: Cluster, layout: Layout, seq_l
         # column-split modules' input gathered once for all of them (torch's SequenceParallel does the same). Their
         # input gathered again in the backward (Megatron's layout of the saved activations, half an all-reduce's ring
         # bytes a region) runs beside the weight gradients' compute in Megatron-LM (Korthikanti et al. 2022, 4.2.2) and
-        # after it here (training/parallel/tensor.save_sequence_shards): exposed, but where checkpointing's
+        # after it here (training/axes/tensor/plan.save_sequence_shards): exposed, but where checkpointing's
         # recomputation gathers in its place or a compiled layer keeps the gathered input; selective recomputation
         # gathers it again, compiled or not: torch's per-op policy (torchtitan's `_save_list`, models/llama3/
         # parallelize_llama.py) keeps the reduce-scatters' outputs but not the all-gathers', so the recomputed

@@ -38,7 +38,7 @@ def activation_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: 
     tensors stay whole: e (4h + (2h + 2g + 4f) / tp) + 8h + 4a / tp + 8 (measured to the byte at tp 2 and 4:
     training/measure/tensor_memory.py). Under Megatron's sequence parallelism (`sequence_parallel`) the norms' tensors
     and a layer's input are on sequence shards of the tp ranks too, and so are the column-split projections' inputs
-    (Megatron's layout: gathered again in the backward, training/parallel/tensor.save_sequence_shards); torch's
+    (Megatron's layout: gathered again in the backward, training/axes/tensor/plan.save_sequence_shards); torch's
     DTensor styles keep them whole (`gathered`: a compiled layer, and the layer being recomputed under activation
     checkpointing: `layer_activation_bytes`).
     Under Ulysses sequence parallelism (`sp` ranks) a rank holds seq_len / sp positions of each sequence
@@ -75,7 +75,7 @@ def layer_activation_bytes(config: ShardGPTConfig, e: int, tp: int = 1, sequence
     With Megatron's sequence parallelism the norms' tensors are on sequence shards too. Each column-split projection
     (q, k, v; gate, up) saves its input, the norm's output, which the region's all-gather made whole. Megatron-LM
     saves the shard and gathers it again in the backward (Korthikanti et al. 2022, section 4.2.2), and so does this
-    project's runtime (training/parallel/tensor.save_sequence_shards): all of it over tp, (e (6h + 2g + 4f) + 8h +
+    project's runtime (training/axes/tensor/plan.save_sequence_shards): all of it over tp, (e (6h + 2g + 4f) + 8h +
     4a + 8) / tp, their sbh (34 / t + 5as / ht) for a GPT layer. torch's DTensor styles save the gathered input
     (`gathered`: a compiled layer, a recomputed one): e (2h + (4h + 2g + 4f) / tp) + (8h + 4a + 8) / tp. Both
     measured to the byte at tp 2 and 4 (training/measure/tensor_memory.py)."""
@@ -123,7 +123,7 @@ def logits_bytes(config: ShardGPTConfig, micro_batch: int, seq_len: int, e: int,
     the (tokens, vocab) logits never exist): what it saves for the backward (`saved_loss_bytes`), plus one
     chunk's fp32 logits (turned into their gradient in place) and that gradient in the compute dtype,
     (4 + e) x chunk x vocab, and the chunk's (vocab, hidden) weight-gradient product before it is added. Over `tp`
-    vocabulary shards (training/parallel/tensor.vocab_parallel_cross_entropy) a tp-th of every vocabulary-wide
+    vocabulary shards (training/axes/tensor/vocab.vocab_parallel_cross_entropy) a tp-th of every vocabulary-wide
     tensor."""
     return saved_loss_bytes(config, micro_batch, seq_len, e, tp) + loss_chunk_bytes(config, micro_batch, seq_len, e, tp)
 

@@ -1,4 +1,4 @@
-"""Will this launch fit the machine? The memory planner's prediction (`recipes/plan_memory.predict`) for the
+"""Will this launch fit the machine? The memory planner's prediction (`training/plan/memory/planner.predict`) for the
 launch, against what this host has free, before any process group, model or data exists.
 
 Three places can run out, each compared for the ranks of one host together:

@@ -1,41 +1,32 @@
 """The model as the memory planner sees it: every parameter's shape on a rank (under AutoTP, its split), the
-groups AdamW makes of them, and the DeepSpeed config of each planned strategy, resolved as the training script
-resolves it.
+groups AdamW makes of them, and the `zero_optimization` section of each planned ZeRO strategy: the launch's resolved
+JSON, or the one the shipped accelerate config of that strategy launches, its "auto" buckets sized as the training
+script sizes them and DeepSpeed's defaults where it leaves a key out (training/deepspeed_config.py).
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import math
-import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from model import ShardGPTConfig, ShardGPTForCausalLM
 from training.adamw import param_groups
-from training.config import RunConfig
-from training.deepspeed_config import (
-    autotp_size,
-    cpu_capped,
-    gradient_reduction_dtype,
-    load_json,
-    resolve_deepspeed,
-)
+from training.deepspeed_config import auto_buckets, cpu_capped, gradient_reduction_dtype, load_json, zero_defaults
 from training.paths import ROOT
-from training.strategy import Strategy
+from training.strategy import Strategy, deepspeed_strategy
 
-# The strategies the planner models, by name (`Strategy.name`); each ZeRO one with the repo's JSON for it.
+# The strategies the planner models, by name (`Strategy.name`); each ZeRO one with the JSON its shipped accelerate
+# config launches (`shipped_json`).
 STRATEGIES = (
     "ddp", "fsdp", "fsdp-shard-grad-op", "fsdp-offload", "zero1", "zero2", "zero2-offload-cpu", "zero3",
     "zero3-offload-cpu", "zero3-offload-nvme", "zero1-autotp",
 )  # fmt: skip
-DS_CONFIGS = {
-    "zero1": "zero1.json", "zero2": "zero2.json", "zero2-offload-cpu": "zero2_offload.json", "zero3": "zero3.json",
-    "zero3-offload-cpu": "zero3_offload_cpu.json", "zero3-offload-nvme": "zero3_offload_nvme.json",
-    "zero1-autotp": "autotp.json",
-}  # fmt: skip
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
 
@@ -107,17 +98,25 @@ def tensor_parallel_shape(name: str, shape: tuple[int, ...], plan: dict[str, str
     return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
-def tensor_parallel_size(strategy: Strategy, ds_config: dict | None = None) -> int:
-    """Ranks each layer is split over: under AutoTP the DeepSpeed JSON's `tensor_parallel.autotp_size` (the repo's
-    for the strategy when `ds_config` is None); under FSDP2 the mesh's tp; 1 for the data-parallel strategies."""
-    if strategy.tp_size == 1 or strategy.family == "fsdp":  # FSDP2 x TP: the mesh's degree
-        return strategy.tp_size
-    return autotp_size(ds_config if ds_config is not None else repo_json(strategy))
-
-
 def repo_json(strategy: Strategy) -> dict:
-    """The repo's DeepSpeed JSON for a ZeRO strategy the planner models."""
-    return load_json(ROOT / "ds_configs" / DS_CONFIGS[strategy.name])
+    """The DeepSpeed JSON a ZeRO strategy the planner models launches with (`shipped_json`), as written."""
+    return load_json(shipped_json()[strategy.name])
+
+
+@functools.cache
+def shipped_json() -> dict[str, Path]:
+    """The DeepSpeed JSON of each single-node DeepSpeed config of accelerate_configs/ without a parallelism block, by
+    the name of the strategy it runs (zero2_offload.yaml's ds_configs/zero2_offload.json: `zero2-offload-cpu`): what
+    a user launches for that strategy, read from the configs, not kept beside them."""
+    import yaml
+
+    found = {}
+    for path in sorted((ROOT / "accelerate_configs").glob("*.yaml")):
+        launch = yaml.safe_load(path.read_text()) or {}
+        file = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        if launch.get("num_machines", 1) == 1 and file and not launch.get("parallelism_config"):
+            found.setdefault(deepspeed_strategy(load_json(ROOT / file), 2).name, ROOT / file)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed config
@@ -126,11 +125,12 @@ def repo_json(strategy: Strategy) -> dict:
 def zero_config(strategy: Strategy, config: ShardGPTConfig, world: int, precision: str, micro_batch: int,
                 ds_config: dict | None = None, bf16_gradient_reduction: bool = False,
                 cpu_ranks: bool = False) -> dict:  # fmt: skip
-    """The `zero_optimization` section in force: `ds_config` (the repo's JSON for `strategy` when None) with its "auto"
-    values filled exactly as the training script fills them (`training/parallel/deepspeed_config.resolve_deepspeed`),
-    plus `grad_accum_bytes`: the bytes per element of `data_types.grad_accum_dtype`, in which ZeRO-3 keeps its
-    gradient partitions (the training script sets it to fp32, or bf16 under --bf16_gradient_reduction)."""
-    if ds_config is None:  # the repo's JSON, as a launch would resolve it (a launch's own is resolved already)
+    """The `zero_optimization` section in force: `ds_config` (the shipped JSON for `strategy` when None) with its
+    "auto" buckets sized from the model as the training script sizes them and DeepSpeed's defaults where it leaves a
+    key out (training/deepspeed_config.py: `auto_buckets`, `zero_defaults`), plus `grad_accum_bytes`: the bytes per
+    element of `data_types.grad_accum_dtype`, in which ZeRO-3 keeps its gradient partitions (the training script sets
+    it to fp32, or bf16 under --bf16_gradient_reduction). `world` and `micro_batch` do not change the section."""
+    if ds_config is None:  # the shipped JSON, as a launch would resolve it (a launch's own is resolved already)
         ds_config = repo_json(strategy)
         if cpu_ranks:
             zero = ds_config["zero_optimization"]
@@ -140,24 +140,8 @@ def zero_config(strategy: Strategy, config: ShardGPTConfig, world: int, precisio
         accum = gradient_reduction_dtype(precision == "bf16", bf16_gradient_reduction)
     accum_bytes = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[accum]
     zero = copy.deepcopy(ds_config.get("zero_optimization") or {})
-    # Offload sections are read as they are: resolving them would check that nvme_path exists here.
-    offload = {k: zero.pop(k) for k in ("offload_optimizer", "offload_param") if k in zero}
-    if "auto" in zero.values():
-        cfg = RunConfig(per_device_train_batch_size=micro_batch, bf16=precision == "bf16", fp16=precision == "fp16")
-        zero = resolve_deepspeed({"zero_optimization": zero}, cfg, world, config.hidden_size, "(planner)")
-        zero = zero["zero_optimization"]
-    zero.update(offload)
-    stage = int(zero.get("stage", 0))
-    zero.setdefault("overlap_comm", stage == 3)  # DeepSpeed's defaults (runtime/zero/config.py)
-    zero.setdefault("contiguous_gradients", True)
-    zero.setdefault("reduce_bucket_size", 500_000_000)
-    zero.setdefault("allgather_bucket_size", 500_000_000)
-    zero.setdefault("sub_group_size", 1_000_000_000)
-    zero.setdefault("stage3_prefetch_bucket_size", 50_000_000)
-    zero.setdefault("stage3_param_persistence_threshold", 100_000)
-    zero.setdefault("stage3_model_persistence_threshold", sys.maxsize)
-    zero["grad_accum_bytes"] = accum_bytes
-    return zero
+    zero.update(auto_buckets(zero, config.hidden_size))
+    return {**zero_defaults(zero), "grad_accum_bytes": accum_bytes}
 
 
 def offload_device(zero: dict, key: str) -> str:

@@ -42,7 +42,6 @@ from training.plan.memory.layout import (
     layout,
     offload_device,
     ranks_to_check,
-    tensor_parallel_size,
     zero_config,
 )
 from training.plan.memory.stages import pipeline_stages
@@ -91,7 +90,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(BYTES)}")
     if world_size < 1 or micro_batch < 1 or seq_len < 1:
         raise ValueError("world_size, micro_batch and seq_len must be at least 1")
-    tp = tensor_parallel_size(strategy, ds_config)
+    tp = strategy.tp_size
     Mesh.of_world(world_size, tp=tp)  # refuses a tensor-parallel size that does not divide the ranks
     whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp)
     # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks; FSDP2 shards it over a copy's

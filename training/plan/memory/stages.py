@@ -51,7 +51,7 @@ def interleaved_in_flight(pp: int, per_rank: int, micro_batches: int, rank: int)
 
 
 def stage_layout(lay: Layout, num_stages: int, stage: int) -> Layout:
-    """The parameters stage `stage` keeps (training/parallel/pipeline.keep_stages): its decoder layers, the embedding on
+    """The parameters stage `stage` keeps (`keep_stages`, training/axes/pipeline/): its decoder layers, the embedding on
     the
     first stage, the final norm and the head on the last, where a tied head is a second copy of the embedding."""
     config = lay.config
@@ -193,7 +193,7 @@ def embedding_gradient_rows(config: ShardGPTConfig, lay: Layout, tp: int) -> int
     schedule runs: torch's DTensor has no row-wise strategy for the embedding's backward (`embedding_dense_backward`:
     replicated, column-wise or partial, torch 2.11 and 2.13), so the vocabulary-parallel embedding's gradient comes
     back whole on each rank and is cut to its rows once a step, after the schedule
-    (training/parallel/pipeline.settle_split_gradients); under FSDP2 it is accumulated whole. Measured to the byte
+    (training/axes/pipeline/runtime.settle_split_gradients); under FSDP2 it is accumulated whole. Measured to the byte
     (tests/training/test_pipeline.py, FSDP2 x TP x PP)."""
     if tp == 1 or "model.embed_tokens.weight" not in lay.names:
         return 0
@@ -212,7 +212,7 @@ def stage_states(lay: Layout, strategy: Strategy, precision: str, cpu_ranks: boo
     Under FSDP2, torch's pipelining turns the gradient sync and the resharding after each backward off until the
     step's last backward (pipelining/stage.py: `backward_maybe_with_nosync`, then `perform_reduce_grad`): by then every
     unit of the stage is gathered, and its gradients are accumulated whole in the reduce dtype (FSDP2's
-    `unsharded_accumulated_grad`; fp32 in this project's policy, training/parallel/accelerator.fsdp_precision), until
+    `unsharded_accumulated_grad`; fp32 in this project's policy, training/core/fsdp.fsdp_precision), until
     the reduce-scatters after the last backward."""
     dp, e = strategy.data_parallel_size, BYTES[precision]
     if strategy.family == "fsdp":
