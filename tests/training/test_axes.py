@@ -56,7 +56,7 @@ def test_context_parallelism_trains_under_the_wrappers_the_table_lists(held_by):
 
 
 def test_the_planners_model_what_the_table_trains():
-    from training.plan import step_time as st
+    from training.plan import step_layout as st
     from training.plan.memory.stages import models_pipeline
     from training.strategy import Strategy
 
