@@ -13,6 +13,7 @@ the family's (training/core/), and each axis's whose degree is above 1 (training
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -172,7 +173,7 @@ def requested_strategy(cfg: RunConfig, launched: Launched) -> Strategy:
     if yaml_tp > 1 or cfg.tensor_parallel_degree > 1:  # tensor parallelism of the YAML's block, or the flag's
         from training.axes.tensor.checks import check_parallelism_config_tp, check_tensor_parallel_flag
 
-        check_parallelism_config_tp(yaml_tp, ds is not None, env.fsdp_version, cfg, env, env.world)
+        check_parallelism_config_tp(yaml_tp, ds is not None, env.fsdp_version, cfg, env)
         check_tensor_parallel_flag(cfg, ds is not None, env.fsdp, yaml_tp)
     if d["sp"] > 1:  # Ulysses
         from training.axes.ulysses import check_sequence_parallel
@@ -182,6 +183,7 @@ def requested_strategy(cfg: RunConfig, launched: Launched) -> Strategy:
         from training.axes.context import check_context_parallel
 
         check_context_parallel(cfg, d["cp"], launched.wrapper, env.fsdp_version, torch.cuda.is_available())
+    check_block_covers_the_world(env, d["pp"])
     family = family_named("deepspeed" if ds is not None else "fsdp" if env.fsdp else "ddp", env.fsdp_version)
     strategy = family.strategy(cfg, env, d, ds)  # training/core/ddp.py, fsdp.py, fsdp1.py or zero.py
     if strategy.pp_size > 1:  # the stages under the family, the schedule on gloo
@@ -189,3 +191,26 @@ def requested_strategy(cfg: RunConfig, launched: Launched) -> Strategy:
 
         check_pipeline_launch(cfg, strategy)
     return strategy
+
+
+def check_block_covers_the_world(env: Environment, pp: int) -> None:
+    """The YAML's parallelism_config degrees times the pipeline's must be the launched ranks, as accelerate itself
+    requires of a block (which under FSDP2 x TP and on CPU ranks it is not shown: training/core/fsdp.py). Read as
+    `accelerate launch` exports it (1 where the YAML gives no size); a block without its dp_shard_size is not
+    checked (accelerate fills it in)."""
+    block = env.block or {}
+    if not block.get("dp_shard_size"):
+        return
+    sizes = {key: env.block_degree(f"{key}_size") for key in ("dp_replicate", "dp_shard", "cp", "sp", "tp")}
+    ranks = math.prod(sizes.values()) * pp
+    if ranks == env.world:
+        return
+    product = " x ".join(f"{key}_size {n}" for key, n in sizes.items() if n > 1 or key.startswith("dp"))
+    product += f" x --pipeline_parallel_degree {pp}" if pp > 1 else ""
+    others = ranks // sizes["dp_shard"]
+    fits = env.world // others if env.world % others == 0 else None
+    fix = f"set parallelism_config_dp_shard_size: {fits}" if fits else f"launch {ranks} ranks"
+    raise ValueError(
+        f"the accelerate config's parallelism_config gives {product} = {ranks} ranks, but {env.world} were launched: "
+        f"{fix} (accelerate requires the block's degrees to multiply to the launched ranks)"
+    )

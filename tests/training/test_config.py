@@ -208,7 +208,8 @@ ZERO3_YAML = {
       "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}, [], "sp_size 3 does not divide the model's 4 attention heads"),
     ({**SP_YAML, **ZERO3_YAML}, ["--block_size=63"], "--block_size 63 is not divisible by sp_size 2"),
     ({**SP_YAML, **ZERO3_YAML, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}, [],
-     "parallelism_config_dp_shard_size is 2: with sp_size 2 on 2 ranks it must be 1"),
+     "gives dp_replicate_size 1 x dp_shard_size 2 x sp_size 2 = 4 ranks, but 2 were launched: set "
+     "parallelism_config_dp_shard_size: 1"),
     ({**SP_YAML, **ZERO3_YAML, "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "eager"}, [],
      "parallelism_config_sp_attn_implementation: eager"),
     ({**SP_YAML, **ZERO3_YAML, "PARALLELISM_CONFIG_CP_SIZE": "2"}, [], "sets both sp_size: 2 and cp_size: 2"),

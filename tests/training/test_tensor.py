@@ -4,6 +4,8 @@ strategy's name read back; the plan as torch's styles."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from model import ShardGPTConfig
@@ -240,12 +242,10 @@ def test_degrees_that_do_not_multiply_to_the_launched_ranks_are_refused(block):
     """As `accelerate launch` exports the block (every size, 1 where the YAML has none): dp_shard 2 x tp 2 on 8 ranks
     without a pipeline leaves 4 ranks unplaced; with --pipeline_parallel_degree 2 they are the pipeline's."""
     block(dp_replicate_size=1, dp_shard_size=2, tp_size=2)
+    from training.launch import check_block_covers_the_world
+
+    env = replace(Environment.read(), world=8)
     with pytest.raises(ValueError, match=r"gives dp_replicate_size 1 x dp_shard_size 2 x tp_size 2 = 4 ranks, but 8 "
                                          r"were launched: set parallelism_config_dp_shard_size: 4"):  # fmt: skip
-        check_parallelism_config_tp(
-            2, env=Environment.read(), deepspeed=False, fsdp_version=2, cfg=RunConfig(**CFG), world=8
-        )
-    cfg = RunConfig(**CFG, pipeline_parallel_degree=2, gradient_accumulation_steps=2)
-    check_parallelism_config_tp(
-        2, env=Environment.read(), deepspeed=False, fsdp_version=2, cfg=cfg, world=8
-    )  # 2 x 2 x 2
+        check_block_covers_the_world(env, pp=1)
+    check_block_covers_the_world(env, pp=2)  # 2 x 2 x 2

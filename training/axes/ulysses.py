@@ -74,13 +74,6 @@ def check_sequence_parallel(cfg: RunConfig, config: ShardGPTConfig | None, sp: i
             "a pipeline does not run under DeepSpeed here; choose one of them"
         )
     Mesh.of_world(world, sp=sp)  # refuses an sp_size that does not divide the ranks
-    shard = block.get("dp_shard_size")
-    replicate = int(block.get("dp_replicate_size", "1") or 1)
-    if block and shard is not None and int(shard) * replicate * sp != world:
-        raise ValueError(
-            f"the accelerate config's parallelism_config_dp_shard_size is {shard}: with sp_size {sp} on {world} "
-            f"ranks it must be {world // sp // replicate} (dp_shard_size x dp_replicate_size x sp_size = ranks)"
-        )
     attention = block.get("sp_attn_implementation", "None")
     if attention not in ("None", *ULYSSES_ATTENTION):
         raise ValueError(

@@ -34,8 +34,7 @@ def check_tensor_parallel(config, tp: int, flag: str = "parallelism_config_tp_si
             )
 
 
-def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg: RunConfig, env: Environment,
-                                world: int = 0) -> None:  # fmt: skip
+def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg: RunConfig, env: Environment) -> None:
     """Tensor parallelism from an accelerate config's parallelism_config (`tp_size`) runs under FSDP2, with torch's
     DTensor plan applied by this project (training/axes/tensor.py: accelerate 1.15's own preparation cannot
     import with transformers 5); a DDP config's dp_replicate x tp runs as FSDP2 on a replicate-only mesh
@@ -77,28 +76,6 @@ def check_parallelism_config_tp(tp: int, deepspeed: bool, fsdp_version: int, cfg
         )
     check_tensor_parallel(cfg.model_config(), tp)
     check_sequence_shards(cfg, tp, where)
-    if world:
-        check_block_covers_the_world(env, tp, cfg.pipeline_parallel_degree, world)
-
-
-def check_block_covers_the_world(env: Environment, tp: int, pp: int, world: int) -> None:
-    """The block's degrees times the pipeline's must be the launched ranks, as accelerate itself requires of a block
-    (which it is not shown here: training/core/accelerator.py). Read as `accelerate launch` exports it, every size
-    given (1 where the YAML has none); a block without its data-parallel sizes (read from a file) is not checked."""
-    block = env.block or {}
-    if not block.get("dp_shard_size") or not block.get("dp_replicate_size"):
-        return
-    replicate, shard = env.block_degree("dp_replicate_size"), env.block_degree("dp_shard_size")
-    if replicate * shard * tp * pp == world:
-        return
-    product = f"dp_replicate_size {replicate} x dp_shard_size {shard} x tp_size {tp}"
-    product += f" x --pipeline_parallel_degree {pp}" if pp > 1 else ""
-    fits = world // (replicate * tp * pp) if world % (replicate * tp * pp) == 0 else None
-    fix = f"set parallelism_config_dp_shard_size: {fits}" if fits else f"launch {replicate * shard * tp * pp} ranks"
-    raise ValueError(
-        f"the accelerate config's parallelism_config gives {product} = {replicate * shard * tp * pp} ranks, but "
-        f"{world} were launched: {fix} (accelerate requires the block's degrees to multiply to the launched ranks)"
-    )
 
 
 def check_tensor_parallel_flag(cfg: RunConfig, deepspeed: bool, fsdp: bool, yaml_tp: int) -> None:
