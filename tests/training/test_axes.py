@@ -112,3 +112,10 @@ def test_the_doctor_reads_the_table():
         "sequence parallelism (Ulysses) does not train under ddp (it trains under zero1, zero2, zero3); "
         "pipeline parallelism with sequence parallelism (Ulysses): these axes do not train together under ddp"
     )
+
+
+def test_the_docs_table_is_the_table():
+    """docs/strategies.md prints the axes table as training/axes/table.py holds it."""
+    from training.axes.table import markdown
+
+    assert markdown() in (ROOT / "docs" / "strategies.md").read_text()

@@ -68,3 +68,20 @@ def composes(axis: str, wrapper_name: str) -> bool:
 def composes_with(axis: str, other: str, wrapper_name: str) -> bool:
     """Whether recipes/train.py trains `axis` and `other` together under `wrapper_name` (COMPOSED)."""
     return wrapper_name in COMPOSED.get(frozenset((axis, other)), ())
+
+
+def markdown() -> str:
+    """The table as docs/strategies.md prints it ("Composing the axes"; tests/training/test_axes.py holds the two
+    equal): each axis against each wrapper, "trains" where recipes/train.py trains it, "published" where only
+    published runs used it (the step-time planner's `any_layout`), then the axes that train together."""
+    rows = ["| axis | " + " | ".join(WRAPPERS) + " |", "|---|" + "---|" * len(WRAPPERS)]
+    for key, axis in AXES.items():
+        cells = ["trains" if w in axis.trains_under else "published" if w in axis.published_under else ""
+                 for w in WRAPPERS]  # fmt: skip
+        rows.append(f"| {axis.name} (`{key}`) | " + " | ".join(cells) + " |")
+    for axes, under in COMPOSED.items():
+        cells = ["trains" if w in under else "" for w in WRAPPERS]
+        rows.append(
+            f"| {' with '.join(AXES[a].name.split(' (')[0] for a in sorted(axes))} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(rows)
