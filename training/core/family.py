@@ -12,7 +12,6 @@ most families do alike; each module overrides what its family does otherwise.
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +37,8 @@ def family_of(strategy: Strategy) -> Family:
 def family_named(family: str, fsdp_version: int = 2) -> Family:
     """The family of a `Strategy.family` name (and FSDP version), its module imported now."""
     module = "fsdp1" if family == "fsdp" and fsdp_version == 1 else MODULES[family]
-    return import_module(f"training.core.{module}").FAMILY
+    # the import statement's own machinery (not importlib's), so that `-X importtime` counts it as every other import
+    return __import__(f"training.core.{module}", fromlist=["FAMILY"]).FAMILY
 
 
 def family_for(accelerator: Accelerator | None) -> Family:
