@@ -97,6 +97,8 @@ def tracked(*patterns: str) -> list[Path]:
 def test_what_the_docs_and_docstrings_point_at_exists():
     wrong = []
     for path in [ROOT / "README.md", *tracked("docs/*.md", "*.py", "ds_configs/*.json", "accelerate_configs/*.yaml")]:
+        if path == Path(__file__):  # its own examples of broken references
+            continue
         wrong += [f"{path.relative_to(ROOT)}: {w}" for w in broken_references(path.read_text())]
     assert not wrong, wrong
 
