@@ -23,6 +23,7 @@ import model as shardgpt
 from model.export import save_llama
 from training.checkpoints.checkpoint import is_complete
 from training.checkpoints.portable import NEUTRAL, STATE, read_checkpoint
+from training.checkpoints.safety import UnsafeCheckpointError, check_checkpoint
 
 
 def convert(checkpoint: Path, out: Path, llama: bool = False) -> None:
@@ -47,9 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="a checkpoint-<step> directory")
     parser.add_argument("out", type=Path, help="the folder to write")
     parser.add_argument("--llama", action="store_true", help="write a plain LlamaForCausalLM folder")
+    parser.add_argument(
+        "--trust_checkpoint",
+        action="store_true",
+        help="read a checkpoint whose pickles name more than this project's do (docs/checkpoints.md)",
+    )
     args = parser.parse_args(argv)
     if not is_complete(args.checkpoint):
         print(f"error: {args.checkpoint} is not a complete checkpoint (no marker or trainer state)", file=sys.stderr)
+        return 2
+    try:  # before DeepSpeed's or torch's readers unpickle anything
+        check_checkpoint(args.checkpoint, args.trust_checkpoint, what="checkpoint")
+    except UnsafeCheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     convert(args.checkpoint, args.out, args.llama)
     print(f"wrote {args.out}")

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> object:
     launch = resolve_launch(parse_run_config(argv))
     cfg, strategy, world = launch.cfg, launch.strategy, launch.world
     config = cfg.model_config()
-    check_resume(cfg, strategy)  # the global batch, and a checkpoint of another strategy converts
+    check_resume(cfg, strategy)  # no code in its pickles, nothing lost, the global batch, and it converts
     family_of(strategy).check_start(strategy)  # DeepSpeed: the ops it compiles said, a stale build lock refused
     check_launch_fits(launch, config)  # the planner's prediction against this host's free memory and disk
 
@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> object:
 
     # ------------------------------------------------------------------ resume
     step = 0
-    # Rank 0 picks and verifies the checkpoint (sizes, and checksums unless skipped); collective: every rank gets it.
-    resume = resolve_resume_once(accelerator, cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums)
+    # Rank 0 picks and verifies the checkpoint (sizes, checksums unless skipped, no pickle that runs code, nothing an
+    # exact resume needs missing); collective: every rank gets it.
+    resume = resolve_resume_once(accelerator, cfg)
     if resume is not None:
         # collective: every rank loads its shard; a checkpoint of another strategy or world size converts first
         state = load_checkpoint(accelerator, resume, config.to_dict(), strategy, (net, optimizer, scheduler))

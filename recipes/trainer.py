@@ -23,6 +23,7 @@ from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from data import BlockDataset, prepare_data
 from training.arguments import parse_run_config
+from training.checkpoints.safety import check_checkpoint
 from training.compat import check_versions
 from training.core.build import build_model
 from training.core.family import family_of
@@ -77,6 +78,11 @@ def main(argv: list[str] | None = None) -> object:
             "with the same config and flags, or use DeepSpeed AutoTP (ds_configs/autotp.json) with the Trainer"
         )
     family_of(strategy).check_start(strategy)  # DeepSpeed: the ops it compiles said, a stale build lock refused
+    resume = cfg.resume_from_checkpoint
+    if resume == "auto":  # the newest, as the Trainer picks it
+        resume = get_last_checkpoint(cfg.output_dir) if Path(cfg.output_dir).is_dir() else None
+    if resume is not None:  # before the Trainer (or DeepSpeed, which unpickles fully) reads it: no code in its pickles
+        check_checkpoint(resume, cfg.trust_checkpoint)
     args = training_arguments(cfg, strategy)
     is_main = args.process_index == 0  # creating the arguments initialised the process group
     set_seed(cfg.seed)  # then data, then model, in recipes/train.py's order: the same initial weights
@@ -109,8 +115,7 @@ def main(argv: list[str] | None = None) -> object:
     trainer.add_callback(ProfilerCallback(profiler))
     preemption = PreemptionCallback()
     trainer.add_callback(preemption)
-    resume = cfg.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(cfg.output_dir) if resume == "auto" else resume)
+    trainer.train(resume_from_checkpoint=resume)
     step = trainer.state.global_step
     if preemption.signal is not None and step < cfg.max_steps:
         raise Preempted(stop_message(preemption.signal, step, Path(cfg.output_dir) / f"checkpoint-{step}"))

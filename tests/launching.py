@@ -138,7 +138,7 @@ def launch(
                     "pytest-xdist would run it beside another launch")  # fmt: skip
     build_deepspeed_ops(deepspeed_ops(cmd, args))
     before = len(metrics_lines(Path(output_dir)))
-    started = time.perf_counter()
+    started, wall_started = time.perf_counter(), time.time()
     argv = [*cmd, *args, "--output_dir", str(output_dir)]
     if cmd[0] == sys.executable and (ranks := rank_server()):  # one process, `python train.py`: from the rank server
         argv[0] = ranks["python"]
@@ -146,9 +146,21 @@ def launch(
     stdout, stderr, returncode = (served_launch if served(cmd) else plain_launch)(argv, env, timeout)
     run = Run(output_dir, stdout, stderr, returncode, before)
     log_launch(cmd, args, run, time.perf_counter() - started)
+    if returncode == 0:
+        check_new_checkpoints(Path(output_dir), wall_started)
     if check and returncode != 0:
         pytest.fail(f"launch failed ({returncode}): {' '.join(cmd + args)}\n--- stderr tail ---\n{stderr[-8000:]}")
     return run
+
+
+def check_new_checkpoints(output_dir: Path, since: float) -> None:
+    """Every checkpoint a launch wrote (recipes/train.py's, with their marker, and the HF Trainer's) passes the check
+    a resume makes of it: none names a global outside the allowlist (training/checkpoints/safety.py)."""
+    from training.checkpoints.safety import check_checkpoint
+
+    for checkpoint in sorted(output_dir.glob("checkpoint-*")):
+        if checkpoint.is_dir() and checkpoint.stat().st_mtime >= since - 1:
+            check_checkpoint(checkpoint, what=f"a checkpoint the suite wrote ({checkpoint.name})")
 
 
 def timed_out(argv: list[str], timeout: int, stdout: str, stderr: str):

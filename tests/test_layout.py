@@ -81,8 +81,9 @@ def test_no_import_circles():
 
 # training/'s layers, lowest first: a module imports its own subpackage and lower layers, never a layer above it nor
 # another subpackage of its own layer. The configuration (layer 0) is the flags, the version floors, the launcher's
-# environment, the plain facts of the mesh, the strategy, the DeepSpeed JSON, the axes table and the pipeline
-# schedules: it imports no runtime. Above it the core (one process, DDP, FSDP2, ZeRO), then the axes beside it and
+# environment, the plain facts of the mesh, the strategy, the DeepSpeed JSON, the axes table, the pipeline
+# schedules and the checkpoints' pickle check (which the flags' validation runs on --model_name_or_path): it imports
+# no runtime. Above it the core (one process, DDP, FSDP2, ZeRO), then the axes beside it and
 # the checkpoints, the launch resolved from them, the loop, what a run shows, and above everything the planners, then
 # the doctor, the comparison and the measuring tools, which nothing below imports.
 CONFIGURATION = {
@@ -90,6 +91,7 @@ CONFIGURATION = {
     "training.flops", "training.limits", "training.paths", "training.pretrained", "training.mesh",
     "training.strategy", "training.deepspeed_config", "training.environment", "training.axes",
     "training.axes.table", "training.axes.pipeline", "training.axes.pipeline.schedules",
+    "training.checkpoints.safety",
 }  # fmt: skip
 LAYERS = {"training.core": 1, "training.axes": 2, "training.checkpoints": 2, "training.launch": 3, "training.loop": 4,
           "training.report": 5, "training.plan": 6, "training.compare": 7, "training.doctor": 7,

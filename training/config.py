@@ -21,7 +21,8 @@ from data.arguments import DataArguments, flag
 from model import PRESETS, ShardGPTConfig
 from training.adamw import recipe_learning_rate
 from training.axes.pipeline.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
-from training.limits import GPU_STEP_TIMEOUT, HUNG, parse_steps
+from training.checkpoints.safety import check_checkpoint
+from training.limits import GPU_STEP_TIMEOUT, HUNG, check_profile_steps
 
 PRESET_NAMES = tuple(PRESETS)
 Preset = Literal[PRESET_NAMES]
@@ -121,6 +122,12 @@ class RunConfig(DataArguments):
     )
     skip_checkpoint_checksum: bool = flag(
         False, "On resume, check only the sizes of the checkpoint's files, not their CRC-32 (faster on huge ones)."
+    )
+    trust_checkpoint: bool = flag(
+        False, "Load a checkpoint whose pickles name more than this project's checkpoints do (docs/checkpoints.md)."
+    )
+    resume_inexact: bool = flag(
+        False, "Resume even when a rank's saved random states are missing or unreadable, with this launch's instead."
     )
     report_to: str = flag("none", f"Trackers, comma-separated: {', '.join(TRACKERS)}.")
     profile: bool = flag(
@@ -290,6 +297,8 @@ class RunConfig(DataArguments):
                 "model's shape; drop --config_overrides"
             )
         self.model_config()  # a bad --config_overrides or checkpoint fails here, naming the field
+        if self.model_name_or_path and Path(self.model_name_or_path).is_dir():  # its .bin/.pt pickles: no code
+            check_checkpoint(self.model_name_or_path, self.trust_checkpoint, "--model_name_or_path")
         self.accumulation(data_parallel_size)  # a --global_batch_size the ranks do not divide fails here
         positive = (
             "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -322,7 +331,7 @@ class RunConfig(DataArguments):
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or unset to keep all)")
         if self.profile:
-            self.check_profile_steps()
+            check_profile_steps(self.profile_steps, self.max_steps, self.save_steps)
         if self.pipeline_parallel_degree != 1 or self.pipeline_parallel_virtual_stages is not None:
             self.check_pipeline(self.accumulation(data_parallel_size))
         if self.sample_count < 1 or self.sample_max_new_tokens < 0 or self.sample_top_k < 0:
@@ -360,21 +369,6 @@ class RunConfig(DataArguments):
             )
         check_pipeline(self.pipeline_parallel_schedule, self.pipeline_parallel_degree, self.pipeline_stages_per_rank,
                        micro_batches, self.model_config().num_hidden_layers)  # fmt: skip
-
-    def check_profile_steps(self) -> None:
-        first, last = parse_steps(self.profile_steps)
-        if last > self.max_steps:
-            raise ValueError(
-                f"--profile_steps {self.profile_steps} ends after --max_steps {self.max_steps}: profile earlier steps"
-            )
-        # A checkpoint inside the window would be recorded as part of the steps; and torch 2.13's profiler with
-        # stacks fails to read back the events of FSDP's checkpoint-writer threads (UnicodeDecodeError).
-        saves = [s for s in range(first, last) if self.save_steps and s % self.save_steps == 0]
-        if saves:
-            raise ValueError(
-                f"--profile_steps {self.profile_steps} spans checkpoint-{saves[0]} (--save_steps {self.save_steps}): "
-                f"profile steps between checkpoints, such as {saves[0] + 1}-{saves[0] + 1 + last - first}"
-            )
 
     def validate_output_dir(self) -> None:
         """Refuse to train over saved checkpoints unless told to resume or overwrite: nothing saved is lost."""

@@ -1,5 +1,5 @@
-"""The step limits the flags set: --profile_steps' window of optimizer steps, and the step watchdog's default
-deadline and the exit status of a rank it stops (--step_timeout)."""
+"""The step limits the flags set: --profile_steps' window of optimizer steps (between checkpoints), and the step
+watchdog's default deadline and the exit status of a rank it stops (--step_timeout)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,18 @@ def parse_steps(spec: str) -> tuple[int, int]:
     if not 1 <= steps[0] <= steps[1]:
         raise ValueError(f"--profile_steps {spec!r}: give `first-last` optimizer steps counted from 1, such as 3-4")
     return steps
+
+
+def check_profile_steps(profile_steps: str, max_steps: int, save_steps: int) -> None:
+    """--profile_steps inside --max_steps, and between checkpoints."""
+    first, last = parse_steps(profile_steps)
+    if last > max_steps:
+        raise ValueError(f"--profile_steps {profile_steps} ends after --max_steps {max_steps}: profile earlier steps")
+    # A checkpoint inside the window would be recorded as part of the steps; and torch 2.13's profiler with
+    # stacks fails to read back the events of FSDP's checkpoint-writer threads (UnicodeDecodeError).
+    saves = [s for s in range(first, last) if save_steps and s % save_steps == 0]
+    if saves:
+        raise ValueError(
+            f"--profile_steps {profile_steps} spans checkpoint-{saves[0]} (--save_steps {save_steps}): "
+            f"profile steps between checkpoints, such as {saves[0] + 1}-{saves[0] + 1 + last - first}"
+        )

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from launching import ROOT, launch, launcher_command
@@ -212,12 +214,19 @@ def convert(checkpoint, out, *flags):
 def fake_checkpoint(tmp_path, strategy: str, world: int, micro: int = 4, accumulation: int = 1):
     path = tmp_path / "out" / "checkpoint-3"
     path.mkdir(parents=True)
+    loader = {"epoch": 0, "step": 3, "seed": 0, "global_batch_size": micro * accumulation * world, "num_blocks": 64}
     state = {
-        "step": 3, "loader": {"global_batch_size": micro * accumulation * world},
+        "step": 3, "loader": loader,
         "run_config": {"per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation},
         "strategy": {"strategy": strategy, "world_size": world},
     }  # fmt: skip
     (path / STATE).write_text(json.dumps(state))
+    # what an exact resume reads besides (training/checkpoints/exact.py): the schedule and every rank's random states
+    torch.save({"last_epoch": 3}, path / "scheduler.bin")
+    for rank in range(world):
+        states = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+                  "torch_manual_seed": torch.get_rng_state()}  # fmt: skip
+        torch.save(states, path / f"random_states_{rank}.pkl")
     (path / MARKER).write_text("{}")
     return path
 

@@ -31,7 +31,8 @@ from accelerate.utils import broadcast_object_list
 from torch.distributed.checkpoint.api import CheckpointException
 
 from training import faults
-from training.checkpoints import portable
+from training.checkpoints import portable, safety
+from training.checkpoints.exact import check_resumable
 from training.checkpoints.portable import STATE
 from training.core.ranks import all_ranks_max
 from training.strategy import Strategy
@@ -131,8 +132,19 @@ def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> 
     return None
 
 
-def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> Path | None:
-    """`--resume_from_checkpoint`: None, `auto` (newest complete and intact in output_dir, or none yet), or a path."""
+def resolve_resume(
+    arg: str | None, output_dir: str, checksums: bool = True, trust: bool = False, inexact: bool = False
+) -> Path | None:
+    """`--resume_from_checkpoint`: None, `auto` (newest complete and intact in output_dir, or none yet), or a path;
+    refused if its pickles could run code or it cannot resume exactly (training/checkpoints/exact.py: `trust` and
+    `inexact` are --trust_checkpoint and --resume_inexact)."""
+    path = _resolve(arg, output_dir, checksums)
+    if path is not None:
+        check_resumable(path, trust, inexact)
+    return path
+
+
+def _resolve(arg: str | None, output_dir: str, checksums: bool) -> Path | None:
     if arg is None:
         return None
     if arg == "auto":
@@ -157,9 +169,10 @@ def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> 
 
 
 def check_resume(cfg, strategy: Strategy) -> None:
-    """Before the process group, on every rank: the checkpoint `--resume_from_checkpoint` points at (unverified
-    yet: rank 0 verifies it later) must have this launch's global batch, and, written under another strategy or
-    number of ranks, be one that converts. The global batch counts data-parallel ranks (tensor-parallel ranks
+    """Before the process group, on every rank: the checkpoint `--resume_from_checkpoint` points at (its checksums
+    unverified yet: rank 0 verifies them later) must hold no pickle that could run code and every file an exact
+    resume needs, have this launch's global batch, and, written under another strategy or number of ranks, be one
+    that converts. The global batch counts data-parallel ranks (tensor-parallel ranks
     share a batch)."""
     arg = cfg.resume_from_checkpoint
     if arg == "auto":  # the one `auto` will pick, but for the checksums
@@ -173,6 +186,7 @@ def check_resume(cfg, strategy: Strategy) -> None:
         state = None
     if state is None:
         return  # nothing to resume, or rank 0's verification refuses it after the process group
+    check_resumable(path, cfg.trust_checkpoint, cfg.resume_inexact, say=False)  # no code, nothing lost
     run, saved = state["run_config"], state["strategy"]
     saved_dp = saved.get("tensor_parallel", {}).get("data_parallel_size", saved["world_size"])
     was, now = state["loader"]["global_batch_size"], cfg.global_batch(strategy.data_parallel_size)
@@ -193,19 +207,23 @@ def _ranks(data_parallel: int, world: int) -> str:
     return f"world {world}" if data_parallel == world else f"{data_parallel} data-parallel ranks of {world}"
 
 
-def resolve_resume_once(accelerator: Accelerator, arg: str | None, output_dir: str, checksums: bool) -> Path | None:
-    """`resolve_resume` on rank 0 alone (one reader of the checkpoint files), its verdict, or its refusal, sent to
-    every rank: all resume from the same checkpoint or all stop with the same error."""
+def resolve_resume_once(accelerator: Accelerator, cfg) -> Path | None:
+    """`resolve_resume` of the run's flags on rank 0 alone (one reader of the checkpoint files), its verdict, or its
+    refusal, sent to every rank: all resume from the same checkpoint or all stop with the same error."""
     verdict = [None]
     if accelerator.is_main_process:  # rank 0 only: verifying reads every file of the checkpoint
         try:
-            verdict = [("ok", resolve_resume(arg, output_dir, checksums))]
+            path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums,
+                                  cfg.trust_checkpoint, cfg.resume_inexact)  # fmt: skip
+            verdict = [("ok", path)]
         except (ValueError, FileNotFoundError) as e:
             verdict = [(type(e).__name__, str(e))]
     if accelerator.num_processes > 1:
         broadcast_object_list(verdict)  # collective: rank 0's verdict to every rank
     kind, value = verdict[0]
     if kind == "ok":
+        if value is not None and cfg.trust_checkpoint:  # every rank's loads of it use the full unpickler
+            safety.TRUSTED.add(Path(value).resolve())
         return value
     error = (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(value)
     error.same_on_every_rank = True  # rank 0's verdict: rank 0 reports it for all
@@ -365,7 +383,7 @@ def neutral_form(accelerator: Accelerator, path: Path) -> dict:
         broadcast_object_list(error)  # collective: rank 0's outcome to every rank; a barrier
     if error[0] is not None:
         raise RuntimeError(error[0])
-    return torch.load(target, weights_only=False)
+    return safety.safe_load(target)
 
 
 def _write_json(path: Path, obj: dict) -> None:

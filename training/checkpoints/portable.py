@@ -23,11 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training.checkpoints.safety import safe_load
 from training.core.family import family_named, family_of
 from training.strategy import Strategy
 
 STATE = "trainer_state.json"
 NEUTRAL = "neutral.pt"
+RANDOM_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")  # accelerate's, on every device
 
 
 # ---------------------------------------------------------------------- which checkpoints convert
@@ -113,8 +115,23 @@ def load_around(path: Path, optimizer, scheduler, rank: int, same_world: bool, w
     scheduler.load_state_dict(reader(written).scheduler_state(path))
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
-    if same_world:
-        states = torch.load(path / f"random_states_{rank}.pkl", weights_only=False)
+    file = path / f"random_states_{rank}.pkl"
+    if same_world and unreadable_random_state(file) is None:  # else --resume_inexact said what is lost
+        states = safe_load(file)
         random.setstate(states["random_state"])
         np.random.set_state(states["numpy_random_seed"])
         torch.set_rng_state(states["torch_manual_seed"])
+
+
+def unreadable_random_state(file: Path) -> str | None:
+    """Why accelerate could not restore a rank's random states from `file`, or None."""
+    if not file.is_file():
+        return f"{file} is missing"
+    try:
+        states = safe_load(file)
+    except Exception as e:  # any failure to unpickle: accelerate would skip it with an info line
+        return f"{file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    keys = [*RANDOM_KEYS, *(("torch_cuda_manual_seed",) if torch.cuda.is_available() else ())]
+    if not isinstance(states, dict) or (missing := [k for k in keys if k not in states]):
+        return f"{file} holds no {missing[0] if isinstance(states, dict) else 'random states'}"
+    return None

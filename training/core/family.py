@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from training.checkpoints.safety import safe_load
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -144,7 +146,7 @@ class Family:
         names = {id(p): n for n, p in model.named_parameters()}
         groups = param_groups(model, 0.0, state["run_config"]["decay_embeddings"])
         order = [names[id(p)] for g in groups for p in g["params"]]
-        optim = torch.load(path / "optimizer.bin", weights_only=False)
+        optim = safe_load(path / "optimizer.bin")
         numbers = [i for g in optim["param_groups"] for i in g["params"]]
         by_name = {name: optim["state"][i] for name, i in zip(order, numbers, strict=True)}
         return from_optimizer_state(load_file(path / "model.safetensors"), by_name)
@@ -189,7 +191,7 @@ class Family:
 
     def scheduler_state(self, path) -> dict:
         """accelerate's `scheduler.bin`."""
-        return torch.load(path / "scheduler.bin", weights_only=False)
+        return safe_load(path / "scheduler.bin")
 
 
 def meta_model(state: dict) -> torch.nn.Module:

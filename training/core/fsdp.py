@@ -35,6 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from model import ShardGPTConfig
+from training.checkpoints.safety import safe_load
 from training.config import RunConfig
 from training.core.build import empty_model, local, temporaries
 from training.core.family import Family
@@ -180,8 +181,8 @@ class FullyShardedDataParallel(Family):
         with tempfile.TemporaryDirectory() as tmp:
             dcp_to_torch_save(path / "pytorch_model_fsdp_0", Path(tmp) / "model.pt")
             dcp_to_torch_save(path / "optimizer_0", Path(tmp) / "optimizer.pt")
-            weights = torch.load(Path(tmp) / "model.pt", weights_only=False)["model"]
-            optim = torch.load(Path(tmp) / "optimizer.pt", weights_only=False)["optimizer"]
+            weights = safe_load(Path(tmp) / "model.pt")["model"]
+            optim = safe_load(Path(tmp) / "optimizer.pt")["optimizer"]
         return from_optimizer_state(weights, optim["state"])
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from training.checkpoints.safety import safe_load
 from training.compat import keep_zero3_param_dtype, skip_deepspeed_muon
 from training.config import RunConfig
 from training.core.family import MOMENTS, Family, meta_model
@@ -169,14 +170,14 @@ class ZeRO(Family):
             # A tied weight (lm_head.weight) gets a folder of its own without moments: its parameter is the embedding.
             for folder in sorted(p for p in zero.iterdir() if (p / "exp_avg.pt").is_file()):
                 for key, file in (("weights", "fp32"), *((m, m) for m in MOMENTS)):
-                    saved = torch.load(folder / f"{file}.pt", weights_only=False)
+                    saved = safe_load(folder / f"{file}.pt")
                     saved = saved["param"] if isinstance(saved, dict) else saved
                     neutral[key][folder.name] = saved.float().reshape(shapes[folder.name]).contiguous()
             step_files = sorted(zero.glob("*/step.pt"))
             if step_files:  # ZeRO-1/2: a step per parameter, all equal
-                step = torch.load(step_files[0], weights_only=False)
+                step = safe_load(step_files[0])
             else:  # ZeRO-3: in the common optimizer state
-                common = torch.load(zero / "optimizer_state.pt", weights_only=False)
+                common = safe_load(zero / "optimizer_state.pt")
                 step = common["optimizer_state_dict"]["state"][0]["step"]
         return {"step": int(step), **neutral}
 
@@ -227,7 +228,7 @@ class ZeRO(Family):
             return super().scheduler_state(path)
         tag = (path / "latest").read_text().strip()
         states = sorted((path / tag).glob("*model_states.pt"))
-        return torch.load(states[0], weights_only=False)["lr_scheduler"]
+        return safe_load(states[0])["lr_scheduler"]
 
 
 FAMILY = ZeRO()
