@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> object:
     log = StepLog(tokens_per_step, flops_per_token(config, cfg.block_size) * tokens_per_step, world, peak,
                   accelerator.device, cfg.fp16, compiling=cfg.torch_compile)  # fmt: skip
     metrics = MetricsWriter(accelerator, cfg.output_dir)
+    # A restarted generation of workers (torch elastic's --max-restarts) replays the steps after its checkpoint: the
+    # dead generation's records of them are dropped, and what the fault cost is recorded after the first step.
+    replayed = metrics.replayed(launch.environment.restart, step) if launch.environment.restart else None
     batches = iter(loader)
     preemption = PreemptionWatch()  # from here on SIGTERM and SIGUSR1 stop the run after a checkpoint
     profiler = make_profiler(cfg, accelerator.process_index, accelerator.device)  # does nothing without --profile
@@ -158,6 +161,10 @@ def main(argv: list[str] | None = None) -> object:
             watchdog.phase("profile_export", timed=False)  # rank 0's table can take a while
             if profiler.write():  # after the last profiled step: every rank's trace, rank 0's table
                 accelerator.wait_for_everyone()  # collective: the others wait for rank 0, with no deadline running
+            if step == first_step and replayed is not None:  # rank 0 only: a restart's cost
+                cost = metrics.restarted_cost(replayed, step)
+                logger.info("restart %d: %d steps recomputed, %.1f s from the last record before the fault to step "
+                            "%d", cost["restart"], cost["steps_recomputed"], cost["fault_s"], step)  # fmt: skip
             if step == first_step:
                 check_gradients_flow(result, step, cfg.torch_compile)  # the same on every rank: norms are global
                 seen |= engine.shares.read(seen["parameters"])  # gradient and optimizer-state shares, now they exist

@@ -42,6 +42,9 @@ class Environment:
     """This rank's index on its node (LOCAL_RANK)."""
     local_world: int | None = None
     """Ranks on this node (LOCAL_WORLD_SIZE: torchrun, accelerate and deepspeed export it); None: not launched."""
+    restart: int = 0
+    """Which generation of workers this is (TORCHELASTIC_RESTART_COUNT: torchrun and `accelerate launch` with
+    --max-restarts start a new one after a rank dies); 0: the first, or no torch elastic."""
     variables: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     """Every variable accelerate's config exported (for the tools that run accelerate's readers under them)."""
 
@@ -64,6 +67,7 @@ class Environment:
             fsdp_env={k: v for k, v in env.items() if k.startswith("FSDP_")}, block=block,
             local_rank=int(env.get("LOCAL_RANK", "0")), variables=exported,
             local_world=int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE") else None,
+            restart=int(env.get("TORCHELASTIC_RESTART_COUNT") or 0),
         )  # fmt: skip
 
     @classmethod

@@ -30,7 +30,9 @@ def _faults() -> set[tuple[str, int]]:
 
 
 def active(kind: str, step: int) -> bool:
-    return (kind, step) in _faults()
+    """Whether `kind@step` is injected: in the first generation of workers only (a restarted one replays the steps
+    after its checkpoint, and the fault it recovers from does not recur)."""
+    return (kind, step) in _faults() and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
 
 
 def after_step(step: int, rank: int, world_size: int) -> None:

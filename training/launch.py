@@ -13,8 +13,9 @@ the family's (training/core/), and each axis's whose degree is above 1 (training
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +33,8 @@ from training.deepspeed_config import (
 from training.environment import Environment
 from training.mesh import FLAGS, Mesh
 from training.strategy import Strategy
+
+logger = logging.getLogger("shardgpt")
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,9 @@ class Launched:
 def resolve_launch(parsed: RunConfig, environment: Environment | None = None) -> Launch:
     """The launch of `parsed` (the flags as parsed) under `environment` (this process's by default)."""
     env = Environment.read() if environment is None else environment
+    if env.restart and parsed.resume_from_checkpoint is None:  # a restarted generation continues the run
+        logger.info("restart %d of the launcher's workers: resuming from the newest intact checkpoint", env.restart)
+        parsed = replace(parsed, resume_from_checkpoint="auto")
     launched = Launched.read(parsed.deepspeed, env)
     cfg = parsed.resolve(launched.data_parallel_ranks(parsed), env.precision)
     return Launch(cfg, requested_strategy(cfg, launched), env)

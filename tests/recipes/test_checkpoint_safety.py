@@ -246,6 +246,15 @@ def test_the_allowlist_says_why_for_each_global():
     assert CALLABLE not in ALLOWED and "builtins.eval" not in ALLOWED and "builtins.getattr" not in ALLOWED
 
 
+def test_the_allowlist_is_documented():
+    from launching import ROOT
+
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    section = text[text.index("## What a resume checks") : text.index("### A resume is exact")]
+    missing = [name for name in ALLOWED if name.rpartition(".")[2] not in section]
+    assert not missing, f"docs/checkpoints.md does not list {missing}"
+
+
 def test_a_pickle_s_globals_are_read_without_running_it(tmp_path):
     marker = tmp_path / "ran"
     for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import resource
+import time
 from pathlib import Path
 
 import psutil
@@ -102,6 +103,31 @@ class MetricsWriter:
         self.latest: dict = {}  # the last value of each metric written, for the end-of-run summary
         if accelerator.is_main_process:
             os.makedirs(output_dir, exist_ok=True)
+
+    def replayed(self, restart: int, step: int) -> dict | None:
+        """A restarted generation of workers resuming at `step` (rank 0; None elsewhere): the records of the steps
+        after it, which the dead generation logged and this one recomputes, are dropped so that every step is logged
+        once. Returns what the fault cost so far: the restart, the steps recomputed and the time of the last record
+        before the fault (`restarted_cost` completes it at the first step after)."""
+        if not self.accelerator.is_main_process or not self.path.is_file():
+            return None
+        records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        last_written = self.path.stat().st_mtime
+        kept = [r for r in records if r.get("step", 0) <= step]
+        logged = max((r["step"] for r in records if "loss" in r), default=step)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        return {"restart": restart, "resumed_at_step": step, "steps_recomputed": max(0, logged - step),
+                "last_record_before_fault": last_written}  # fmt: skip
+
+    def restarted_cost(self, replayed: dict, step: int) -> dict:
+        """The record of what a restart cost, written at the first step after it (rank 0): the steps recomputed and
+        the seconds from the last record before the fault (at most a step before it) to this step's end."""
+        cost = {k: v for k, v in replayed.items() if k != "last_record_before_fault"}
+        cost["fault_s"] = round(time.time() - replayed["last_record_before_fault"], 2)
+        self.write({"step": step, **cost})
+        return cost
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
