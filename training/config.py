@@ -21,7 +21,6 @@ from data.arguments import DataArguments, flag
 from model import PRESETS, ShardGPTConfig
 from training.adamw import recipe_learning_rate
 from training.axes.pipeline.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
-from training.checkpoints.safety import check_checkpoint
 from training.limits import GPU_STEP_TIMEOUT, HUNG, check_profile_steps
 
 PRESET_NAMES = tuple(PRESETS)
@@ -298,6 +297,8 @@ class RunConfig(DataArguments):
             )
         self.model_config()  # a bad --config_overrides or checkpoint fails here, naming the field
         if self.model_name_or_path and Path(self.model_name_or_path).is_dir():  # its .bin/.pt pickles: no code
+            from training.checkpoints.safety import check_checkpoint
+
             check_checkpoint(self.model_name_or_path, self.trust_checkpoint, "--model_name_or_path")
         self.accumulation(data_parallel_size)  # a --global_batch_size the ranks do not divide fails here
         positive = (

@@ -31,8 +31,7 @@ from accelerate.utils import broadcast_object_list
 from torch.distributed.checkpoint.api import CheckpointException
 
 from training import faults
-from training.checkpoints import portable, safety
-from training.checkpoints.exact import check_resumable
+from training.checkpoints import portable
 from training.checkpoints.portable import STATE
 from training.core.ranks import all_ranks_max
 from training.strategy import Strategy
@@ -138,8 +137,9 @@ def resolve_resume(
     """`--resume_from_checkpoint`: None, `auto` (newest complete and intact in output_dir, or none yet), or a path;
     refused if its pickles could run code or it cannot resume exactly (training/checkpoints/exact.py: `trust` and
     `inexact` are --trust_checkpoint and --resume_inexact)."""
-    path = _resolve(arg, output_dir, checksums)
-    if path is not None:
+    if (path := _resolve(arg, output_dir, checksums)) is not None:
+        from training.checkpoints.exact import check_resumable  # imported by a run that resumes
+
         check_resumable(path, trust, inexact)
     return path
 
@@ -186,6 +186,8 @@ def check_resume(cfg, strategy: Strategy) -> None:
         state = None
     if state is None:
         return  # nothing to resume, or rank 0's verification refuses it after the process group
+    from training.checkpoints.exact import check_resumable
+
     check_resumable(path, cfg.trust_checkpoint, cfg.resume_inexact, say=False)  # no code, nothing lost
     run, saved = state["run_config"], state["strategy"]
     saved_dp = saved.get("tensor_parallel", {}).get("data_parallel_size", saved["world_size"])
@@ -213,9 +215,8 @@ def resolve_resume_once(accelerator: Accelerator, cfg) -> Path | None:
     verdict = [None]
     if accelerator.is_main_process:  # rank 0 only: verifying reads every file of the checkpoint
         try:
-            path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums,
-                                  cfg.trust_checkpoint, cfg.resume_inexact)  # fmt: skip
-            verdict = [("ok", path)]
+            verdict = [("ok", resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums,
+                                             cfg.trust_checkpoint, cfg.resume_inexact))]  # fmt: skip
         except (ValueError, FileNotFoundError) as e:
             verdict = [(type(e).__name__, str(e))]
     if accelerator.num_processes > 1:
@@ -223,7 +224,9 @@ def resolve_resume_once(accelerator: Accelerator, cfg) -> Path | None:
     kind, value = verdict[0]
     if kind == "ok":
         if value is not None and cfg.trust_checkpoint:  # every rank's loads of it use the full unpickler
-            safety.TRUSTED.add(Path(value).resolve())
+            from training.checkpoints.safety import TRUSTED
+
+            TRUSTED.add(Path(value).resolve())
         return value
     error = (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(value)
     error.same_on_every_rank = True  # rank 0's verdict: rank 0 reports it for all
@@ -383,7 +386,9 @@ def neutral_form(accelerator: Accelerator, path: Path) -> dict:
         broadcast_object_list(error)  # collective: rank 0's outcome to every rank; a barrier
     if error[0] is not None:
         raise RuntimeError(error[0])
-    return safety.safe_load(target)
+    from training.checkpoints.safety import safe_load
+
+    return safe_load(target)
 
 
 def _write_json(path: Path, obj: dict) -> None:

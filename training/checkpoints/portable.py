@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.checkpoints.safety import safe_load
 from training.core.family import family_named, family_of
 from training.strategy import Strategy
 
@@ -112,6 +111,8 @@ def load_around(path: Path, optimizer, scheduler, rank: int, same_world: bool, w
     """The files every strategy writes alike: the scheduler (and the learning rate it sets for the next step), and
     each rank's RNG states when the number of ranks is the checkpoint's. `written`: the strategy that wrote it (a
     DeepSpeed engine that owned the schedule kept it among its own files)."""
+    from training.checkpoints.safety import safe_load
+
     scheduler.load_state_dict(reader(written).scheduler_state(path))
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
@@ -125,6 +126,8 @@ def load_around(path: Path, optimizer, scheduler, rank: int, same_world: bool, w
 
 def unreadable_random_state(file: Path) -> str | None:
     """Why accelerate could not restore a rank's random states from `file`, or None."""
+    from training.checkpoints.safety import safe_load
+
     if not file.is_file():
         return f"{file} is missing"
     try:

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.checkpoints.safety import safe_load
-
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -141,6 +139,7 @@ class Family:
         from safetensors.torch import load_file
 
         from training.adamw import param_groups
+        from training.checkpoints.safety import safe_load
 
         model = meta_model(state)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -191,6 +190,8 @@ class Family:
 
     def scheduler_state(self, path) -> dict:
         """accelerate's `scheduler.bin`."""
+        from training.checkpoints.safety import safe_load
+
         return safe_load(path / "scheduler.bin")
 
 

@@ -35,7 +35,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from model import ShardGPTConfig
-from training.checkpoints.safety import safe_load
 from training.config import RunConfig
 from training.core.build import empty_model, local, temporaries
 from training.core.family import Family
@@ -176,6 +175,7 @@ class FullyShardedDataParallel(Family):
 
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+        from training.checkpoints.safety import safe_load
         from training.core.family import from_optimizer_state
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from training.checkpoints.safety import safe_load
 from training.compat import keep_zero3_param_dtype, skip_deepspeed_muon
 from training.config import RunConfig
 from training.core.family import MOMENTS, Family, meta_model
@@ -158,6 +157,8 @@ class ZeRO(Family):
         tensor or pipeline parallelism) are what `inject_missing_state` fills in. ZeRO-3's come flat: reshaped."""
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+        from training.checkpoints.safety import safe_load
+
         tag = (path / "latest").read_text().strip()
         shapes = {name: p.shape for name, p in meta_model(state).named_parameters()}
         with tempfile.TemporaryDirectory() as tmp:
@@ -224,6 +225,8 @@ class ZeRO(Family):
     def scheduler_state(self, path: Path) -> dict:
         """accelerate's `scheduler.bin`, or, when the engine owned the scheduler (a JSON that defines the
         optimizer, as the offload configs do), the `lr_scheduler` entry of the engine's model states."""
+        from training.checkpoints.safety import safe_load
+
         if (path / "scheduler.bin").is_file():
             return super().scheduler_state(path)
         tag = (path / "latest").read_text().strip()
