@@ -118,7 +118,7 @@ def test_a_swapped_file_is_refused_before_anything_loads(
     rewrite_marker(checkpoint)
     cfg = resume_config(out, flags)
     strategy = Strategy.from_name(*target)
-    for check in (lambda: check_resume(cfg, strategy), lambda: resolve_resume("auto", str(out))):
+    for check in (lambda: check_resume(cfg, strategy), lambda: check_resumable(resolve_resume("auto", str(out)))):
         with pytest.raises(UnsafeCheckpointError) as refused:
             check()  # before the process group, on every rank; then rank 0's pick after it
         message = str(refused.value)

@@ -1,16 +1,14 @@
 """Resumable checkpoints: a directory per step, a completion marker written last, the newest N kept.
 
-`accelerator.save_state` writes what the strategy shards (DeepSpeed's engine files, FSDP's sharded state
-dicts, or plain files) plus each rank's RNG states; `trainer_state.json` adds the step, the data loader's
-position and the model config. A checkpoint without its marker (a crash or a full disk mid-save) is never
-resumed from.
-
-The marker lists every file of the checkpoint, every rank's shards included, with its size and CRC-32: rank 0
-writes it after a barrier, when every rank has finished writing. A resume checks the sizes, and the checksums
-unless `--skip_checkpoint_checksum`, and refuses a checkpoint with a missing, truncated or altered file; `auto`
-falls back to the newest intact one. Before a save the free space of the output directory is compared with the
-size of the previous checkpoint (or an estimate from the parameter count for the first), and a disk that fills
-during the save ends the run with one line that says so; the checkpoints already complete stay as they were.
+`accelerator.save_state` writes what the strategy shards (DeepSpeed's engine files, FSDP's sharded state dicts, or
+plain files) plus each rank's RNG states; `trainer_state.json` adds the step, the data loader's position and the model
+config. A checkpoint without its marker (a crash or a full disk mid-save) is never resumed from. The marker lists
+every file, every rank's shards included, with its size and CRC-32: rank 0 writes it after a barrier, when every rank
+has finished writing. A resume checks the sizes, the checksums unless `--skip_checkpoint_checksum`, and the pickles
+(training/checkpoints/exact.py), and refuses a checkpoint with a missing, truncated, altered or foreign file; `auto`
+falls back to the newest intact one. Before a save the free space is compared with the previous checkpoint's size (or
+an estimate from the parameter count), and a disk that fills during the save ends the run with one line that says so;
+the checkpoints already complete stay as they were.
 """
 
 from __future__ import annotations
@@ -131,25 +129,11 @@ def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> 
     return None
 
 
-def resolve_resume(
-    arg: str | None, output_dir: str, checksums: bool = True, trust: bool = False, inexact: bool = False
-) -> Path | None:
-    """`--resume_from_checkpoint`: None, `auto` (newest complete and intact in output_dir, or none yet), or a path;
-    refused if its pickles could run code or it cannot resume exactly (training/checkpoints/exact.py: `trust` and
-    `inexact` are --trust_checkpoint and --resume_inexact)."""
-    if (path := _resolve(arg, output_dir, checksums)) is not None:
-        from training.checkpoints.exact import check_resumable  # imported by a run that resumes
-
-        check_resumable(path, trust, inexact)
-    return path
-
-
-def _resolve(arg: str | None, output_dir: str, checksums: bool) -> Path | None:
-    if arg is None:
+def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> Path | None:
+    """`--resume_from_checkpoint`: None, `auto` (newest complete and intact in output_dir, or none yet), or a path."""
+    path = latest_checkpoint(output_dir, checksums) if arg == "auto" else None if arg is None else Path(arg)
+    if path is None:
         return None
-    if arg == "auto":
-        return latest_checkpoint(output_dir, checksums)
-    path = Path(arg)
     if not path.is_dir():
         raise FileNotFoundError(
             f"--resume_from_checkpoint {arg!r}: no such directory; pass a checkpoint-<step> dir or auto"
@@ -159,8 +143,7 @@ def _resolve(arg: str | None, output_dir: str, checksums: bool) -> Path | None:
             f"--resume_from_checkpoint {arg!r} has no {MARKER} marker: its save did not finish; pass an "
             "older checkpoint, or auto to pick the newest complete one"
         )
-    why = damage(path, checksums)
-    if why is not None:
+    if arg != "auto" and (why := damage(path, checksums)) is not None:
         raise ValueError(
             f"--resume_from_checkpoint {arg!r} is damaged: {why}; pass an older checkpoint, or auto to pick the "
             "newest intact one"
@@ -188,7 +171,12 @@ def check_resume(cfg, strategy: Strategy) -> None:
         return  # nothing to resume, or rank 0's verification refuses it after the process group
     from training.checkpoints.exact import check_resumable
 
-    check_resumable(path, cfg.trust_checkpoint, cfg.resume_inexact, say=False)  # no code, nothing lost
+    try:
+        check_resumable(path, cfg.trust_checkpoint, cfg.resume_inexact, say=False)  # no code, nothing lost
+    except ValueError:
+        if damage(path) is not None:  # a damaged file, not a foreign one: rank 0 says so (or `auto` skips it)
+            return
+        raise
     run, saved = state["run_config"], state["strategy"]
     saved_dp = saved.get("tensor_parallel", {}).get("data_parallel_size", saved["world_size"])
     was, now = state["loader"]["global_batch_size"], cfg.global_batch(strategy.data_parallel_size)
@@ -210,13 +198,18 @@ def _ranks(data_parallel: int, world: int) -> str:
 
 
 def resolve_resume_once(accelerator: Accelerator, cfg) -> Path | None:
-    """`resolve_resume` of the run's flags on rank 0 alone (one reader of the checkpoint files), its verdict, or its
-    refusal, sent to every rank: all resume from the same checkpoint or all stop with the same error."""
+    """`resolve_resume` of the run's flags on rank 0 alone (one reader of the checkpoint files), then the check that
+    it runs no code and resumes exactly (training/checkpoints/exact.py), its verdict, or its refusal, sent to every
+    rank: all resume from the same checkpoint or all stop with the same error."""
     verdict = [None]
     if accelerator.is_main_process:  # rank 0 only: verifying reads every file of the checkpoint
         try:
-            verdict = [("ok", resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums,
-                                             cfg.trust_checkpoint, cfg.resume_inexact))]  # fmt: skip
+            path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, cfg.verify_checksums)
+            if path is not None:  # no pickle that runs code, nothing an exact resume needs missing
+                from training.checkpoints.exact import check_resumable  # imported by a run that resumes
+
+                check_resumable(path, cfg.trust_checkpoint, cfg.resume_inexact)
+            verdict = [("ok", path)]
         except (ValueError, FileNotFoundError) as e:
             verdict = [(type(e).__name__, str(e))]
     if accelerator.num_processes > 1:
