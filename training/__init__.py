@@ -14,13 +14,15 @@ Grouped by what it holds, in layers: a module imports its own subpackage and the
     compat.py          the version floors checked at start-up; the few private APIs used, each with why
     adamw.py, flops.py, faults.py, limits.py, paths.py, pretrained.py
     axes/table.py      which axis composes with which family; axes/pipeline/schedules.py the schedules' facts
+    checkpoints/safety.py  the globals a checkpoint's pickles may name, read without unpickling
 
     core/              one process, DDP, FSDP2 and ZeRO: one module per family (ddp.py, fsdp.py with fsdp1.py,
                        zero.py) behind family.py; the Accelerator, the model's build, the gradient norm, what is in
                        force, the ranks' agreement and exit statuses, DeepSpeed's ops
     axes/              beside the core, each imported only by a launch whose degree for it is above 1: pipeline/,
                        tensor/, ulysses.py, context.py
-    checkpoints/       save and resume with a completion marker; the neutral form across strategies and world sizes
+    checkpoints/       save and resume with a completion marker; a resume exact or refused (exact.py); the neutral
+                       form across strategies and world sizes
     launch.py          the launch resolved once: environment, DeepSpeed JSON and flags into a frozen Launch
     loop/              what recipes/train.py drives: the engine, one step, evaluation, AdamW and its schedule, metrics,
                        --profile, the step watchdog, preemption, the collectives counted; the HF Trainer path
