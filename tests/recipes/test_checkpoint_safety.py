@@ -85,6 +85,8 @@ def swap_dcp_item(checkpoint, folder: str, marker) -> str:
 # The source run (tests/recipes/test_convert.py), the file swapped, its format, the strategy and flags of the resume.
 FAMILIES = [
     pytest.param("ddp@1", "optimizer.bin", True, ("ddp", 1), [], id="one-process"),
+    # DDP on 2 ranks: tests/recipes/parity.py's DDP cell (checkpoints every 5 steps), its second rank's random states
+    pytest.param("ddp-cell", "random_states_1.pkl", True, ("ddp", 2), [], id="ddp"),
     pytest.param("fsdp@2", "optimizer_0/.metadata", False, ("fsdp", 2), [], id="fsdp2"),
     pytest.param("zero2@2", "zero:mp_rank_00_model_states.pt", True, ("zero2", 2), [], id="zero2"),
     pytest.param("zero3@2", "zero:zero_pp_rank_1_mp_rank_00_optim_states.pt", True, ("zero3", 2), [], id="zero3"),
@@ -110,7 +112,10 @@ def resume_config(out, flags=()) -> RunConfig:
 def test_a_swapped_file_is_refused_before_anything_loads(
     source, file, zip_format, target, flags, corpus, tmp_path, tmp_path_factory
 ):  # fmt: skip
-    out, checkpoint = copy_checkpoint(source_run(source, corpus, tmp_path_factory), tmp_path)
+    if source == "ddp-cell":
+        out, checkpoint = copy_checkpoint(cell_run("accelerate", "ddp", corpus, tmp_path_factory), tmp_path, step=5)
+    else:
+        out, checkpoint = copy_checkpoint(source_run(source, corpus, tmp_path_factory), tmp_path)
     assert not list(findings_outside_allowed(checkpoint)), "the source checkpoint passes the check"
     swapped = zero_file(checkpoint, file.removeprefix("zero:")) if file.startswith("zero:") else checkpoint / file
     marker = tmp_path / "the-command-ran"
