@@ -131,9 +131,11 @@ def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> 
 
 def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> Path | None:
     """`--resume_from_checkpoint`: None, `auto` (newest complete and intact in output_dir, or none yet), or a path."""
-    path = latest_checkpoint(output_dir, checksums) if arg == "auto" else None if arg is None else Path(arg)
-    if path is None:
+    if arg is None:
         return None
+    if arg == "auto":
+        return latest_checkpoint(output_dir, checksums)
+    path = Path(arg)
     if not path.is_dir():
         raise FileNotFoundError(
             f"--resume_from_checkpoint {arg!r}: no such directory; pass a checkpoint-<step> dir or auto"
@@ -143,7 +145,8 @@ def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> 
             f"--resume_from_checkpoint {arg!r} has no {MARKER} marker: its save did not finish; pass an "
             "older checkpoint, or auto to pick the newest complete one"
         )
-    if arg != "auto" and (why := damage(path, checksums)) is not None:
+    why = damage(path, checksums)
+    if why is not None:
         raise ValueError(
             f"--resume_from_checkpoint {arg!r} is damaged: {why}; pass an older checkpoint, or auto to pick the "
             "newest intact one"

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from training.checkpoints import safety
-from training.checkpoints.portable import STATE, unreadable_random_state
+from training.checkpoints.portable import STATE, random_state_file, read_random_state
 from training.checkpoints.safety import safe_load
 
 logger = logging.getLogger("shardgpt")
@@ -27,10 +27,6 @@ class InexactResumeError(ValueError):
     """A checkpoint lacks a file an exact continuation needs: nothing was loaded."""
 
     same_on_every_rank = True
-
-
-def random_states(path: Path, world: int) -> list[Path]:
-    return [path / f"random_states_{rank}.pkl" for rank in range(world)]
 
 
 def check_resumable(path: Path, trust: bool = False, inexact: bool = False, say: bool = True) -> None:
@@ -56,7 +52,7 @@ def check_resumable(path: Path, trust: bool = False, inexact: bool = False, say:
             f"{why}: the learning-rate schedule cannot continue where it stopped; restore the file from a copy, or "
             "resume from another checkpoint"
         )
-    lost = [why for file in random_states(path, world) if (why := unreadable_random_state(file))]
+    lost = [why for rank in range(world) if (why := read_random_state(random_state_file(path, rank))[1])]
     if lost and not inexact:
         raise InexactResumeError(
             f"{lost[0]}: the resumed run would not draw the random numbers the saved one would have; restore the file "

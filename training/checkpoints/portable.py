@@ -111,30 +111,32 @@ def load_around(path: Path, optimizer, scheduler, rank: int, same_world: bool, w
     """The files every strategy writes alike: the scheduler (and the learning rate it sets for the next step), and
     each rank's RNG states when the number of ranks is the checkpoint's. `written`: the strategy that wrote it (a
     DeepSpeed engine that owned the schedule kept it among its own files)."""
-    from training.checkpoints.safety import safe_load
-
     scheduler.load_state_dict(reader(written).scheduler_state(path))
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
-    file = path / f"random_states_{rank}.pkl"
-    if same_world and unreadable_random_state(file) is None:  # else --resume_inexact said what is lost
-        states = safe_load(file)
+    states = read_random_state(random_state_file(path, rank))[0] if same_world else None
+    if states is not None:  # else --resume_inexact said what is lost
         random.setstate(states["random_state"])
         np.random.set_state(states["numpy_random_seed"])
         torch.set_rng_state(states["torch_manual_seed"])
 
 
-def unreadable_random_state(file: Path) -> str | None:
-    """Why accelerate could not restore a rank's random states from `file`, or None."""
+def random_state_file(path: Path, rank: int) -> Path:
+    """accelerate's file of a rank's random states in a checkpoint."""
+    return path / f"random_states_{rank}.pkl"
+
+
+def read_random_state(file: Path) -> tuple[dict | None, str | None]:
+    """A rank's random states from `file`, or why accelerate could not restore them from it."""
     from training.checkpoints.safety import safe_load
 
     if not file.is_file():
-        return f"{file} is missing"
+        return None, f"{file} is missing"
     try:
         states = safe_load(file)
     except Exception as e:  # any failure to unpickle: accelerate would skip it with an info line
-        return f"{file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return None, f"{file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     keys = [*RANDOM_KEYS, *(("torch_cuda_manual_seed",) if torch.cuda.is_available() else ())]
     if not isinstance(states, dict) or (missing := [k for k in keys if k not in states]):
-        return f"{file} holds no {missing[0] if isinstance(states, dict) else 'random states'}"
-    return None
+        return None, f"{file} holds no {missing[0] if isinstance(states, dict) else 'random states'}"
+    return states, None

@@ -22,9 +22,9 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy, env: Environment) -> Ac
     collective)."""
     family = family_of(strategy)
     handlers = []
+    backend, timeout = ("gloo" if not torch.cuda.is_available() else None), timedelta(minutes=30)
     if strategy.world_size > 1:
-        gloo = not torch.cuda.is_available()
-        handlers.append(InitProcessGroupKwargs(backend="gloo" if gloo else None, timeout=timedelta(minutes=30)))
+        handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
     kwargs = dict(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
@@ -38,13 +38,13 @@ def make_accelerator(cfg: RunConfig, strategy: Strategy, env: Environment) -> Ac
         step_scheduler_with_optimizer=False,
     )
     if strategy.world_size > 1 and env.restart:
-        join_this_generation(env.restart, timedelta(minutes=30))  # collective: the process group, of this generation
+        join_this_generation(env.restart, backend, timeout)  # collective: the process group, of this generation
     accelerator = Accelerator(**kwargs, **family.accelerator_kwargs(cfg, strategy, env))
     family.configure(accelerator, cfg, strategy, env)  # FSDP: accelerate's state switched to FSDP on CPU ranks
     return accelerator
 
 
-def join_this_generation(restart: int, timeout: timedelta) -> None:
+def join_this_generation(restart: int, backend: str | None, timeout: timedelta) -> None:
     """The default process group of a restarted generation of torch elastic's workers, on a store of its own.
 
     The workers of every generation meet in the agent's store (the same MASTER_ADDR:MASTER_PORT), which still holds
@@ -52,13 +52,13 @@ def join_this_generation(restart: int, timeout: timedelta) -> None:
     the peer has rewritten it connects to a process that no longer exists, and the process group never forms (a
     rank that reaches `init_process_group` while its peer is still starting up, as rank 1 does while rank 0 prepares
     the data, always does). torch's own env:// rendezvous gives the store; its keys are then kept apart per
-    generation. accelerate and DeepSpeed find the group initialised and use it."""
+    generation. accelerate and DeepSpeed find the group initialised and use it. `backend`: gloo on CPU ranks; None
+    on GPUs (NCCL, and gloo for CPU tensors), as accelerate's own initialisation is asked for."""
     import torch.distributed as dist
     from torch.distributed.rendezvous import rendezvous
 
     if dist.is_initialized():
         return
     store, rank, world = next(rendezvous("env://", timeout=timeout))
-    backend = "gloo" if not torch.cuda.is_available() else None  # None on GPUs: NCCL, and gloo for CPU tensors
     dist.init_process_group(backend, store=dist.PrefixStore(f"shardgpt/restart_{restart}", store), rank=rank,
                             world_size=world, timeout=timeout)  # fmt: skip
