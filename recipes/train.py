@@ -132,11 +132,13 @@ def main(argv: list[str] | None = None) -> object:
     batches = iter(loader)
     preemption = PreemptionWatch()  # from here on SIGTERM and SIGUSR1 stop the run after a checkpoint
     profiler = make_profiler(cfg, accelerator.process_index, accelerator.device)  # does nothing without --profile
-    # --step_timeout: a step that outlives it dumps every rank's stack to output_dir/hang/ and ends the run.
+    # A step that outlives its deadline (--step_timeout, or one measured from the steps before) dumps every rank's
+    # stack to output_dir/hang/ and ends the run: a frozen rank costs minutes, and a restarting launcher resumes.
     watchdog = make_watchdog(cfg.step_timeout, cfg.output_dir, accelerator.process_index, world)
     net.train()
 
     def save() -> Path:  # collective: every rank saves its share
+        watchdog.phase("save")  # a save's deadline is the ceiling's: its length is the disk's
         state = {"step": step, "loader": loader.state_dict(), "model_config": config.to_dict(),
                  "run_config": cfg.to_dict(), "strategy": seen}  # fmt: skip
         return engine.save(cfg.output_dir, step, state, cfg.save_total_limit)
@@ -189,7 +191,6 @@ def main(argv: list[str] | None = None) -> object:
                         progress.write(f"step {step:>6} | eval loss {val:.4f} | perplexity {perplexity:.2f}")
                 net.train()
 
-            watchdog.phase("save")
             saved = None
             if cfg.save_steps and step % cfg.save_steps == 0:
                 t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from data.arguments import DataArguments, flag
 from model import PRESETS, ShardGPTConfig
 from training.adamw import recipe_learning_rate
 from training.axes.pipeline.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
-from training.limits import GPU_STEP_TIMEOUT, HUNG, check_profile_steps
+from training.limits import HUNG, PHASE_CEILING, STEP_FACTOR, STEP_FLOOR, check_profile_steps
 
 PRESET_NAMES = tuple(PRESETS)
 Preset = Literal[PRESET_NAMES]
@@ -137,7 +137,8 @@ class RunConfig(DataArguments):
         None,
         "Seconds each phase of a step (training step, evaluation, checkpoint) may take before every rank dumps "
         f"its stack to output_dir/hang/ and the run stops (exit status {HUNG}); 0: never. "
-        f"Default: {GPU_STEP_TIMEOUT:.0f} on GPUs, off on CPU.",
+        f"Default, measured: a training step {STEP_FACTOR:g}x the slowest so far after the first (at least "
+        f"{STEP_FLOOR:g} s); the first steps, an evaluation or a save {PHASE_CEILING:g} s.",
     )
     peak_flops: float | None = flag(None, "Peak FLOP/s of one device for MFU (default: from a table of GPUs).")
     skip_memory_check: bool = flag(

@@ -4,7 +4,12 @@ watchdog's default deadline and the exit status of a rank it stops (--step_timeo
 from __future__ import annotations
 
 HUNG = 124  # exit status of a rank stopped by --step_timeout (as timeout(1) exits)
-GPU_STEP_TIMEOUT = 1200.0  # seconds; below the process group's 30-minute collective timeout
+# --step_timeout's default. A phase of unknown length (an evaluation, a save: disk-bound) and the first training steps
+# (compilation, warm-up) get the ceiling, below the process group's 30-minute collective timeout; once STEPS_MEASURED
+# steps have run, a training step gets STEP_FACTOR times the slowest of them after the first, and at least STEP_FLOOR:
+# a frozen rank is then found in minutes, not the process group's 30.
+PHASE_CEILING = 1200.0  # seconds
+STEP_FACTOR, STEP_FLOOR, STEPS_MEASURED = 10.0, 120.0, 3
 
 
 def parse_steps(spec: str) -> tuple[int, int]:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,41 @@ def test_a_rank_without_a_stack_is_named_dead(tmp_path):
     assert "rank 0: step 9 phase train_step, waiting in collective broadcast" in report
     assert "called from recipes/train.py:99 main" in report
     assert "rank 1: wrote no stack: dead" in report
+
+
+FROZEN_AFTER_A_SAVE = """
+import sys, time
+from training.loop.watchdog import StepWatchdog
+watchdog = StepWatchdog(None, sys.argv[1], 0, 1, floor=0.5, ceiling=30)
+for step in range(1, 5):  # four steps of about 50 ms: then a step's deadline is the floor, 0.5 s
+    watchdog.arm(step)
+    time.sleep(0.05)
+    watchdog.phase("agree_on_stop")
+print(watchdog.allowance("train_step"), flush=True)
+watchdog.phase("save")  # a save of 2 s: under the ceiling, not the floor
+time.sleep(2)
+watchdog.phase("agree_on_stop")  # the rest of a step that saved: the ceiling too
+time.sleep(1)
+watchdog.arm(5)
+time.sleep(60)  # frozen: the deadline ends it within the floor
+"""
+
+
+def test_the_default_deadline_is_measured_from_the_steps(tmp_path):
+    """--step_timeout's default on CPU and GPU alike: after three steps, a training step may take 10x the slowest
+    after the first, at least the floor; a save, and the rest of its step, the ceiling. Driven in a process of its own
+    with a floor of 0.5 s and a ceiling of 30 s: a 2 s save and the 1 s after it pass, the frozen step 5 ends the
+    process with status 124 within seconds, the report saying which deadline it was."""
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", FROZEN_AFTER_A_SAVE, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.returncode == HUNG, run.stderr
+    assert float(run.stdout.split()[0]) == 0.5
+    assert time.monotonic() - started < 30
+    report = (tmp_path / "hang" / "report.txt").read_text()
+    assert report.startswith("error: step 5 made no progress for 0.5 s (--step_timeout's measured default)"), report
+    frozen = FROZEN_AFTER_A_SAVE.splitlines().index("time.sleep(60)  # frozen: the deadline ends it within the floor")
+    assert f"rank 0: step 5 phase train_step, at <string>:{frozen + 1} in <module>" in report, report
 
 
 # ---------------------------------------------------------------------- launched

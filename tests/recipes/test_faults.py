@@ -221,20 +221,30 @@ def test_sigterm_to_the_launcher_saves_then_resume_is_exact(straight, corpus, tm
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "config", ["ddp", pytest.param("fsdp", marks=pytest.mark.matrix), pytest.param("zero3", marks=pytest.mark.matrix)]
+    "config, fault",
+    [
+        ("ddp", "kill@7"),
+        ("ddp", "stall@7"),
+        pytest.param("fsdp", "kill@7", marks=pytest.mark.matrix),
+        pytest.param("zero3", "kill@7", marks=pytest.mark.matrix),
+    ],
 )
-def test_a_lost_rank_is_restarted_and_resumes_by_itself(config, corpus, tmp_path, tmp_path_factory):
-    """`accelerate launch --max_restarts 1`, no --resume_from_checkpoint: rank 0 is SIGKILLed after step 7, between
-    the checkpoints of steps 5 and 10; torch elastic restarts both ranks, which form a new process group (the dead
-    generation's keys in the agent's store no longer in the way: training/core/accelerator.py) and resume from
-    checkpoint-5 by themselves. The launcher exits 0, every step is logged once, with the straight run's losses, the
-    final weights are the straight run's bitwise, and metrics.jsonl records what the fault cost."""
+def test_a_lost_rank_is_restarted_and_resumes_by_itself(config, fault, corpus, tmp_path, tmp_path_factory):
+    """`accelerate launch --max_restarts 1`, no --resume_from_checkpoint: after step 7, between the checkpoints of
+    steps 5 and 10, rank 0 is SIGKILLed (`kill@7`), or the last rank freezes (`stall@7`: the step watchdog, here
+    --step_timeout 8, ends every rank with status 124); torch elastic restarts both ranks, which form a new process
+    group (the dead generation's keys in the agent's store no longer in the way: training/core/accelerator.py) and
+    resume from checkpoint-5 by themselves. The launcher exits 0, every step is logged once, with the straight run's
+    losses, the final weights are the straight run's bitwise, and metrics.jsonl records what the fault cost."""
     straight = cell_run("accelerate", config, corpus, tmp_path_factory)
     cmd = launcher_command("accelerate", config)
     cmd[cmd.index("launch") + 1 : cmd.index("launch") + 1] = ["--max_restarts", "1"]
     out = tmp_path / "out"
-    run = launch(cmd, cell_args("accelerate", config, corpus, tmp_path), out, timeout=LAUNCH_TIMEOUT,
-                 env={"SHARDGPT_FAULT": "kill@7"})  # fmt: skip
+    args = [*cell_args("accelerate", config, corpus, tmp_path), *(["--step_timeout=8"] if "stall" in fault else [])]
+    run = launch(cmd, args, out, timeout=LAUNCH_TIMEOUT, env={"SHARDGPT_FAULT": fault})
+    if "stall" in fault:  # the watchdog's report of the frozen rank, before the restart
+        assert "error: step 7 made no progress for 8 s (--step_timeout)" in run.stderr
+        assert re.search(r"rank 1: step 7 phase agree_on_stop, at training/faults.py:\d+ in maybe_stall", run.stderr)
     assert "restart 1 of the launcher's workers: resuming from the newest intact checkpoint" in run.stderr
     assert f"resumed from {out / 'checkpoint-5'} at step 5" in run.stderr
     steps = [r["step"] for r in run.records if "loss" in r]
@@ -244,7 +254,7 @@ def test_a_lost_rank_is_restarted_and_resumes_by_itself(config, corpus, tmp_path
     assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in reference)
     (cost,) = [r for r in run.records if "restart" in r]
     assert cost["step"] == 6 and cost["restart"] == 1 and cost["steps_recomputed"] == 2 and cost["fault_s"] > 0
-    print(f"{config}: {cost['fault_s']} s from the last record before the kill to the first step after it")
+    print(f"{config} {fault}: {cost['fault_s']} s from the last record before the fault to the first step after it")
 
 
 @pytest.mark.slow
