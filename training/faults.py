@@ -3,6 +3,8 @@
 `SHARDGPT_FAULT` holds `kind@step` items, comma-separated; nothing happens when it is unset:
 - `nan@N`: the loss of step N becomes NaN (every rank), as an overflow would make it;
 - `kill@N`: rank 0 SIGKILLs itself after finishing step N, as a preempted node would;
+- `kill_node@N`: every rank that has it in its environment SIGKILLs its launcher's agent (its parent) and then
+  itself after step N: set for one torchrun agent of an elastic job, that node is lost whole;
 - `kill_in_save@N`: rank 0 SIGKILLs itself in the middle of saving checkpoint N (shards written, no marker);
 - `kill_mid_shard@N`: rank 0 cuts the largest file of checkpoint N to half its size and SIGKILLs itself before
   the marker: what a kill while that shard was being written leaves on disk;
@@ -38,6 +40,9 @@ def active(kind: str, step: int) -> bool:
 def after_step(step: int, rank: int, world_size: int) -> None:
     """The faults a run meets between steps: a kill, a preemption signal, a stalled rank."""
     maybe_kill("kill", step, rank == 0)
+    if active("kill_node", step):
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     maybe_signal(step, rank, world_size)
     maybe_stall(step, rank, world_size)
 

@@ -128,8 +128,33 @@ def resolve_launch(parsed: RunConfig, environment: Environment | None = None) ->
         logger.info("restart %d of the launcher's workers: resuming from the newest intact checkpoint", env.restart)
         parsed = replace(parsed, resume_from_checkpoint="auto")
     launched = Launched.read(parsed.deepspeed, env)
-    cfg = parsed.resolve(launched.data_parallel_ranks(parsed), env.precision)
+    data_parallel = launched.data_parallel_ranks(parsed)
+    if env.restart:
+        parsed = keep_global_batch(parsed, data_parallel)
+    cfg = parsed.resolve(data_parallel, env.precision)
     return Launch(cfg, requested_strategy(cfg, launched), env)
+
+
+def keep_global_batch(parsed: RunConfig, data_parallel: int) -> RunConfig:
+    """A restarted generation keeps the global batch of the checkpoint it resumes from: under an elastic range
+    (`torchrun --nnodes 1:2`) it may have re-formed on fewer ranks, whose accumulation then grows. Refused in one line,
+    before any process group, when the ranks left cannot make that batch; --global_batch_size, when given, rules."""
+    from training.checkpoints.checkpoint import resume_candidate  # imported by a restarted generation only
+
+    path, state = resume_candidate(parsed.resume_from_checkpoint, parsed.output_dir)
+    if state is None or parsed.global_batch_size is not None:
+        return parsed
+    was, micro = state["loader"]["global_batch_size"], parsed.per_device_train_batch_size
+    if was % (micro * data_parallel):
+        raise ValueError(
+            f"restarted on {data_parallel} data-parallel ranks, the run cannot keep the global batch of {was} that "
+            f"{path.name} trained with: micro {micro} x {data_parallel} ranks does not divide it; pass a "
+            f"--per_device_train_batch_size that does, or give the elastic range (--nnodes) only node counts that do"
+        )
+    if was != micro * parsed.gradient_accumulation_steps * data_parallel:
+        logger.info("keeping %s's global batch of %d on %d data-parallel ranks: accumulation %d", path.name, was,
+                    data_parallel, was // (micro * data_parallel))  # fmt: skip
+    return replace(parsed, global_batch_size=was, gradient_accumulation_steps=1)
 
 
 def inline_deepspeed_config(env: Environment) -> dict:

@@ -6,6 +6,7 @@ The unit tests drive the checkpoint marker's verification and the preemption plu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,11 +14,24 @@ import shutil
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from launching import BIN, ROOT, Run, free_port, launch, launcher_command
+from launching import (
+    BIN,
+    ROOT,
+    Run,
+    build_deepspeed_ops,
+    check_new_checkpoints,
+    deepspeed_ops,
+    free_port,
+    launch,
+    launch_env,
+    launcher_command,
+    log_launch,
+)
 from parity import cell_args, cell_run
 from safetensors.torch import load_file
 
@@ -32,7 +46,9 @@ from training.checkpoints.checkpoint import (
     manifest,
     resolve_resume,
 )
+from training.config import RunConfig
 from training.core.ranks import PREEMPTED, Preempted, run_rank
+from training.launch import keep_global_batch
 from training.loop.preemption import SIGNALS, PreemptionWatch
 
 STEPS = 12
@@ -47,10 +63,10 @@ STOP_LINE = re.compile(r"preempted by (SIG\w+) after step (\d+): saved (\S+); ru
 # ---------------------------------------------------------------------- helpers
 
 
-def write_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
+def write_checkpoint(root: Path, step: int, files: dict[str, bytes], state: dict | None = None) -> Path:
     """A checkpoint directory as save_checkpoint leaves it: the files, the trainer state, the marker last."""
     path = root / f"checkpoint-{step}"
-    for name, data in {**files, STATE: json.dumps({"step": step}).encode()}.items():
+    for name, data in {**files, STATE: json.dumps({"step": step, **(state or {})}).encode()}.items():
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(data)
     (path / MARKER).write_text(json.dumps({"step": step, "files": manifest(path)}))
@@ -255,6 +271,96 @@ def test_a_lost_rank_is_restarted_and_resumes_by_itself(config, fault, corpus, t
     (cost,) = [r for r in run.records if "restart" in r]
     assert cost["step"] == 6 and cost["restart"] == 1 and cost["steps_recomputed"] == 2 and cost["fault_s"] > 0
     print(f"{config} {fault}: {cost['fault_s']} s from the last record before the fault to the first step after it")
+
+
+def elastic_agents(nproc: int, args: list[str], out: Path, tmp_path: Path) -> tuple[Run, Run]:
+    """Two torchrun agents of `nproc` ranks each on this machine, as two nodes of one elastic job: `--nnodes 1:2`,
+    c10d rendezvous hosted by the first (as node 0 hosts it on a cluster; the store dies with its host), one restart
+    allowed, the rendezvous timeouts short (docs/checkpoints.md [13]). The second agent's ranks kill it, and
+    themselves, after step 6 (`kill_node@6`). Returns the two agents' runs, the survivor's first."""
+    endpoint = f"localhost:{free_port()}"
+    rdzv = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+    agents, runs = [], []
+    with contextlib.ExitStack() as files:
+        for name, host, fault in (("survivor", "true", ""), ("lost", "false", "kill_node@6")):
+            cmd = [str(BIN / "torchrun"), "--nnodes=1:2", f"--nproc_per_node={nproc}", "--max-restarts=1",
+                   "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=elastic",
+                   f"--rdzv_conf={rdzv},is_host={host}", str(ROOT / "recipes" / "train.py")]  # fmt: skip
+            build_deepspeed_ops(deepspeed_ops(cmd, args))
+            logs = [files.enter_context(open(tmp_path / f"{name}.{stream}", "w+")) for stream in ("out", "err")]
+            job = subprocess.Popen([*cmd, *args, "--output_dir", str(out)], cwd=ROOT, stdout=logs[0],
+                                   stderr=logs[1], env=launch_env({"SHARDGPT_FAULT": fault}),
+                                   start_new_session=True)  # fmt: skip
+            agents.append((cmd, job, logs))
+        started = time.perf_counter()
+        try:
+            for cmd, job, logs in agents:
+                job.wait(timeout=LAUNCH_TIMEOUT)
+                logs[0].seek(0), logs[1].seek(0)
+                runs.append(Run(out, logs[0].read(), logs[1].read(), job.returncode))
+                log_launch(cmd, args, runs[-1], time.perf_counter() - started)
+        finally:
+            for _, job, _ in agents:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait()
+    return runs[0], runs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "strategy, nproc", [("ddp", 1), pytest.param("zero3", 2, marks=pytest.mark.matrix)], ids=["ddp-1x2", "zero3-2x2"]
+)
+def test_a_lost_node_shrinks_the_world_and_the_run_goes_on(strategy, nproc, corpus, tmp_path):
+    """An elastic job of two agents (`torchrun --nnodes 1:2`, `nproc` ranks each), no resume flag, no
+    --global_batch_size: one agent is SIGKILLed with its ranks after step 6, between checkpoints 4 and 8. The survivor's
+    agent re-forms the job on its own ranks, half the world; the restarted generation resumes from checkpoint-4,
+    converted to the smaller world, keeping the global batch of 8 per agent's rank by doubling the accumulation; the
+    job ends with exit status 0, each step logged once, and losses within 1e-5 of a straight run of the smaller world
+    resumed from that checkpoint (a copy of it)."""
+    args = [*corpus["flags"], *TRAIN, "--save_steps=4", "--max_steps=14"]
+    if strategy != "ddp":
+        args.append(f"--deepspeed=ds_configs/{strategy}.json")
+    out = tmp_path / "out"
+    survivor, lost = elastic_agents(nproc, args, out, tmp_path)
+    assert lost.returncode != 0 and survivor.returncode == 0, survivor.stderr[-4000:]
+    check_new_checkpoints(out, 0)
+    global_batch = 4 * 2 * nproc  # micro 4 on both agents' ranks
+    assert "restart 1 of the launcher's workers: resuming from the newest intact checkpoint" in survivor.stderr
+    assert (f"keeping checkpoint-4's global batch of {global_batch} on {nproc} data-parallel ranks: accumulation 2"
+            in survivor.stderr)  # fmt: skip
+    assert f"resumed from {out / 'checkpoint-4'} at step 4" in survivor.stderr
+    steps = [r["step"] for r in survivor.records if "loss" in r]
+    assert steps == list(range(1, 15)), steps  # each step once: the lost generation's 5 and 6 dropped
+    (cost,) = [r for r in survivor.records if "restart" in r]
+    assert cost["resumed_at_step"] == 4 and cost["steps_recomputed"] == 2 and cost["fault_s"] > 0
+    # The smaller world's straight run from the same checkpoint.
+    shutil.copytree(out / "checkpoint-4", tmp_path / "smaller" / "checkpoint-4")
+    cmd = launcher_command("torchrun", nproc=nproc)
+    smaller = launch(cmd, [*args, "--resume_from_checkpoint=auto", f"--global_batch_size={global_batch}"],
+                     tmp_path / "smaller", timeout=LAUNCH_TIMEOUT)  # fmt: skip
+    reference = smaller.own_losses
+    assert sorted(reference) == list(range(5, 15))
+    for step, loss in reference.items():
+        assert survivor.losses[step] == pytest.approx(loss, rel=1e-5, abs=0), step
+    print(
+        f"{strategy}, {nproc} rank(s) an agent: {cost['fault_s']} s from the last record before the loss of the "
+        "node to the first step after it"
+    )
+
+
+def test_a_restart_keeps_the_global_batch_or_says_why_it_cannot(tmp_path):
+    """A restarted generation takes the global batch of the checkpoint it resumes from, whatever the world it
+    re-formed on, unless --global_batch_size says otherwise; a world that cannot make it is refused in one line."""
+    write_checkpoint(tmp_path, 4, {}, {"loader": {"global_batch_size": 12}})
+    parsed = RunConfig(output_dir=str(tmp_path), resume_from_checkpoint="auto", per_device_train_batch_size=2)
+    kept = keep_global_batch(parsed, 3)  # 12 = micro 2 x 3 ranks x accumulation 2
+    assert kept.global_batch_size == 12 and kept.accumulation(3) == 2
+    assert keep_global_batch(replace(parsed, global_batch_size=24), 3).global_batch_size == 24
+    said = "restarted on 5 data-parallel ranks, the run cannot keep the global batch of 12 that checkpoint-4 trained"
+    with pytest.raises(ValueError, match=rf"^{said} with: micro 2 x 5 ranks does not divide it; pass a"):
+        keep_global_batch(parsed, 5)
 
 
 @pytest.mark.slow

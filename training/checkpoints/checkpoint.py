@@ -154,22 +154,25 @@ def resolve_resume(arg: str | None, output_dir: str, checksums: bool = True) -> 
     return path
 
 
-def check_resume(cfg, strategy: Strategy) -> None:
-    """Before the process group, on every rank: the checkpoint `--resume_from_checkpoint` points at (its checksums
-    unverified yet: rank 0 verifies them later) must hold no pickle that could run code and every file an exact
-    resume needs, have this launch's global batch, and, written under another strategy or number of ranks, be one
-    that converts. The global batch counts data-parallel ranks (tensor-parallel ranks
-    share a batch)."""
-    arg = cfg.resume_from_checkpoint
-    if arg == "auto":  # the one `auto` will pick, but for the checksums
-        intact = [p for _, p in checkpoints(cfg.output_dir) if is_complete(p) and damage(p, checksums=False) is None]
-        path = intact[-1] if intact else None
+def resume_candidate(arg: str | None, output_dir: str) -> tuple[Path | None, dict | None]:
+    """The checkpoint `arg` resumes from (`auto`: the newest whose sizes match its marker; rank 0 verifies checksums
+    later) and its trainer state, read on any rank before the process group; None for what is missing."""
+    if arg == "auto":
+        newest = reversed([p for _, p in checkpoints(output_dir)])
+        path = next((p for p in newest if is_complete(p) and damage(p, checksums=False) is None), None)
     else:
         path = Path(arg) if arg is not None and is_complete(Path(arg)) else None
     try:
-        state = json.loads((path / STATE).read_text()) if path is not None else None
+        return path, json.loads((path / STATE).read_text()) if path is not None else None
     except ValueError:
-        state = None
+        return path, None
+
+
+def check_resume(cfg, strategy: Strategy) -> None:
+    """Before the process group, on every rank: the checkpoint a resume picks (`resume_candidate`) must hold no
+    pickle that could run code and every file an exact resume needs, have this launch's global batch (counting
+    data-parallel ranks: tensor-parallel ones share a batch), and, written under another layout, convert."""
+    path, state = resume_candidate(cfg.resume_from_checkpoint, cfg.output_dir)
     if state is None:
         return  # nothing to resume, or rank 0's verification refuses it after the process group
     from training.checkpoints.exact import check_resumable
