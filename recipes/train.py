@@ -27,7 +27,9 @@ from data import ShardedLoader, prepare_data
 from model.export import save_model_folder
 from training import faults
 from training.arguments import parse_run_config
-from training.checkpoints.checkpoint import CheckpointSpaceError, check_resume, load_checkpoint, resolve_resume_once
+from training.checkpoints.background import BackgroundSaveError
+from training.checkpoints.checkpoint import check_resume, load_checkpoint, resolve_resume_once
+from training.checkpoints.space import CheckpointSpaceError
 from training.compat import check_versions
 from training.core.accelerator import make_accelerator
 from training.core.family import family_of
@@ -200,7 +202,11 @@ def main(argv: list[str] | None = None) -> object:
             faults.after_step(step, accelerator.process_index, world)  # the test suite's injected faults
             stop = preemption.agreed(accelerator.device)  # collective: every rank stops after the same step
             if stop is not None and step < cfg.max_steps:
-                raise Preempted(stop_message(stop, step, saved or save()))  # save: collective
+                saved = saved or save()  # collective
+                engine.finish_saves()  # collective: a preempted run stops with its checkpoint complete
+                raise Preempted(stop_message(stop, step, saved))
+    watchdog.phase("save")
+    engine.finish_saves()  # collective: the checkpoint written in the background is complete before the export
     watchdog.stop()  # the export has no step deadline
     clock.mark("train")
 
@@ -238,4 +244,4 @@ def main(argv: list[str] | None = None) -> object:
 if __name__ == "__main__":
     # Bad input, a stopped run and a full disk end with one line and exit status 2; a preempted run with one line
     # and exit status 75 (see `run_rank`).
-    run_rank(main, (*BAD_INPUT, NonFiniteLossError, ZeroGradientError, CheckpointSpaceError))
+    run_rank(main, (*BAD_INPUT, NonFiniteLossError, ZeroGradientError, CheckpointSpaceError, BackgroundSaveError))

@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> object:
     cfg, strategy = launch.cfg, launch.strategy
     if cfg.streaming:
         raise ValueError("--streaming needs recipes/train.py: the Trainer path samples blocks by index")
+    if cfg.save_async:
+        raise ValueError("--save_async needs recipes/train.py: the Trainer saves its checkpoints itself")
     if cfg.step_timeout:
         raise ValueError(f"--step_timeout {cfg.step_timeout:g} needs recipes/train.py: the Trainer has no watchdog")
     config = cfg.model_config()

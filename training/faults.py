@@ -8,6 +8,8 @@
 - `kill_in_save@N`: rank 0 SIGKILLs itself in the middle of saving checkpoint N (shards written, no marker);
 - `kill_mid_shard@N`: rank 0 cuts the largest file of checkpoint N to half its size and SIGKILLs itself before
   the marker: what a kill while that shard was being written leaves on disk;
+- `kill_in_background_save@N`: rank 0 SIGKILLs itself while checkpoint N is written in the background
+  (`--save_async`): its first file written, the others and the marker not;
 - `fill_disk@N`: rank 0 fills the output directory's filesystem with a file `fill` just before writing checkpoint N,
   after the free-space check, as another job writing to the same disk would;
 - `term_launcher@N`: rank 0 sends SIGTERM to its parent (the launcher) after step N, as SLURM or a spot-instance

@@ -217,6 +217,8 @@ def requested_strategy(cfg: RunConfig, launched: Launched) -> Strategy:
     check_block_covers_the_world(env, d["pp"])
     family = family_named("deepspeed" if ds is not None else "fsdp" if env.fsdp else "ddp", env.fsdp_version)
     strategy = family.strategy(cfg, env, d, ds)  # training/core/ddp.py, fsdp.py, fsdp1.py or zero.py
+    if cfg.save_async and strategy.pp_size == 1 and (why := family.async_refusal(strategy)):
+        raise ValueError(why)
     if strategy.pp_size > 1:  # the stages under the family, the schedule on gloo
         from training.axes.pipeline.checks import check_pipeline_launch
 

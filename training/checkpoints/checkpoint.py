@@ -13,41 +13,32 @@ the checkpoints already complete stay as they were.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import re
 import shutil
+import time
 import zlib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
-from torch.distributed.checkpoint.api import CheckpointException
 
 from training import faults
 from training.checkpoints import portable
+from training.checkpoints.background import BackgroundSaves, background_failure
 from training.checkpoints.portable import STATE
+from training.checkpoints.space import BYTES_PER_PARAMETER, MARGIN, disk_filled, no_space
 from training.core.ranks import all_ranks_max
 from training.strategy import Strategy
 
 MARKER = "checkpoint_complete"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
-# First save, nothing to measure yet: fp32 weights (4 bytes a parameter), Adam's two moments (8), and a mixed-precision
-# copy or master weights (4); the small files (RNG, scheduler, trainer state) fit in the margin.
-BYTES_PER_PARAMETER = 16
-MARGIN = 1 << 20
 _CHUNK = 1 << 24
-
-
-class CheckpointSpaceError(RuntimeError):
-    """The output directory cannot hold the next checkpoint; nothing already saved was touched."""
-
-    same_on_every_rank = True  # every rank raises it after the same collective: rank 0 reports it for all
-
 
 logger = logging.getLogger("shardgpt")
 
@@ -245,60 +236,41 @@ def expected_size(output_dir: str | os.PathLike, parameters: int) -> int:
     return BYTES_PER_PARAMETER * parameters + MARGIN
 
 
-def no_space(output_dir: str, step: int, needed: int, free: int, during: bool) -> CheckpointSpaceError:
-    when = "ran out of space while saving" if during else "has no space for"
-    return CheckpointSpaceError(
-        f"--output_dir {output_dir!r} {when} checkpoint-{step}: it needs about {needed:,} bytes, {free:,} are free; "
-        "the checkpoints already complete are untouched. Free space, keep fewer checkpoints (--save_total_limit), "
-        "or pass another --output_dir with --resume_from_checkpoint pointing at the last checkpoint"
-    )
-
-
-def _disk_filled(write, directory: Path) -> int:
-    """1 when `write` failed because the disk is full: ENOSPC, or any write error (torch's zip writer reports
-    "unexpected pos") on a filesystem now full; 0 when it succeeded. Other errors propagate."""
-    try:
-        write()
-    except (Exception, CheckpointException) as e:  # torch.distributed.checkpoint's is a BaseException
-        if not (_no_space(e) or shutil.disk_usage(directory).free < MARGIN):
-            raise
-        logger.warning("a write failed on a full disk: %s", str(e).splitlines()[0])
-        return 1
-    return 0
-
-
-def _no_space(e: BaseException) -> bool:
-    """ENOSPC or a full quota, raised here or, under FSDP, by any rank's torch.distributed.checkpoint writer."""
-    if isinstance(e, CheckpointException):
-        return any(_no_space(error) for error, _ in e.failures.values())
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
 def save_checkpoint(
     accelerator: Accelerator, output_dir: str, step: int, trainer_state: dict, keep: int | None,
-    write_state: Callable[[Path], None] | None = None,
+    write_state: Callable[[Path], None] | None = None, background: BackgroundSaves | None = None,
+    copy_state: Callable[[Path], list] | None = None,
 ) -> Path:  # fmt: skip
     """Save on every rank (a collective); only rank 0 writes the shared files, the marker and prunes. The model,
     optimizer, scheduler and RNG states are `write_state`'s to write (a collective), by default
-    `accelerator.save_state`'s.
+    `accelerator.save_state`'s; with `copy_state` (--save_async: its family's `save_async`) the step waits only for
+    a copy of them, and `background` writes the files, the marker and the pruning after (training/checkpoints/
+    background.py). A save in flight is waited for first.
 
     Raises `CheckpointSpaceError` on every rank when the checkpoint would not fit, or did not: the older complete
     checkpoints are untouched, and pruning happens only after the new one is complete."""
     out = Path(output_dir)
     path = out / f"checkpoint-{step}"
+    failed = background.wait() if background is not None else None  # one save in flight at a time
     needed, free = 0, 0
     if accelerator.is_main_process:  # rank 0 only: one look at the shared directory
         if path.exists():
             shutil.rmtree(path)  # an incomplete leftover of a crashed run at the same step
         needed = expected_size(out, trainer_state["strategy"]["parameters"])
         free = shutil.disk_usage(out).free
-    needed, free = all_ranks_max([needed, free], accelerator.device)  # collective: rank 0's numbers; a barrier
+    # collective: rank 0's numbers, any rank's failure in the background; a barrier
+    needed, free, failure = all_ranks_max([needed, free, failed[0] if failed else 0], accelerator.device)
+    if failure:
+        raise background_failure(output_dir, failure, failed)
     if needed > free:
         raise no_space(output_dir, step, needed, free, during=False)
     faults.maybe_fill_disk(step, out, accelerator.is_main_process)
+    writes = []
 
     def write_shards():
-        if write_state is None:
+        if copy_state is not None:
+            writes.extend(copy_state(path))  # collective under FSDP2: DCP's plan; each rank copies its share
+        elif write_state is None:
             accelerator.save_state(str(path))  # collective under DeepSpeed/FSDP: each rank writes its shard
         else:
             write_state(path)  # collective: each rank writes its part
@@ -307,29 +279,35 @@ def save_checkpoint(
         if accelerator.is_main_process:  # rank 0 only: the shared trainer state
             _write_json(path / STATE, trainer_state)
 
-    saved_bytes = [0]
+    def write_marker() -> int:
+        if not accelerator.is_main_process:
+            return 0
+        files = manifest(path)  # rank 0 only: the marker lists every rank's files
+        _write_json(path / MARKER, {"step": step, "files": files})
+        return sum(f["size"] for f in files.values())
 
-    def write_marker():
-        if accelerator.is_main_process:  # rank 0 only: the marker lists every rank's files
-            files = manifest(path)
-            _write_json(path / MARKER, {"step": step, "files": files})
-            saved_bytes[0] = sum(f["size"] for f in files.values())
+    def complete(started: float | None = None) -> None:  # rank 0 only: the new checkpoint is complete
+        saved = write_marker() if started is not None else sizes[0]
+        for old in [p for _, p in checkpoints(output_dir) if is_complete(p)][: -keep if keep else 0]:
+            shutil.rmtree(old, ignore_errors=True)
+        late = "" if started is None else f", written in the background in {time.perf_counter() - started:.1f} s"
+        logger.info("saved %s (%s MB) to %s%s", path.name, f"{saved / 1e6:,.1f}", output_dir, late)
 
     # Each collective below is also the barrier the next part needs: every shard is on disk before the marker
     # lists it, and the marker is written before old checkpoints are pruned.
-    for write in (write_shards, write_marker):
-        (filled,) = all_ranks_max([_disk_filled(write, out)], accelerator.device)  # collective: any rank's disk?
+    sizes = []
+    for write in (write_shards,) if copy_state is not None else (write_shards, lambda: sizes.append(write_marker())):
+        (filled,) = all_ranks_max([disk_filled(write, out)], accelerator.device)  # collective: any rank's disk?
         if filled:
             if accelerator.is_main_process:  # rank 0 only: the partial checkpoint gives its space back
                 shutil.rmtree(path, ignore_errors=True)
             accelerator.wait_for_everyone()  # collective: nobody exits while rank 0 still removes it
             raise no_space(output_dir, step, needed, shutil.disk_usage(out).free, during=True)
-    if accelerator.is_main_process and keep is not None:  # rank 0 only: the new checkpoint is complete
-        complete = [p for _, p in checkpoints(output_dir) if is_complete(p)]
-        for old in complete[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    if accelerator.is_main_process:  # rank 0 only: one line for accelerate's INFO lines (training/report/console.py)
-        logger.info("saved %s (%s MB) to %s", path.name, f"{saved_bytes[0] / 1e6:,.1f}", output_dir)
+    if copy_state is not None:  # the marker once every rank's thread has written its files
+        background.start(path, writes, partial(complete, time.perf_counter()))
+        return path
+    if accelerator.is_main_process:  # rank 0 only: prune; one line for accelerate's INFO lines (report/console.py)
+        complete()
     accelerator.wait_for_everyone()  # collective: pruning is done before anyone looks again
     return path
 

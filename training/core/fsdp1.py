@@ -80,6 +80,12 @@ class FSDP1(FullyShardedDataParallel):
                 return model.state_dict()  # collective: every rank gathers
         return accelerator.get_state_dict(model)  # collective: the shards gathered
 
+    def async_refusal(self, strategy: Strategy) -> str | None:
+        return (
+            "--save_async with fsdp_version: 1: FSDP1's state dicts are written by its own calls, which do not save "
+            "in the background; set fsdp_version: 2, or drop --save_async"
+        )
+
     def checkpoint_format(self, strategy: Strategy) -> str:
         return "fsdp1"
 

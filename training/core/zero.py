@@ -143,6 +143,12 @@ class ZeRO(Family):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def async_refusal(self, strategy: Strategy) -> str | None:
+        return (
+            f"--save_async under {strategy.name}: DeepSpeed's engine writes ZeRO's checkpoints itself; drop "
+            "--save_async, or save in the background under DDP or FSDP2"
+        )
+
     def checkpoint_format(self, strategy: Strategy) -> str:
         """The stage and offload decide the files (the offload JSONs hand the schedule to the engine, which saves
         it elsewhere): the strategy itself."""

@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 
 from model import ShardGPTConfig
+from training.checkpoints.background import BackgroundSaves, finish_saves
 from training.checkpoints.checkpoint import save_checkpoint
 from training.config import RunConfig
 from training.core.build import build_model
@@ -45,9 +46,11 @@ class Engine:
     optimizer: object
     scheduler: object
     shares: StateShares = field(init=False)
+    saves: BackgroundSaves = field(init=False)
 
     def __post_init__(self):
         self.shares = StateShares(self.optimizer)  # gradient and optimizer-state shares, read after the first step
+        self.saves = BackgroundSaves(self.accelerator.process_index, self.accelerator.num_processes)
 
     @property
     def family(self) -> Family:
@@ -58,8 +61,21 @@ class Engine:
         return unwrap(self.accelerator, uncompiled(self.net))
 
     def save(self, output_dir: str, step: int, state: dict, limit: int | None) -> Path:
-        """A resumable checkpoint (collective: every rank saves its share)."""
-        return save_checkpoint(self.accelerator, output_dir, step, state, limit)
+        """A resumable checkpoint (collective: every rank saves its share); with --save_async the step waits only
+        for the copy of its state, the files written in the background by its family's `save_async`."""
+        return save_checkpoint(self.accelerator, output_dir, step, state, limit, self.write_state, self.saves,
+                               self.copy_state if self.cfg.save_async else None)  # fmt: skip
+
+    write_state = None  # accelerate's save_state writes the checkpoint
+
+    def copy_state(self, path: Path) -> list:
+        """--save_async: this rank's share copied, the small files written; the writes left for the background."""
+        return self.family.save_async(self.accelerator, self.net, self.optimizer, self.scheduler, path)
+
+    def finish_saves(self) -> None:
+        """Wait for the checkpoint written in the background, if any (collective: its failure raised on every
+        rank)."""
+        finish_saves(self.accelerator, self.saves, self.cfg.output_dir)
 
 
 @dataclass
@@ -121,9 +137,15 @@ class Pipelined(Engine):
     def unwrapped(self) -> torch.nn.Module:
         return uncompiled(self.net)  # the model with this rank's stages; its config is the whole model's
 
-    def save(self, output_dir: str, step: int, state: dict, limit: int | None) -> Path:
-        """A resumable checkpoint (collective: every rank writes its stages' part)."""
-        return save_checkpoint(self.accelerator, output_dir, step, state, limit, write_state=self.write_state)
+    def copy_state(self, path: Path) -> list:
+        """--save_async: the stages' state dicts (as `write_state` takes them) by torch.distributed.checkpoint's
+        `async_save`, copied now, written in the background."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from training.checkpoints.background import dcp_async_save
+
+        weights, optimizer = get_state_dict(self.net, self.optimizer)  # FSDP2: this rank's shards
+        return dcp_async_save(self.accelerator, self.scheduler, path, weights, optimizer)
 
     def write_state(self, path: Path) -> None:
         """The stages' weights and AdamW's states as torch.distributed.checkpoint folders laid out as FSDP2's

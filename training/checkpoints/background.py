@@ -1,0 +1,206 @@
+"""Saves that do not stall the step (`--save_async`): the step waits only for a copy of the state in host memory, a
+thread of each rank writes the files from it, and the completion marker is written once every rank's files are on disk.
+
+What a rank copies and writes is its family's (`Family.save_async`, training/core/): one process and DDP copy the
+weights and AdamW's states (`host_copy`) and write accelerate's own files from the copy; FSDP2 and the pipelines hand
+their state dicts to torch.distributed.checkpoint's `async_save`, which copies them and writes in a thread, its
+collectives on a gloo group of their own (`save_group`) so that they never interleave with the step's. The small files
+every strategy writes alike (the random states, the schedule) are written before the step goes on.
+
+When a rank's files are durable (fsynced) its thread writes `.written-<rank>`, or why they are not; rank 0's thread
+waits for every rank's, then lists the files in the marker and prunes the old checkpoints. Nothing but DCP's own save
+runs a collective off the main thread. A kill before the marker leaves the previous checkpoint the newest intact. The
+next save, the end of the run and a preemption wait for the save in flight (`BackgroundSaves.wait`), and its failure is
+raised then, on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from training import faults
+from training.checkpoints.space import CheckpointSpaceError, full_disk
+from training.core.ranks import all_ranks_max
+
+logger = logging.getLogger("shardgpt")
+
+WRITTEN = ".written-{rank}"
+_POLL_S = 0.05
+
+
+def host_copy(obj, memo: dict | None = None):
+    """`obj` (a state dict, nested) with every tensor copied to host memory: what a later step changes in place is
+    not in the copy. Tensors that share memory (tied weights) share it in the copy too, as safetensors expects."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype)
+        if key not in memo:
+            memo[key] = obj.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        return type(obj)((k, host_copy(v, memo)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(host_copy(v, memo) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def durable(files: list[Path]) -> None:
+    """fsync every file of `files` that exists: the page cache's copy alone does not survive the machine."""
+    for file in files:
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+
+
+_GROUPS: list = []
+
+
+def save_group(index: int):
+    """The `index`-th gloo process group that torch.distributed.checkpoint's background saves run their collectives
+    on, made once (a collective: every rank makes it at its first asynchronous save), as torchtitan's async mode makes
+    one. Each of a checkpoint's concurrent saves has its own: their collectives run in threads of their own."""
+    import torch.distributed as dist
+
+    while len(_GROUPS) <= index:
+        _GROUPS.append(dist.new_group(backend="gloo"))  # collective
+    return _GROUPS[index]
+
+
+def write_small_files(accelerator, scheduler, path: Path) -> list[Path]:
+    """The files every strategy writes alike, by accelerate's own writer as its save_state calls it: this rank's
+    random states (taken now: the step goes on), rank 0's schedule (and loss scaler). Returns them."""
+    from accelerate.checkpointing import save_accelerator_state
+
+    path.mkdir(parents=True, exist_ok=True)
+    each_node = accelerator.project_configuration.save_on_each_node
+    save_accelerator_state(str(path), [], [], [scheduler], [], accelerator.process_index, accelerator.step,
+                           accelerator.scaler, save_on_each_node=each_node)  # fmt: skip
+    return [path / f"random_states_{accelerator.process_index}.pkl", path / "scheduler.bin", path / "scaler.pt"]
+
+
+def dcp_async_save(accelerator, scheduler, path: Path, weights: dict, moments: dict) -> list:
+    """This rank's share of the weights and AdamW's states as accelerate's FSDP folders and keys
+    (`pytorch_model_fsdp_0` {"model"}, `optimizer_0` {"optimizer"}) by torch.distributed.checkpoint's `async_save`:
+    copied to host memory now, written by DCP's threads (fsynced, its collectives on `save_group`'s). Returns the
+    waits for them."""
+    from functools import partial
+
+    import torch.distributed.checkpoint as dcp
+
+    small = write_small_files(accelerator, scheduler, path)
+    model = dcp.async_save({"model": weights}, checkpoint_id=path / "pytorch_model_fsdp_0",
+                           process_group=save_group(0))  # collective: DCP's plan, on its own group  # fmt: skip
+    optim = dcp.async_save({"optimizer": moments}, checkpoint_id=path / "optimizer_0",
+                           process_group=save_group(1))  # collective  # fmt: skip
+    return [model.result, optim.result, partial(durable, small)]
+
+
+class BackgroundSaveError(RuntimeError):
+    """A checkpoint written in the background failed; the checkpoints already complete are untouched."""
+
+    same_on_every_rank = True  # every rank raises it after the same collective: rank 0 reports it for all
+
+
+class BackgroundSaves:
+    """This rank's checkpoint in flight, one at a time."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.thread: threading.Thread | None = None
+        self.failure: tuple[int, str] | None = None  # (2: the disk filled, 1: another error; why)
+
+    def start(self, path: Path, writes: list[Callable[[], None]], finish: Callable[[], None]) -> None:
+        """Run `writes` (this rank's files, in order) in a thread; on rank 0, `finish` (the marker, the pruning)
+        once every rank's files are written."""
+        step = int(path.name.rsplit("-", 1)[1])
+
+        def run():
+            status = {"ok": True}
+            try:
+                for i, write in enumerate(writes):
+                    write()
+                    if i == 0:  # the first file written, the rest not
+                        faults.maybe_kill("kill_in_background_save", step, self.rank == 0)
+            except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one
+                status = {"ok": False, "space": full_disk(e), "why": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+            _write_json(path / WRITTEN.format(rank=self.rank), status)
+            if self.rank == 0:
+                self.failure = self._finish(path, finish)
+            elif not status["ok"]:
+                self.failure = (2 if status["space"] else 1, status["why"])
+
+        self.failure = None
+        self.thread = threading.Thread(target=run, name=f"save-{path.name}", daemon=True)
+        self.thread.start()
+
+    def _finish(self, path: Path, finish: Callable[[], None]) -> tuple[int, str] | None:
+        """Rank 0: wait for every rank's `.written-<rank>`, then `finish`, or remove the partial checkpoint."""
+        files = [path / WRITTEN.format(rank=r) for r in range(self.world)]
+        while not all(f.is_file() for f in files):  # the other ranks write theirs; a lost rank ends this process
+            time.sleep(_POLL_S)
+        statuses = [json.loads(f.read_text()) for f in files]
+        for f in files:
+            f.unlink()
+        failed = [(r, s) for r, s in enumerate(statuses) if not s["ok"]]
+        if failed:
+            shutil.rmtree(path, ignore_errors=True)  # the partial checkpoint gives its space back
+            r, s = failed[0]
+            return (2 if any(s["space"] for _, s in failed) else 1, f"rank {r}: {s['why']}")
+        try:
+            finish()
+        except OSError as e:
+            return (2 if full_disk(e) else 1, f"rank 0: {type(e).__name__}: {e}")
+        return None
+
+    def wait(self) -> tuple[int, str] | None:
+        """Wait for the save in flight, if any: its failure on this rank (rank 0: on any rank), or None."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        failure, self.failure = self.failure, None
+        return failure
+
+
+def finish_saves(accelerator, background: BackgroundSaves, output_dir: str) -> None:
+    """Wait for the save in flight (before the export, or a preempted run's exit), and raise its failure on every
+    rank (a collective)."""
+    failed = background.wait()
+    (failure,) = all_ranks_max([failed[0] if failed else 0], accelerator.device)  # collective: any rank's failure
+    if failure:
+        raise background_failure(output_dir, failure, failed)
+
+
+def background_failure(output_dir: str, code: int, failed: tuple[int, str] | None) -> RuntimeError:
+    """A background save's failure, raised on every rank (rank 0's line names the rank and the error)."""
+    why = failed[1] if failed else "on another rank"
+    if code == 2:
+        error = CheckpointSpaceError(
+            f"--output_dir {output_dir!r} ran out of space while a checkpoint was written in the background ({why}): "
+            "the checkpoints already complete are untouched. Free space, keep fewer checkpoints "
+            "(--save_total_limit), or pass another --output_dir with --resume_from_checkpoint pointing at the last one"
+        )
+    else:
+        error = BackgroundSaveError(
+            f"a checkpoint written in the background under --output_dir {output_dir!r} failed ({why}); the "
+            "checkpoints already complete are untouched: resume with --resume_from_checkpoint auto"
+        )
+    return error
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
