@@ -48,7 +48,7 @@ from training.report.console import configure_console, no_transformers_bars
 from training.report.curves import plot_training_curves
 from training.report.model_card import write_model_card
 from training.report.sample import generation_config, print_samples
-from training.report.summary import WallClock, peak_memory_per_rank, run_summary
+from training.report.summary import HostPeak, WallClock, peak_memory_per_rank, run_summary
 
 logger = logging.getLogger("shardgpt")
 
@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> object:
     resume = resolve_resume_once(accelerator, cfg)
     if resume is not None:
         # collective: every rank loads its shard; a checkpoint of another strategy or world size converts first
-        state = load_checkpoint(accelerator, resume, config.to_dict(), strategy, (net, optimizer, scheduler))
+        t0 = time.perf_counter()
+        with HostPeak() as held:
+            state = load_checkpoint(accelerator, resume, config.to_dict(), strategy, (net, optimizer, scheduler))
+        clock.measured("checkpoint_load", time.perf_counter() - t0, held)
         loader.load_state_dict(state["loader"])
         step = state["step"]
         logger.info("resumed from %s at step %d", resume, step)
@@ -196,8 +199,9 @@ def main(argv: list[str] | None = None) -> object:
             saved = None
             if cfg.save_steps and step % cfg.save_steps == 0:
                 t0 = time.perf_counter()
-                saved = save()  # collective
-                clock.saved(time.perf_counter() - t0)
+                with HostPeak() as held:  # under --save_async the step's wait: the copy, not the writes
+                    saved = save()  # collective
+                clock.measured("checkpoint_save", time.perf_counter() - t0, held)
             watchdog.phase("agree_on_stop")
             faults.after_step(step, accelerator.process_index, world)  # the test suite's injected faults
             stop = preemption.agreed(accelerator.device)  # collective: every rank stops after the same step
@@ -212,8 +216,11 @@ def main(argv: list[str] | None = None) -> object:
 
     # ------------------------------------------------------------------ export
     # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
-    state_dict = engine.full_state_dict()
-    memory = peak_memory_per_rank(accelerator)  # collective: every rank's peak memory, for the summary
+    t0 = time.perf_counter()
+    with HostPeak() as held:
+        state_dict = engine.full_state_dict()
+    clock.measured("export_gather", time.perf_counter() - t0, held)
+    memory = peak_memory_per_rank(accelerator, clock)  # collective: every rank's peak memory, for the summary
     if is_main:  # rank 0 only: file writes and the summary
         exported = engine.unwrapped().config  # the model's config as built (vocabulary padded, the tokenizer's ids)
         exported.use_cache = True
@@ -225,7 +232,10 @@ def main(argv: list[str] | None = None) -> object:
             # Saved as the model's own class whatever class the strategy's wrapper made of it (FSDP2 swaps it), with
             # the generation settings that the samples below, and `generate` and `pipeline` on the export, draw with.
             gen = generation_config(cfg, tokenizer.eos_token_id)
-            save_model_folder(out, exported, state_dict, safe_serialization=True, generation_config=gen)
+            t0 = time.perf_counter()
+            with HostPeak() as held:
+                save_model_folder(out, exported, state_dict, safe_serialization=True, generation_config=gen)
+            clock.measured("export_write", time.perf_counter() - t0, held)
             tokenizer.save_pretrained(out)
             write_model_card(out, cfg, exported, tokenizer, seen, parameters, step)  # README.md for the Hub
             logger.info("exported the model, tokenizer and configs to %s", out)
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> object:
                 print_samples(out, tokenizer, packed.validation, cfg)
         print(f"training curves: {plot_training_curves(metrics.path)}")
         clock.mark("export")
-        metrics.write(clock.record(step))  # where this launch's time went (rank 0's)
+        # where this launch's time went (rank 0's), and every rank's host peak during its checkpoint phases
+        metrics.write(clock.record(step) | {k: [round(m[k], 3) for m in memory] for k in memory[0] if "_peak_" in k})
         summary = run_summary(step, tokens_per_step, clock, log.throughput, metrics.latest, memory, out, log.device)
         print(summary)
     accelerator.wait_for_everyone()  # collective: nobody exits (tearing down the group) before the export

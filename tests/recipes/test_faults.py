@@ -241,22 +241,27 @@ def test_sigterm_to_the_launcher_saves_then_resume_is_exact(straight, corpus, tm
     [
         ("ddp", "kill@7"),
         ("ddp", "stall@7"),
+        ("ddp", "kill_in_background_save@10"),
         pytest.param("fsdp", "kill@7", marks=pytest.mark.matrix),
+        pytest.param("fsdp", "kill_in_background_save@10", marks=pytest.mark.matrix),
         pytest.param("zero3", "kill@7", marks=pytest.mark.matrix),
     ],
 )
 def test_a_lost_rank_is_restarted_and_resumes_by_itself(config, fault, corpus, tmp_path, tmp_path_factory):
     """`accelerate launch --max_restarts 1`, no --resume_from_checkpoint: after step 7, between the checkpoints of
     steps 5 and 10, rank 0 is SIGKILLed (`kill@7`), or the last rank freezes (`stall@7`: the step watchdog, here
-    --step_timeout 8, ends every rank with status 124); torch elastic restarts both ranks, which form a new process
-    group (the dead generation's keys in the agent's store no longer in the way: training/core/accelerator.py) and
-    resume from checkpoint-5 by themselves. The launcher exits 0, every step is logged once, with the straight run's
-    losses, the final weights are the straight run's bitwise, and metrics.jsonl records what the fault cost."""
+    --step_timeout 8, ends every rank with status 124), or, under --save_async, rank 0 is SIGKILLed while
+    checkpoint-10 is written in the background (`kill_in_background_save@10`: its first file written, no marker);
+    torch elastic restarts both ranks, which form a new process group (the dead generation's keys in the agent's
+    store no longer in the way: training/core/accelerator.py) and resume from checkpoint-5, the newest intact, by
+    themselves. The launcher exits 0, every step is logged once, with the straight run's losses (its saves
+    synchronous), the final weights are the straight run's bitwise, and metrics.jsonl records what the fault cost."""
     straight = cell_run("accelerate", config, corpus, tmp_path_factory)
     cmd = launcher_command("accelerate", config)
     cmd[cmd.index("launch") + 1 : cmd.index("launch") + 1] = ["--max_restarts", "1"]
     out = tmp_path / "out"
-    args = [*cell_args("accelerate", config, corpus, tmp_path), *(["--step_timeout=8"] if "stall" in fault else [])]
+    extra = {"stall": ["--step_timeout=8"], "kill_in_background_save": ["--save_async"]}.get(fault.split("@")[0], [])
+    args = [*cell_args("accelerate", config, corpus, tmp_path), *extra]
     run = launch(cmd, args, out, timeout=LAUNCH_TIMEOUT, env={"SHARDGPT_FAULT": fault})
     if "stall" in fault:  # the watchdog's report of the frozen rank, before the restart
         assert "error: step 7 made no progress for 8 s (--step_timeout)" in run.stderr
@@ -269,7 +274,10 @@ def test_a_lost_rank_is_restarted_and_resumes_by_itself(config, fault, corpus, t
     weights, reference = load_file(out / "model.safetensors"), load_file(straight.output_dir / "model.safetensors")
     assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in reference)
     (cost,) = [r for r in run.records if "restart" in r]
-    assert cost["step"] == 6 and cost["restart"] == 1 and cost["steps_recomputed"] == 2 and cost["fault_s"] > 0
+    assert cost["step"] == 6 and cost["restart"] == 1 and cost["fault_s"] > 0
+    # kill@7 and stall@7: steps 6 and 7; a kill in checkpoint-10's background write: 6 to 10 at least, the first
+    # generation having gone on stepping while its thread wrote
+    assert cost["steps_recomputed"] == 2 if fault.endswith("@7") else cost["steps_recomputed"] >= 5, cost
     print(f"{config} {fault}: {cost['fault_s']} s from the last record before the fault to the first step after it")
 
 

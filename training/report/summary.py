@@ -3,6 +3,7 @@ where the model went and how to use it."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -13,9 +14,37 @@ from accelerate.utils import gather_object
 from training.loop.metrics import memory_gb
 
 
-def peak_memory_per_rank(accelerator) -> list[dict[str, float]]:
-    """Every rank's peak memory (`memory_gb`), in rank order. A collective: every rank calls it."""
-    return gather_object([memory_gb(accelerator.device)])  # collective: all-gather of one small dict per rank
+def peak_memory_per_rank(accelerator, clock: WallClock | None = None) -> list[dict[str, float]]:
+    """Every rank's peak memory (`memory_gb`), and its host peaks during the clock's checkpoint phases, in rank
+    order. A collective: every rank calls it."""
+    peaks = {} if clock is None else {f"{k}_peak_rss_gb": v / 1e9 for k, v in clock.peaks.items()}
+    return gather_object([memory_gb(accelerator.device) | peaks])  # collective: all-gather of a small dict per rank
+
+
+class HostPeak:
+    """This process's resident host memory, sampled in a thread every `interval` s while the `with` block runs:
+    `peak` (bytes) once it ends. What a save, a load or the export's gather holds at once, the threads of a
+    background writer included."""
+
+    def __init__(self, interval: float = 0.01):
+        self.interval, self.peak = interval, 0
+        self._done = threading.Event()
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, process.memory_info().rss)
+
+    def __enter__(self) -> HostPeak:
+        self.peak = psutil.Process().memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, psutil.Process().memory_info().rss)
 
 
 class WallClock:
@@ -27,11 +56,13 @@ class WallClock:
         now = time.time()
         self.phases = {"startup": now - psutil.Process().create_time()}
         self.since = now
-        self.checkpoint_save: float | None = None  # the last checkpoint's save, inside training
+        self.seconds: dict[str, float] = {}  # checkpoint_save (the last one's, inside training), checkpoint_load
+        self.peaks: dict[str, int] = {}  # this rank's host peak during each, in bytes (the highest save's)
 
-    def saved(self, seconds: float) -> None:
-        """A checkpoint was saved in `seconds` (within the training phase): the record keeps the last one's."""
-        self.checkpoint_save = seconds
+    def measured(self, what: str, seconds: float, peak: HostPeak) -> None:
+        """`what` (checkpoint_save, checkpoint_load, export) took `seconds` and peaked at `peak`'s host memory."""
+        self.seconds[what] = seconds
+        self.peaks[what] = max(self.peaks.get(what, 0), peak.peak)
 
     def mark(self, phase: str) -> None:
         """End `phase` now: the time since the previous mark (or since the start-up) is its."""
@@ -45,10 +76,13 @@ class WallClock:
 
     def record(self, step: int) -> dict:
         """A metrics.jsonl record of the phases, in seconds (`startup_s`, `setup_s`, ...) and their sum, `wall_s`, and
-        the last checkpoint's save (`checkpoint_save_s`, part of `train_s`) where the run saved one."""
+        the last checkpoint's save (`checkpoint_save_s`, part of `train_s`; under --save_async the step's wait for
+        the copy) and the resume's load (`checkpoint_load_s`, part of `setup_s`) where the run had them, and the
+        export's gather and write; with this rank's host peak during each (`<phase>_peak_rss_gb`)."""
         phases = {f"{k}_s": round(v, 3) for k, v in self.phases.items()}
-        saved = {} if self.checkpoint_save is None else {"checkpoint_save_s": round(self.checkpoint_save, 3)}
-        return {"step": step, **phases, "wall_s": round(self.total, 3), **saved}
+        measured = {f"{k}_s": round(v, 3) for k, v in self.seconds.items()}
+        peaks = {f"{k}_peak_rss_gb": round(v / 1e9, 3) for k, v in self.peaks.items()}  # this rank's
+        return {"step": step, **phases, "wall_s": round(self.total, 3), **measured, **peaks}
 
     def describe(self) -> str:
         """`1 min 49 s: start-up 9 s, set-up 6 s, training 1 min 20 s, export 14 s`."""
