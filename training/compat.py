@@ -24,6 +24,9 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   first module only (`_register_group_forward_hooks` runs the state's pre-forward once per group); 2.13 casts at each
   module. accelerate groups the final norm with the (tied) embedding and head, so on 2.11 the head received the last
   layer's fp32 output against its bf16 weight: see `cast_grouped_inputs` (no private API; keyed on the version).
+- torch.distributed.checkpoint's helpers that copy a state dict, DTensors and all, into host buffers made once
+  (`_create_cpu_state_dict`, `_copy_state_dict`: what its writer's `cache_staged_state_dict` uses, which pins its
+  buffers and so needs a GPU): `copy_into_host`, for --save_async's copy (training/core/staging.py).
 - whether torch's multi-stage pipeline schedules open each stage's links by sending to every neighbouring stage, its
   own rank's included (torch < 2.13's `_get_init_p2p_neighbors_ops`; from 2.13 `PipelineScheduleMulti._warmup_p2p`
   hands a same-rank neighbour its value in memory): gloo has no link from a rank to itself, see
@@ -222,3 +225,13 @@ def selective_kept_ops() -> set:
 def tensor_leaves(tree) -> list:
     """The leaves of an op's output (a tensor, or a tuple or list of them)."""
     return torch.utils._pytree.tree_leaves(tree)
+
+
+def copy_into_host(state_dict: dict, buffers: dict | None) -> dict:
+    """`state_dict` (DTensors and all) copied into `buffers` (None: host buffers made now, pinned where there is a
+    GPU), as torch.distributed.checkpoint's writer stages it; returns the copy."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    if buffers is None:
+        buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+    return _copy_state_dict(state_dict, buffers, non_blocking=False)

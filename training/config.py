@@ -116,11 +116,7 @@ class RunConfig(DataArguments):
     max_eval_batches: int | None = flag(50, "Cap on evaluation batches per rank (None: every validation block).")
     save_steps: int = flag(100, "Save a resumable checkpoint every N steps (0: never).")
     save_total_limit: int | None = flag(2, "Keep only the newest N checkpoints.")
-    save_async: bool = flag(
-        False,
-        "Write each checkpoint in the background: the step waits only for a copy of the state in host memory, the "
-        "completion marker follows once every rank's files are on disk (one process, DDP, FSDP2, the pipelines).",
-    )
+    save_async: bool = flag(False, "Write checkpoints in the background: the step waits for a host-memory copy.")
     resume_from_checkpoint: str | None = flag(
         None, "A checkpoint directory, or `auto` for the newest complete and intact one."
     )

@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import HfArgumentParser
 
-from training.checkpoints.background import WRITTEN, BackgroundSaves, host_copy
+from training.checkpoints.background import WRITTEN, BackgroundSaves
 from training.config import RunConfig
+from training.core.staging import host_copy
 from training.launch import resolve_launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +82,7 @@ FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_STATE_DICT_TYP
 @pytest.mark.parametrize(
     "variables, refusal",
     [
-        (ZERO3, "--save_async under zero3: DeepSpeed's engine writes ZeRO's checkpoints itself"),
+        (ZERO3, "--save_async under zero3: DeepSpeed's own background writer (checkpoint.writer.decoupled)"),
         ({**FSDP, "FSDP_VERSION": "1"}, "--save_async with fsdp_version: 1"),
         ({**FSDP, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}, "--save_async with fsdp_state_dict_type: FULL_STATE"),
         ({}, None),
@@ -102,3 +103,15 @@ def test_save_async_where_it_cannot_run_is_refused_in_one_line(monkeypatch, vari
     with pytest.raises(ValueError) as err:
         resolve_launch(parsed)
     assert str(err.value).startswith(refusal) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_next_copy_writes_over_the_previous_one():
+    """A save's copy is written into the previous save's buffers (already in memory: no first-touch cost), and holds
+    the new values; a tensor whose shape changed gets a buffer of its own."""
+    state = {"w": torch.zeros(4), "b": torch.zeros(2)}
+    first = host_copy(state)
+    state["w"].add_(1.0)
+    state["b"] = torch.ones(3)
+    second = host_copy(state, first)
+    assert second["w"].data_ptr() == first["w"].data_ptr() and torch.equal(second["w"], torch.ones(4))
+    assert second["b"].shape == (3,) and torch.equal(second["b"], torch.ones(3))

@@ -1,11 +1,9 @@
 """Saves that do not stall the step (`--save_async`): the step waits only for a copy of the state in host memory, a
 thread of each rank writes the files from it, and the completion marker is written once every rank's files are on disk.
 
-What a rank copies and writes is its family's (`Family.save_async`, training/core/): one process and DDP copy the
-weights and AdamW's states (`host_copy`) and write accelerate's own files from the copy; FSDP2 and the pipelines hand
-their state dicts to torch.distributed.checkpoint's `async_save`, which copies them and writes in a thread, its
-collectives on a gloo group of their own (`save_group`) so that they never interleave with the step's. The small files
-every strategy writes alike (the random states, the schedule) are written before the step goes on.
+What a rank copies and writes is its family's (`Family.save_async`, with training/core/staging.py): one process and
+DDP write accelerate's own files from a copy of the weights and AdamW's states; FSDP2 and the pipelines go through
+torch.distributed.checkpoint's `async_save`, its collectives on gloo groups of their own.
 
 When a rank's files are durable (fsynced) its thread writes `.written-<rank>`, or why they are not; rank 0's thread
 waits for every rank's, then lists the files in the marker and prunes the old checkpoints. Nothing but DCP's own save
@@ -16,7 +14,6 @@ raised then, on every rank.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -26,8 +23,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from training import faults
 from training.checkpoints.space import CheckpointSpaceError, full_disk
 from training.core.ranks import all_ranks_max
@@ -36,73 +31,6 @@ logger = logging.getLogger("shardgpt")
 
 WRITTEN = ".written-{rank}"
 _POLL_S = 0.05
-
-
-def host_copy(obj, memo: dict | None = None):
-    """`obj` (a state dict, nested) with every tensor copied to host memory: what a later step changes in place is
-    not in the copy. Tensors that share memory (tied weights) share it in the copy too, as safetensors expects."""
-    memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype)
-        if key not in memo:
-            memo[key] = obj.detach().to("cpu", copy=True)
-        return memo[key]
-    if isinstance(obj, dict):
-        return type(obj)((k, host_copy(v, memo)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return type(obj)(host_copy(v, memo) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def durable(files: list[Path]) -> None:
-    """fsync every file of `files` that exists: the page cache's copy alone does not survive the machine."""
-    for file in files:
-        if file.is_file():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-
-
-_GROUPS: list = []
-
-
-def save_group(index: int):
-    """The `index`-th gloo process group that torch.distributed.checkpoint's background saves run their collectives
-    on, made once (a collective: every rank makes it at its first asynchronous save), as torchtitan's async mode makes
-    one. Each of a checkpoint's concurrent saves has its own: their collectives run in threads of their own."""
-    import torch.distributed as dist
-
-    while len(_GROUPS) <= index:
-        _GROUPS.append(dist.new_group(backend="gloo"))  # collective
-    return _GROUPS[index]
-
-
-def write_small_files(accelerator, scheduler, path: Path) -> list[Path]:
-    """The files every strategy writes alike, by accelerate's own writer as its save_state calls it: this rank's
-    random states (taken now: the step goes on), rank 0's schedule (and loss scaler). Returns them."""
-    from accelerate.checkpointing import save_accelerator_state
-
-    path.mkdir(parents=True, exist_ok=True)
-    each_node = accelerator.project_configuration.save_on_each_node
-    save_accelerator_state(str(path), [], [], [scheduler], [], accelerator.process_index, accelerator.step,
-                           accelerator.scaler, save_on_each_node=each_node)  # fmt: skip
-    return [path / f"random_states_{accelerator.process_index}.pkl", path / "scheduler.bin", path / "scaler.pt"]
-
-
-def dcp_async_save(accelerator, scheduler, path: Path, weights: dict, moments: dict) -> list:
-    """This rank's share of the weights and AdamW's states as accelerate's FSDP folders and keys
-    (`pytorch_model_fsdp_0` {"model"}, `optimizer_0` {"optimizer"}) by torch.distributed.checkpoint's `async_save`:
-    copied to host memory now, written by DCP's threads (fsynced, its collectives on `save_group`'s). Returns the
-    waits for them."""
-    from functools import partial
-
-    import torch.distributed.checkpoint as dcp
-
-    small = write_small_files(accelerator, scheduler, path)
-    model = dcp.async_save({"model": weights}, checkpoint_id=path / "pytorch_model_fsdp_0",
-                           process_group=save_group(0))  # collective: DCP's plan, on its own group  # fmt: skip
-    optim = dcp.async_save({"optimizer": moments}, checkpoint_id=path / "optimizer_0",
-                           process_group=save_group(1))  # collective  # fmt: skip
-    return [model.result, optim.result, partial(durable, small)]
 
 
 class BackgroundSaveError(RuntimeError):
@@ -118,6 +46,7 @@ class BackgroundSaves:
         self.rank, self.world = rank, world
         self.thread: threading.Thread | None = None
         self.failure: tuple[int, str] | None = None  # (2: the disk filled, 1: another error; why)
+        self.staged: dict = {}  # the host copies (and DCP's writers) the next save writes over
 
     def start(self, path: Path, writes: list[Callable[[], None]], finish: Callable[[], None]) -> None:
         """Run `writes` (this rank's files, in order) in a thread; on rank 0, `finish` (the marker, the pruning)

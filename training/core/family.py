@@ -198,22 +198,24 @@ class Family:
         """Why `--save_async` cannot save this family's checkpoints in the background, or None."""
         return None
 
-    def save_async(self, accelerator: Accelerator, net, optimizer, scheduler, path) -> list:
+    def save_async(self, accelerator: Accelerator, net, optimizer, scheduler, path, staged: dict) -> list:
         """`--save_async`'s part before the step goes on: this rank's share of the state copied to host memory, the
         small files written; returns the writes that put the copy on disk, run in a thread
-        (training/checkpoints/background.py). One process and DDP: accelerate's own files, from a copy of the
-        weights and AdamW's states (rank 0's alone: every rank holds the same)."""
+        (training/checkpoints/background.py); `staged` keeps the copies, which the next save writes over. One process
+        and DDP: accelerate's own files, from a copy of the weights and AdamW's states (rank 0's alone: every rank
+        holds the same)."""
         from functools import partial
 
         from accelerate.utils import SAFE_WEIGHTS_NAME, save
 
-        from training.checkpoints.background import durable, host_copy, write_small_files
+        from training.core.staging import durable, host_copy, write_small_files
 
         small = write_small_files(accelerator, scheduler, path)  # the random states, the schedule: written now
         if not accelerator.is_main_process:
             return [partial(durable, small)]
-        weights = host_copy(accelerator.get_state_dict(net))  # the model's names, as its save_state writes them
-        moments = host_copy(optimizer.state_dict())
+        # the model's names, as accelerate's save_state writes them
+        weights = staged["weights"] = host_copy(accelerator.get_state_dict(net), staged.get("weights"))
+        moments = staged["moments"] = host_copy(optimizer.state_dict(), staged.get("moments"))
 
         def write(obj, name: str, safe: bool):
             save(obj, path / name, safe_serialization=safe)  # accelerate's writer, as its save_state calls it

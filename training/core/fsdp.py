@@ -38,6 +38,7 @@ from model import ShardGPTConfig
 from training.config import RunConfig
 from training.core.build import empty_model, local, temporaries
 from training.core.family import Family
+from training.core.staging import fsdp2_async_save, sharded_only
 from training.deepspeed_config import DeepSpeedJSON
 from training.environment import Environment
 from training.strategy import Strategy
@@ -168,26 +169,8 @@ class FullyShardedDataParallel(Family):
     def checkpoint_format(self, strategy: Strategy) -> str:
         return "fsdp"
 
-    def async_refusal(self, strategy: Strategy) -> str | None:
-        kind = strategy.fsdp_env.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT").upper()
-        if kind != "SHARDED_STATE_DICT":
-            return (f"--save_async with fsdp_state_dict_type: {kind}: the background save writes FSDP2's sharded "
-                    "folders; set fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config, or drop "
-                    "--save_async")  # fmt: skip
-        return None
-
-    def save_async(self, accelerator, net, optimizer, scheduler, path) -> list:
-        """accelerate's folders and keys (`pytorch_model_fsdp_0` {"model"}, `optimizer_0` {"optimizer"}, as its
-        save_fsdp_model and save_fsdp_optimizer write them), by torch.distributed.checkpoint's `async_save`: each
-        rank's shards copied to host memory now, written in DCP's thread (collectives on `save_group`'s gloo)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        from training.checkpoints.background import dcp_async_save
-        from training.core.wrapped import uncompiled
-
-        model = uncompiled(net)  # this rank's shards (DTensors), as accelerate's save_fsdp_model takes them
-        return dcp_async_save(accelerator, scheduler, path, get_model_state_dict(model),
-                              get_optimizer_state_dict(model, optimizer))  # fmt: skip
+    async_refusal = staticmethod(sharded_only)  # --save_async: torch.distributed.checkpoint's async_save
+    save_async = staticmethod(fsdp2_async_save)
 
     def read_neutral(self, path: Path, state: dict) -> dict:
         """torch.distributed.checkpoint's folders (a pipeline's are written alike: each stage's parameters under

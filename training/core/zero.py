@@ -145,8 +145,9 @@ class ZeRO(Family):
 
     def async_refusal(self, strategy: Strategy) -> str | None:
         return (
-            f"--save_async under {strategy.name}: DeepSpeed's engine writes ZeRO's checkpoints itself; drop "
-            "--save_async, or save in the background under DDP or FSDP2"
+            f"--save_async under {strategy.name}: DeepSpeed's own background writer (checkpoint.writer.decoupled) "
+            "hands its writer process the live state, not a copy, fails under ZeRO-1/2, and its default writer needs "
+            "a GPU (docs/checkpoints.md); drop --save_async, or save in the background under DDP or FSDP2"
         )
 
     def checkpoint_format(self, strategy: Strategy) -> str:

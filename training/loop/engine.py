@@ -70,7 +70,8 @@ class Engine:
 
     def copy_state(self, path: Path) -> list:
         """--save_async: this rank's share copied, the small files written; the writes left for the background."""
-        return self.family.save_async(self.accelerator, self.net, self.optimizer, self.scheduler, path)
+        return self.family.save_async(self.accelerator, self.net, self.optimizer, self.scheduler, path,
+                                      self.saves.staged)  # fmt: skip
 
     def finish_saves(self) -> None:
         """Wait for the checkpoint written in the background, if any (collective: its failure raised on every
@@ -142,10 +143,10 @@ class Pipelined(Engine):
         `async_save`, copied now, written in the background."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from training.checkpoints.background import dcp_async_save
+        from training.core.staging import dcp_async_save
 
         weights, optimizer = get_state_dict(self.net, self.optimizer)  # FSDP2: this rank's shards
-        return dcp_async_save(self.accelerator, self.scheduler, path, weights, optimizer)
+        return dcp_async_save(self.accelerator, self.scheduler, path, weights, optimizer, self.saves.staged)
 
     def write_state(self, path: Path) -> None:
         """The stages' weights and AdamW's states as torch.distributed.checkpoint folders laid out as FSDP2's
