@@ -6,7 +6,9 @@ translation and a state-dict copy; the parity tests prove the two compute the sa
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -127,12 +129,73 @@ def save_model_folder(save_directory: str | os.PathLike, config: ShardGPTConfig,
     generation = save_kwargs.pop("generation_config", None)
     with torch.device("meta"):
         model = ShardGPTForCausalLM(config)
-    dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
+    floating = (t.dtype for t in state_dict.values() if t.is_floating_point())
+    dtype = save_kwargs.pop("dtype", None) or next(floating, None)
     if dtype is not None:
         model.to(dtype)  # config.json's dtype is the weights' (bf16 under DeepSpeed's bf16)
     if generation is not None:
         model.generation_config = generation
     model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
+
+
+SHARD_BYTES = 2 * 1024**3  # the most of the weights a streamed save holds before it writes them
+
+
+def save_model_folder_streamed(save_directory: str | os.PathLike, config: ShardGPTConfig, parts: Iterator[dict],
+                               shard_bytes: int = SHARD_BYTES, **save_kwargs) -> int:  # fmt: skip
+    """`save_model_folder` of weights that arrive in parts (`parts`: dicts of name -> tensor, a layer's say, as a
+    sharded model is gathered), written as they come: at most `shard_bytes` of them are held at once. The files are
+    save_pretrained's: `model.safetensors`, or `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`
+    where the weights exceed `shard_bytes`. Tied weights (`_tied_weights_keys`) are stored once, under the
+    embedding's name, as save_pretrained stores them. Returns the number of parameters written."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(save_directory)
+    first = next(parts, {})
+    dtype = next((t.dtype for t in first.values() if t.is_floating_point()), None)
+    save_model_folder(folder, config, {}, dtype=dtype, **save_kwargs)  # config.json, the code, generation_config
+    skip = set(ShardGPTForCausalLM._tied_weights_keys) if config.tie_word_embeddings else set()
+    shards: list[tuple[Path, list[str]]] = []  # (the file written, its tensors' names)
+    held: dict[str, torch.Tensor] = {}
+    counts = {"held": 0, "total": 0, "parameters": 0}
+
+    def flush():
+        shards.append((folder / f"model-{len(shards) + 1:05d}.safetensors.tmp", list(held)))
+        save_file({k: v.contiguous() for k, v in held.items()}, shards[-1][0], metadata={"format": "pt"})
+        held.clear()
+        counts["held"] = 0
+
+    for part in _chained(first, parts):
+        for name, tensor in part.items():
+            if name in skip:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if held and counts["held"] + nbytes > shard_bytes:
+                flush()  # the shard is full: written, then let go
+            held[name] = tensor
+            counts["held"] += nbytes
+            counts["total"] += nbytes
+            counts["parameters"] += tensor.numel()
+    if held or not shards:
+        flush()
+    if len(shards) == 1:
+        os.replace(shards[0][0], folder / "model.safetensors")
+        return counts["parameters"]
+    weight_map = {}
+    for i, (tmp, names) in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(tmp, folder / name)
+        weight_map |= dict.fromkeys(names, name)
+    index = {"metadata": {"total_size": counts["total"]}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return counts["parameters"]
+
+
+def _chained(first: dict, rest: Iterator[dict]) -> Iterator[dict]:
+    yield first
+    yield from rest
 
 
 def write_model_code(folder: str | os.PathLike) -> list[str]:

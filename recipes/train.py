@@ -22,9 +22,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-import model as shardgpt
 from data import ShardedLoader, prepare_data
-from model.export import save_model_folder
+from model.export import save_model_folder_streamed
 from training import faults
 from training.arguments import parse_run_config
 from training.checkpoints.background import BackgroundSaveError
@@ -215,27 +214,25 @@ def main(argv: list[str] | None = None) -> object:
     clock.mark("train")
 
     # ------------------------------------------------------------------ export
-    # Gather the full weights (collective: ZeRO-3 and FSDP assemble their shards) and write a plain HF folder.
+    # The full weights part by part (collectives: FSDP2 gathers each parameter's shards, ZeRO-3 each module's
+    # partitions), rank 0 writing each into a plain HF folder before the next is gathered: it never holds the whole
+    # model. Saved as the model's own class whatever class the strategy's wrapper made of it (FSDP2 swaps it), with the
+    # generation settings that the samples below, and `generate` and `pipeline` on the export, draw with.
+    exported = engine.unwrapped().config  # the model's config as built (vocabulary padded, the tokenizer's ids)
+    exported.use_cache = True
+    gen = generation_config(cfg, tokenizer.eos_token_id)
     t0 = time.perf_counter()
-    with HostPeak() as held:
-        state_dict = engine.full_state_dict()
-    clock.measured("export_gather", time.perf_counter() - t0, held)
+    with HostPeak() as held, no_transformers_bars():
+        parts = engine.export_parts()
+        if is_main:  # rank 0 only: the files
+            parameters = save_model_folder_streamed(out, exported, parts, safe_serialization=True,
+                                                    generation_config=gen)  # fmt: skip
+        for _ in parts:  # collective: the other ranks take part in every gather (rank 0 has iterated them all)
+            pass
+    clock.measured("export", time.perf_counter() - t0, held)
     memory = peak_memory_per_rank(accelerator, clock)  # collective: every rank's peak memory, for the summary
     if is_main:  # rank 0 only: file writes and the summary
-        exported = engine.unwrapped().config  # the model's config as built (vocabulary padded, the tokenizer's ids)
-        exported.use_cache = True
-        if exported.tie_word_embeddings:  # a state dict may repeat tied weights (ZeRO-1/2): store them once
-            for tied in shardgpt.ShardGPTForCausalLM._tied_weights_keys:
-                state_dict.pop(tied, None)
-        parameters = sum(t.numel() for t in state_dict.values())  # save_pretrained empties the dict
         with no_transformers_bars():
-            # Saved as the model's own class whatever class the strategy's wrapper made of it (FSDP2 swaps it), with
-            # the generation settings that the samples below, and `generate` and `pipeline` on the export, draw with.
-            gen = generation_config(cfg, tokenizer.eos_token_id)
-            t0 = time.perf_counter()
-            with HostPeak() as held:
-                save_model_folder(out, exported, state_dict, safe_serialization=True, generation_config=gen)
-            clock.measured("export_write", time.perf_counter() - t0, held)
             tokenizer.save_pretrained(out)
             write_model_card(out, cfg, exported, tokenizer, seen, parameters, step)  # README.md for the Hub
             logger.info("exported the model, tokenizer and configs to %s", out)

@@ -1,6 +1,7 @@
 """The model against transformers' Llama, its own eager path, its cache, and save/load."""
 
 import ast
+import json
 import subprocess
 import sys
 import textwrap
@@ -299,3 +300,31 @@ def test_compiled_loss_and_gradients_equal_eager(backend, variant, precision):
     for name, g in grads.items():
         assert compiled_grads[name].abs().sum() > 0, f"{name}: every gradient is zero under {backend}"
         torch.testing.assert_close(compiled_grads[name], g, msg=name, **tol)
+
+
+@pytest.mark.parametrize("shard_bytes", [1 << 40, 200_000], ids=["one file", "sharded"])
+def test_a_streamed_export_holds_a_shard_at_a_time_and_loads_as_the_hub_does(tmp_path, shard_bytes):
+    """`save_model_folder_streamed` writes weights as they arrive, part by part (as FSDP2 and ZeRO-3 gather them), in
+    save_pretrained's files: `model.safetensors` when they fit one shard, else numbered shards and their index; the
+    tied head is stored once. A process without the project loads it to the model's logits."""
+    from safetensors.torch import load_file
+
+    from model.export import save_model_folder_streamed
+
+    ours = build()
+    weights = ours.state_dict()
+    parts = iter([{name: tensor} for name, tensor in weights.items()])  # one part a parameter
+    count = save_model_folder_streamed(tmp_path / "ckpt", ours.config, parts, shard_bytes=shard_bytes)
+    assert count == sum(p.numel() for p in ours.parameters())  # tied: counted once, as parameters() counts it
+    files = sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors"))
+    if shard_bytes > 1 << 30:
+        assert files == ["model.safetensors"] and not (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
+    else:
+        assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+        index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"].values()) == set(files)
+    stored = {k: v for f in files for k, v in load_file(tmp_path / "ckpt" / f).items()}
+    assert "lm_head.weight" not in stored and stored.keys() == weights.keys() - {"lm_head.weight"}
+    assert all(torch.equal(stored[k], weights[k]) for k in stored)
+    x, logits = run_without_project(tmp_path, tmp_path / "ckpt", True, "ShardGPTForCausalLM")
+    assert torch.equal(logits, ours(x).logits)

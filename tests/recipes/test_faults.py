@@ -278,6 +278,8 @@ def test_a_lost_rank_is_restarted_and_resumes_by_itself(config, fault, corpus, t
     # kill@7 and stall@7: steps 6 and 7; a kill in checkpoint-10's background write: 6 to 10 at least, the first
     # generation having gone on stepping while its thread wrote
     assert cost["steps_recomputed"] == 2 if fault.endswith("@7") else cost["steps_recomputed"] >= 5, cost
+    summary = f"restart 1 resumed at step 5: {cost['steps_recomputed']} steps recomputed, {cost['fault_s']:.1f} s from"
+    assert summary in run.stdout, run.stdout[-2000:]  # the run summary says it too
     print(f"{config} {fault}: {cost['fault_s']} s from the last record before the fault to the first step after it")
 
 

@@ -121,6 +121,11 @@ class Family:
         # the model inside DDP, unwrapped without importing DeepSpeed (`unwrap`)
         return accelerator.get_state_dict(unwrap(accelerator, model), unwrap=False)
 
+    def export_parts(self, accelerator: Accelerator, model: torch.nn.Module):
+        """The whole model's weights for the export, in parts that rank 0 writes one by one (collectives: every rank
+        iterates them; training/core/gather.py): here one part, the whole model, which every rank holds."""
+        yield self.full_state_dict(accelerator, model)
+
     # ------------------------------------------------------------------ checkpoints in the neutral form
 
     def checkpoint_format(self, strategy: Strategy) -> str:

@@ -38,6 +38,7 @@ from model import ShardGPTConfig
 from training.config import RunConfig
 from training.core.build import empty_model, local, temporaries
 from training.core.family import Family
+from training.core.gather import fsdp2_parts
 from training.core.staging import fsdp2_async_save, sharded_only
 from training.deepspeed_config import DeepSpeedJSON
 from training.environment import Environment
@@ -170,6 +171,7 @@ class FullyShardedDataParallel(Family):
         return "fsdp"
 
     async_refusal = staticmethod(sharded_only)  # --save_async: torch.distributed.checkpoint's async_save
+    export_parts = staticmethod(fsdp2_parts)  # the export: a parameter at a time
     save_async = staticmethod(fsdp2_async_save)
 
     def read_neutral(self, path: Path, state: dict) -> dict:

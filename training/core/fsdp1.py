@@ -14,6 +14,7 @@ from typing import get_args
 import torch
 
 from training.config import RunConfig
+from training.core.family import Family
 from training.core.fsdp import FullyShardedDataParallel, check_fsdp_wrap, offload_device
 from training.deepspeed_config import DeepSpeedJSON
 from training.environment import Environment
@@ -85,6 +86,8 @@ class FSDP1(FullyShardedDataParallel):
             "--save_async with fsdp_version: 1: FSDP1's state dicts are written by its own calls, which do not save "
             "in the background; set fsdp_version: 2, or drop --save_async"
         )
+
+    export_parts = Family.export_parts  # FSDP1's flat parameters: its own full state dict, whole
 
     def checkpoint_format(self, strategy: Strategy) -> str:
         return "fsdp1"

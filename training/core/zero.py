@@ -141,6 +141,16 @@ class ZeRO(Family):
     def full_state_dict(self, accelerator, model) -> dict:
         return accelerator.get_state_dict(model)  # collective: ZeRO-3's partitions gathered
 
+    def export_parts(self, accelerator, model):
+        """ZeRO-3 (without AutoTP, whose slices accelerate consolidates): a module's partitions at a time; ZeRO-1/2
+        hold the whole model on every rank."""
+        autotp = accelerator.deepspeed_config.get("tensor_parallel", {}).get("autotp_size", 0) > 1
+        if model.zero_optimization_stage() == 3 and not autotp:
+            from training.core.gather import zero3_parts
+
+            return zero3_parts(accelerator, model)
+        return super().export_parts(accelerator, model)
+
     # ------------------------------------------------------------------ checkpoints
 
     def async_refusal(self, strategy: Strategy) -> str | None:

@@ -104,8 +104,9 @@ class Replicated(Engine):
     def evaluate(self, blocks, dp: int, dp_rank: int) -> float | None:
         return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank)  # collective: reduced sums
 
-    def full_state_dict(self) -> dict:
-        return self.family.full_state_dict(self.accelerator, uncompiled(self.net))  # collective: shards gathered
+    def export_parts(self):
+        """The whole model's weights in parts, for rank 0 to write one by one (collectives: every rank iterates)."""
+        return self.family.export_parts(self.accelerator, uncompiled(self.net))  # FSDP2, ZeRO-3: gathered in turn
 
 
 @dataclass
@@ -132,8 +133,8 @@ class Pipelined(Engine):
         sums = partial(self.pipeline.eval_sums, autocast=self.accelerator.autocast)  # the stages' sends inside
         return evaluate(self.accelerator, self.net, blocks, self.cfg, dp, dp_rank, sums)  # collective: reduced sums
 
-    def full_state_dict(self) -> dict:
-        return self.pipeline.full_state_dict()  # collective: the stages' weights gathered on every rank
+    def export_parts(self):
+        yield self.pipeline.full_state_dict()  # collective: the stages' weights gathered on every rank, one part
 
     def unwrapped(self) -> torch.nn.Module:
         return uncompiled(self.net)  # the model with this rank's stages; its config is the whole model's

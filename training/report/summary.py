@@ -120,6 +120,10 @@ def run_summary(
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
         rows.append(("throughput", f"{throughput:,.0f} tokens/s on {len(memory)} x {name} (training steps only)"))
     rows += [(f"peak memory rank {rank}", memory_line(m)) for rank, m in enumerate(memory)]
+    if "restart" in latest:  # a restarted generation: what the fault cost (metrics.jsonl's record of it)
+        rows.append(("restarted", f"restart {latest['restart']} resumed at step {latest['resumed_at_step']}: "
+                                  f"{latest['steps_recomputed']} steps recomputed, {latest['fault_s']:.1f} s from the "
+                                  "last record before the fault to the first step after it"))  # fmt: skip
     rows.append(("model", str(out)))
     width = max(len(name) for name, _ in rows)
     lines = ["***** run summary *****", *(f"  {name:<{width}}  {value}" for name, value in rows)]
