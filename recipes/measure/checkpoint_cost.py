@@ -12,9 +12,9 @@ background save allocated the host copy the second writes over), the background 
 the wait's share of the synchronous save. `growth`: per family (DDP, FSDP2, ZeRO-3), model size
 (tiny to llama-1b) and ranks (1, 2, 4), a launch that trains a step and saves, then one that resumes from it: the
 save's and the load's seconds and each rank's resident host peak during them (sampled in a thread: training/report/
-summary.py's `HostPeak`), and rank 0's peak during the export's gather of the whole model. A launch the memory
-planner refuses on this machine is reported as such, not run. Every launch is fp32 on the embedded default data,
-micro batch 1 of 64 tokens; the figures are read from each launch's metrics.jsonl.
+summary.py's `HostPeak`), and rank 0's peak during the export (its parts gathered and written in turn). A launch
+the memory planner refuses on this machine is reported as such, not run. Every launch is fp32 on the embedded
+default data, micro batch 1 of 64 tokens; the figures are read from each launch's metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -126,6 +126,9 @@ def growth(root: Path, presets: list[str], worlds: list[int], families: list[str
                                            ["--max_steps=2", "--save_steps=0", "--resume_from_checkpoint=auto"],
                                            cell / "load.log")  # fmt: skip
                     (cell / "status.txt").write_text("ok" if code == 0 else refusal(err))
+                if not (cell / "status.txt").is_file():
+                    rows.append({**row, "refused": "not measured (launch it without --no_launch)"})
+                    continue
                 status = (cell / "status.txt").read_text()
                 if status != "ok":
                     rows.append({**row, "refused": status})
@@ -137,10 +140,10 @@ def growth(root: Path, presets: list[str], worlds: list[int], families: list[str
                              "save_s": saved["checkpoint_save_s"], "load_s": loaded["checkpoint_load_s"],
                              "save_peak_gb": max(saved["checkpoint_save_peak_rss_gb"]),
                              "load_peak_gb": max(loaded["checkpoint_load_peak_rss_gb"]),
-                             "export_peak_gb": saved["export_gather_peak_rss_gb"][0]})  # fmt: skip
+                             "export_peak_gb": saved["export_peak_rss_gb"][0]})  # fmt: skip
     print(
         "\n| preset | family | ranks | checkpoint GB | save s | load s | host peak per rank, save / load GB | "
-        "rank 0's peak in the export's gather GB |"
+        "rank 0's peak in the export GB |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
