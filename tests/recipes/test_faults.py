@@ -280,6 +280,9 @@ def test_a_lost_rank_is_restarted_and_resumes_by_itself(config, fault, corpus, t
     assert cost["steps_recomputed"] == 2 if fault.endswith("@7") else cost["steps_recomputed"] >= 5, cost
     summary = f"restart 1 resumed at step 5: {cost['steps_recomputed']} steps recomputed, {cost['fault_s']:.1f} s from"
     assert summary in run.stdout, run.stdout[-2000:]  # the run summary says it too
+    closing = run.records[-1]  # where the launch's time and host memory went: the resume's load and the last save
+    assert closing["checkpoint_load_s"] > 0 and closing["checkpoint_save_s"] > 0, closing
+    assert len(closing["checkpoint_load_peak_rss_gb"]) == len(closing["checkpoint_save_peak_rss_gb"]) == 2, closing
     print(f"{config} {fault}: {cost['fault_s']} s from the last record before the fault to the first step after it")
 
 

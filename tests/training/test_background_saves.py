@@ -115,3 +115,12 @@ def test_the_next_copy_writes_over_the_previous_one():
     second = host_copy(state, first)
     assert second["w"].data_ptr() == first["w"].data_ptr() and torch.equal(second["w"], torch.ones(4))
     assert second["b"].shape == (3,) and torch.equal(second["b"], torch.ones(3))
+
+
+def test_the_trainer_path_refuses_save_async_in_one_line(tmp_path, monkeypatch):
+    """The HF Trainer saves its checkpoints itself: --save_async there would do nothing, so it is refused."""
+    from recipes.trainer import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="^--save_async needs recipes/train.py: the Trainer saves its checkpoints"):
+        main(["--save_async", "--output_dir", str(tmp_path / "out")])
