@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> object:
         print(f"training curves: {plot_training_curves(metrics.path)}")
         clock.mark("export")
         # where this launch's time went (rank 0's), and every rank's host peak during its checkpoint phases
-        metrics.write(clock.record(step) | {k: [round(m[k], 3) for m in memory] for k in memory[0] if "_peak_" in k})
+        phases = [k for k in memory[0] if k.endswith(("_peak_rss_gb", "_added_rss_gb"))]
+        metrics.write(clock.record(step) | {k: [round(m[k], 3) for m in memory] for k in phases})
         summary = run_summary(step, tokens_per_step, clock, log.throughput, metrics.latest, memory, out, log.device)
         print(summary)
     accelerator.wait_for_everyone()  # collective: nobody exits (tearing down the group) before the export

@@ -140,10 +140,11 @@ def growth(root: Path, presets: list[str], worlds: list[int], families: list[str
                              "save_s": saved["checkpoint_save_s"], "load_s": loaded["checkpoint_load_s"],
                              "save_peak_gb": max(saved["checkpoint_save_peak_rss_gb"]),
                              "load_peak_gb": max(loaded["checkpoint_load_peak_rss_gb"]),
-                             "export_peak_gb": saved["export_peak_rss_gb"][0]})  # fmt: skip
+                             "export_peak_gb": saved["export_peak_rss_gb"][0],
+                             "export_added_gb": saved["export_added_rss_gb"][0]})  # fmt: skip
     print(
         "\n| preset | family | ranks | checkpoint GB | save s | load s | host peak per rank, save / load GB | "
-        "rank 0's peak in the export GB |"
+        "rank 0's peak in the export, and above its start GB |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -152,7 +153,8 @@ def growth(root: Path, presets: list[str], worlds: list[int], families: list[str
             continue
         print(
             f"| {r['preset']} | {r['family']} | {r['world']} | {r['gb']:.2f} | {r['save_s']:.2f} | "
-            f"{r['load_s']:.2f} | {r['save_peak_gb']:.2f} / {r['load_peak_gb']:.2f} | {r['export_peak_gb']:.2f} |"
+            f"{r['load_s']:.2f} | {r['save_peak_gb']:.2f} / {r['load_peak_gb']:.2f} | {r['export_peak_gb']:.2f} "
+            f"(+{r['export_added_gb']:.2f}) |"
         )
     return rows
 

@@ -18,6 +18,7 @@ def peak_memory_per_rank(accelerator, clock: WallClock | None = None) -> list[di
     """Every rank's peak memory (`memory_gb`), and its host peaks during the clock's checkpoint phases, in rank
     order. A collective: every rank calls it."""
     peaks = {} if clock is None else {f"{k}_peak_rss_gb": v / 1e9 for k, v in clock.peaks.items()}
+    peaks |= {} if clock is None else {f"{k}_added_rss_gb": v / 1e9 for k, v in clock.added.items()}
     return gather_object([memory_gb(accelerator.device) | peaks])  # collective: all-gather of a small dict per rank
 
 
@@ -36,7 +37,7 @@ class HostPeak:
             self.peak = max(self.peak, process.memory_info().rss)
 
     def __enter__(self) -> HostPeak:
-        self.peak = psutil.Process().memory_info().rss
+        self.start = self.peak = psutil.Process().memory_info().rss  # `peak - start`: what the block added
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
@@ -58,11 +59,13 @@ class WallClock:
         self.since = now
         self.seconds: dict[str, float] = {}  # checkpoint_save (the last one's, inside training), checkpoint_load
         self.peaks: dict[str, int] = {}  # this rank's host peak during each, in bytes (the highest save's)
+        self.added: dict[str, int] = {}  # and how far above its start the peak rose
 
     def measured(self, what: str, seconds: float, peak: HostPeak) -> None:
         """`what` (checkpoint_save, checkpoint_load, export) took `seconds` and peaked at `peak`'s host memory."""
         self.seconds[what] = seconds
         self.peaks[what] = max(self.peaks.get(what, 0), peak.peak)
+        self.added[what] = max(self.added.get(what, 0), peak.peak - peak.start)
 
     def mark(self, phase: str) -> None:
         """End `phase` now: the time since the previous mark (or since the start-up) is its."""
@@ -78,10 +81,12 @@ class WallClock:
         """A metrics.jsonl record of the phases, in seconds (`startup_s`, `setup_s`, ...) and their sum, `wall_s`, and
         the last checkpoint's save (`checkpoint_save_s`, part of `train_s`; under --save_async the step's wait for
         the copy) and the resume's load (`checkpoint_load_s`, part of `setup_s`) where the run had them, and the
-        export's gather and write; with this rank's host peak during each (`<phase>_peak_rss_gb`)."""
+        export; with this rank's host peak during each (`<phase>_peak_rss_gb`) and how far it rose above the phase's
+        start (`<phase>_added_rss_gb`)."""
         phases = {f"{k}_s": round(v, 3) for k, v in self.phases.items()}
         measured = {f"{k}_s": round(v, 3) for k, v in self.seconds.items()}
         peaks = {f"{k}_peak_rss_gb": round(v / 1e9, 3) for k, v in self.peaks.items()}  # this rank's
+        peaks |= {f"{k}_added_rss_gb": round(v / 1e9, 3) for k, v in self.added.items()}
         return {"step": step, **phases, "wall_s": round(self.total, 3), **measured, **peaks}
 
     def describe(self) -> str:
