@@ -40,7 +40,7 @@ BACKGROUND = re.compile(r"saved (checkpoint-\d+) \(([\d,.]+) MB\) .*written in t
 
 
 def launch(family: str, world: int, preset: str, out: Path, flags: list[str], log: Path) -> tuple[int, str]:
-    """One `accelerate launch` of recipes/train.py; its exit status and stderr (also kept in `log`)."""
+    """One `accelerate launch` of recipes/train.py; its exit status and output (also kept in `log`)."""
     with socket.socket() as s:  # a free port: other jobs may be training on this machine
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -52,9 +52,9 @@ def launch(family: str, world: int, preset: str, out: Path, flags: list[str], lo
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    log.write_text(done.stderr)
+    log.write_text(done.stdout + done.stderr)
     print(f"  {' '.join(cmd[1:])}: exit {done.returncode} in {time.perf_counter() - started:.0f} s", flush=True)
-    return done.returncode, done.stderr
+    return done.returncode, done.stdout + done.stderr
 
 
 def closing_record(out: Path) -> dict:
@@ -64,8 +64,8 @@ def closing_record(out: Path) -> dict:
 
 def refusal(stderr: str) -> str:
     """The one-line error a launch ended with (the memory planner's refusal, say)."""
-    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
-    return lines[-1][len("error: ") :] if lines else stderr.strip().splitlines()[-1]
+    lines = [line.split("error: ", 1)[1] for line in stderr.splitlines() if "error: " in line]
+    return lines[-1] if lines else stderr.strip().splitlines()[-1]
 
 
 # ---------------------------------------------------------------------- stall
