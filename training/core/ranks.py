@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,9 @@ from training.environment import Environment
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
 PREEMPTED = 75  # exit status of a run stopped by a signal after its checkpoint: EX_TEMPFAIL, "try again later"
+# A launcher ends every rank as soon as one exits: where rank 0 speaks for all, the others leave it this long to say
+# it first (seen: ZeRO-3 on 4 ranks, the memory planner's refusal lost when rank 1 exited before rank 0 printed it).
+RANK_0_SPEAKS_S = 2.0
 
 
 class Preempted(Exception):
@@ -80,13 +84,17 @@ def run_rank(main: Callable[[], object], errors: tuple[type[BaseException], ...]
         kept = e  # its traceback holds main's frame
         if os.environ.get("SHARDGPT_TRACEBACK"):
             raise
-        if not (getattr(e, "same_on_every_rank", False) and not _is_rank_0()):  # else rank 0 says it for all
+        if not (getattr(e, "same_on_every_rank", False) and not _is_rank_0()):
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # rank 0 says it for all
+            time.sleep(RANK_0_SPEAKS_S)
         code = 2
     except Preempted as e:
         kept = e
         if _is_rank_0():  # rank 0 only: one line for the whole run
             print(e, file=sys.stderr, flush=True)
+        else:
+            time.sleep(RANK_0_SPEAKS_S)
         code = PREEMPTED
     remove_deepspeed_shm_buffer()
     if Environment.read().world <= 1:
