@@ -149,7 +149,9 @@ def growth(root: Path, presets: list[str], worlds: list[int], families: list[str
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "refused" in r:
-            print(f"| {r['preset']} | {r['family']} | {r['world']} | not run: {r['refused'][:160]} |||||")
+            why = re.search(r"predicted not to fit: (host RAM needs [\d.]+ GiB.*?, [\d.]+ GiB free)", r["refused"])
+            why = f"the memory planner: {why.group(1)}" if why else r["refused"]
+            print(f"| {r['preset']} | {r['family']} | {r['world']} | not run ({why}) |||||")
             continue
         print(
             f"| {r['preset']} | {r['family']} | {r['world']} | {r['gb']:.2f} | {r['save_s']:.2f} | "
@@ -169,11 +171,12 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     labels = ("save (s)", "load (s)", "host peak per rank during the save (GB)")
     for ax, key, label in zip(axes, ("save_s", "load_s", "save_peak_gb"), labels, strict=True):
-        for family in sorted({r["family"] for r in done}):
-            for world, marker in zip((1, 2, 4), "o^s", strict=True):
+        for colour, family in enumerate(sorted({r["family"] for r in done})):  # a colour a family, a mark a world
+            for world, marker, line in zip((1, 2, 4), "o^s", ("-", "--", ":"), strict=True):
                 points = sorted((r["gb"], r[key]) for r in done if r["family"] == family and r["world"] == world)
                 if points:
-                    ax.plot(*zip(*points, strict=True), marker=marker, label=f"{family}, {world} rank(s)")
+                    ax.plot(*zip(*points, strict=True), marker=marker, linestyle=line, color=f"C{colour}",
+                            label=f"{family}, {world} rank(s)")  # fmt: skip
         ax.set_xscale("log")
         ax.set_xlabel("checkpoint size (GB, all ranks)")
         ax.set_ylabel(label)
