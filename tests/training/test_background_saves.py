@@ -124,3 +124,34 @@ def test_the_trainer_path_refuses_save_async_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match="^--save_async needs recipes/train.py: the Trainer saves its checkpoints"):
         main(["--save_async", "--output_dir", str(tmp_path / "out")])
+
+
+def test_a_disk_the_background_writes_filled_still_takes_their_status(tmp_path):
+    """The writes fill the disk (ENOSPC): the rank's status, made at its full size before they started
+    (`reserve`), is still written in place, so rank 0 learns of the failure, removes the partial checkpoint and
+    reports a full disk, rather than waiting for a status that could not be written."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.decode().strip()}")
+    try:
+        path = disk / "checkpoint-4"
+        path.mkdir()
+
+        def fill():
+            with open(path / "optimizer.bin", "wb") as f:
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+
+        saves = BackgroundSaves(rank=0, world=1)
+        saves.reserve(path)
+        saves.start(path, [fill], lambda: None)
+        failure = saves.wait()
+        assert failure is not None and failure[0] == 2 and "No space left" in failure[1], failure
+        assert not path.exists()
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)

@@ -30,6 +30,8 @@ from training.core.ranks import all_ranks_max
 logger = logging.getLogger("shardgpt")
 
 WRITTEN = ".written-{rank}"
+_SLOT = 1024  # each rank's `.written-<rank>`, made this size before the writes: its status fits a full disk too
+_PENDING = {"pending": True}
 _POLL_S = 0.05
 
 
@@ -48,6 +50,12 @@ class BackgroundSaves:
         self.failure: tuple[int, str] | None = None  # (2: the disk filled, 1: another error; why)
         self.staged: dict = {}  # the host copies (and DCP's writers) the next save writes over
 
+    def reserve(self, path: Path) -> None:
+        """This rank's `.written-<rank>`, made now (before the step goes on, where a full disk is caught by the
+        foreground's check) at the size its status will take: the thread overwrites it in place, which a disk the
+        background writes have filled still allows."""
+        _write_status(path / WRITTEN.format(rank=self.rank), _PENDING, create=True)
+
     def start(self, path: Path, writes: list[Callable[[], None]], finish: Callable[[], None]) -> None:
         """Run `writes` (this rank's files, in order) in a thread; on rank 0, `finish` (the marker, the pruning)
         once every rank's files are written."""
@@ -61,8 +69,9 @@ class BackgroundSaves:
                     if i == 0:  # the first file written, the rest not
                         faults.maybe_kill("kill_in_background_save", step, self.rank == 0)
             except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one
-                status = {"ok": False, "space": full_disk(e), "why": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-            _write_json(path / WRITTEN.format(rank=self.rank), status)
+                first = (str(e).splitlines() or [""])[0][:300]
+                status = {"ok": False, "space": full_disk(e), "why": f"{type(e).__name__}: {first}"}
+            _write_status(path / WRITTEN.format(rank=self.rank), status)
             if self.rank == 0:
                 self.failure = self._finish(path, finish)
             elif not status["ok"]:
@@ -75,9 +84,10 @@ class BackgroundSaves:
     def _finish(self, path: Path, finish: Callable[[], None]) -> tuple[int, str] | None:
         """Rank 0: wait for every rank's `.written-<rank>`, then `finish`, or remove the partial checkpoint."""
         files = [path / WRITTEN.format(rank=r) for r in range(self.world)]
-        while not all(f.is_file() for f in files):  # the other ranks write theirs; a lost rank ends this process
+        statuses = [_read_status(f) for f in files]
+        while None in statuses:  # the other ranks write theirs; a lost rank ends this process
             time.sleep(_POLL_S)
-        statuses = [json.loads(f.read_text()) for f in files]
+            statuses = [_read_status(f) for f in files]
         for f in files:
             f.unlink()
         failed = [(r, s) for r, s in enumerate(statuses) if not s["ok"]]
@@ -126,10 +136,19 @@ def background_failure(output_dir: str, code: int, failed: tuple[int, str] | Non
     return error
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
+def _write_status(path: Path, status: dict, create: bool = False) -> None:
+    """`status` into `path`, padded to `_SLOT` bytes and fsynced: made (`create`), else overwritten in place."""
+    data = json.dumps(status).encode().ljust(_SLOT)
+    with open(path, "wb" if create or not path.is_file() else "r+b") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def _read_status(path: Path) -> dict | None:
+    """A rank's status once its thread has written it; None while it is pending (or not yet made)."""
+    try:
+        status = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # not made yet, or caught mid-write
+        return None
+    return None if status.get("pending") else status

@@ -270,6 +270,7 @@ def save_checkpoint(
     def write_shards():
         if copy_state is not None:
             writes.extend(copy_state(path))  # collective under FSDP2: DCP's plan; each rank copies its share
+            background.reserve(path)  # the status its thread writes, on a disk it may have filled
         elif write_state is None:
             accelerator.save_state(str(path))  # collective under DeepSpeed/FSDP: each rank writes its shard
         else:
