@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from itertools import chain
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -167,7 +168,7 @@ def save_model_folder_streamed(save_directory: str | os.PathLike, config: ShardG
         held.clear()
         counts["held"] = 0
 
-    for part in _chained(first, parts):
+    for part in chain([first], parts):
         for name, tensor in part.items():
             if name in skip:
                 continue
@@ -191,11 +192,6 @@ def save_model_folder_streamed(save_directory: str | os.PathLike, config: ShardG
     index = {"metadata": {"total_size": counts["total"]}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return counts["parameters"]
-
-
-def _chained(first: dict, rest: Iterator[dict]) -> Iterator[dict]:
-    yield first
-    yield from rest
 
 
 def write_model_code(folder: str | os.PathLike) -> list[str]:

@@ -16,9 +16,7 @@ def fsdp2_parts(accelerator, model: torch.nn.Module) -> Iterator[dict]:
     rank 0 in host memory, as accelerate's full state dict holds it; the other ranks' parts are empty."""
     from torch.distributed.tensor import DTensor
 
-    from training.core.wrapped import uncompiled
-
-    for name, tensor in uncompiled(model).state_dict().items():
+    for name, tensor in model.state_dict().items():  # the engine hands the model uncompiled
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective: the shards gathered
         yield {name: full.detach().cpu()} if accelerator.is_main_process else {}
         del full
