@@ -87,7 +87,8 @@ def test_no_import_circles():
 # the checkpoints, the launch resolved from them, the loop, what a run shows, and above everything the planners, then
 # the doctor, the comparison and the measuring tools, which nothing below imports.
 CONFIGURATION = {
-    "training", "training.adamw", "training.arguments", "training.compat", "training.config", "training.faults",
+    "training", "training.adamw", "training.muon", "training.optim_arguments", "training.arguments",
+    "training.compat", "training.config", "training.faults",
     "training.flops", "training.limits", "training.paths", "training.pretrained", "training.mesh",
     "training.strategy", "training.deepspeed_config", "training.environment", "training.axes",
     "training.axes.table", "training.axes.pipeline", "training.axes.pipeline.schedules",

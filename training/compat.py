@@ -35,6 +35,9 @@ Private APIs, each used because no public one does the job, checked on torch 2.1
   sdpa's CPU kernel, the functional reduce-scatter: `torch.ops.aten._scaled_dot_product_*`,
   `torch.ops._c10d_functional.reduce_scatter_tensor`) and torch's pytree leaves of an op's output, for the measurement
   of what that policy keeps (training/measure/saved.PerOpPolicy): see `selective_kept_ops`, `tensor_leaves`.
+- torch.optim.Muon's Newton-Schulz iteration and learning-rate adjustment (`torch.optim._muon.
+  _zeropower_via_newtonschulz`, `_adjust_lr`; torch 2.9 and newer): torch's Muon steps whole tensors only, so the
+  project's Muon (training/muon.py) runs torch's own iteration on the matrices it gathers from shards and partitions.
 - DeepSpeed's ZeRO optimizer check importing its Muon module (`deepspeed.runtime.zero.muon.muon_optimizer`): kept
   out of a run whose optimizer is not Muon, see `skip_deepspeed_muon`.
 """
@@ -47,6 +50,8 @@ from importlib.metadata import version
 
 import torch
 from packaging.version import Version
+from torch.optim._muon import _adjust_lr as muon_adjust_lr  # noqa: F401  (training/muon.py)
+from torch.optim._muon import _zeropower_via_newtonschulz as muon_newton_schulz  # noqa: F401  (training/muon.py)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (training/loop/comms.py's base class)
 
 # The oldest release of each that the suite runs on (pyproject.toml's lower bounds).

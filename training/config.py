@@ -22,6 +22,7 @@ from model import PRESETS, ShardGPTConfig
 from training.adamw import recipe_learning_rate
 from training.axes.pipeline.schedules import ALL_SCHEDULES, check_pipeline, stages_per_rank
 from training.limits import HUNG, PHASE_CEILING, STEP_FACTOR, STEP_FLOOR, check_profile_steps
+from training.optim_arguments import OptimArguments
 
 PRESET_NAMES = tuple(PRESETS)
 Preset = Literal[PRESET_NAMES]
@@ -32,7 +33,7 @@ TRACKERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow")  # --rep
 
 
 @dataclass(frozen=True)
-class RunConfig(DataArguments):
+class RunConfig(OptimArguments, DataArguments):
     """Flags of `recipes/train.py`. Data flags (corpus, tokenizer, block size, caches) come from
     `data.DataArguments`; the strategy (DDP, FSDP, ZeRO) comes from the launcher's config file."""
 
@@ -315,6 +316,7 @@ class RunConfig(DataArguments):
                 raise ValueError(f"--{name} {getattr(self, name)} must be 0 or more")
         if self.learning_rate is not None and not self.learning_rate > 0:
             raise ValueError(f"--learning_rate {self.learning_rate} must be positive")
+        self.check_optim()
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min_lr_ratio {self.min_lr_ratio} must be in [0, 1]")
         if not 0 <= self.warmup_ratio <= 1:

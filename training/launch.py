@@ -219,11 +219,33 @@ def requested_strategy(cfg: RunConfig, launched: Launched) -> Strategy:
     strategy = family.strategy(cfg, env, d, ds)  # training/core/ddp.py, fsdp.py, fsdp1.py or zero.py
     if cfg.save_async and strategy.pp_size == 1 and (why := family.async_refusal(strategy)):
         raise ValueError(why)
+    if cfg.optim == "muon" and (why := muon_refusal(family, strategy)):
+        raise ValueError(why)
     if strategy.pp_size > 1:  # the stages under the family, the schedule on gloo
         from training.axes.pipeline.checks import check_pipeline_launch
 
         check_pipeline_launch(cfg, strategy)
     return strategy
+
+
+def muon_refusal(family, strategy: Strategy) -> str | None:
+    """Why --optim muon cannot run under `strategy`: an axis that splits matrices (tensor parallelism) or holds a
+    layout Muon's gather is not proven on (ring context, Ulysses), an offloaded optimizer, or its family's reason."""
+    for name, degree in (("tensor", strategy.tp_size), ("sequence (Ulysses)", strategy.sp_size),
+                         ("ring context", strategy.cp_size)):  # fmt: skip
+        if degree > 1:
+            return (
+                f"--optim muon with {name} parallelism of degree {degree}: Muon orthogonalizes each matrix "
+                "whole and is proven here on DDP, FSDP2, ZeRO-1/2/3 and pipelines only; drop the "
+                f"{name} degree, or --optim adamw_torch"
+            )
+    if strategy.offloads:  # DeepSpeed steps offloaded states with its CPU Adam, FSDP2 on CPU shards
+        return (
+            f"--optim muon under {strategy.name}: an offloaded optimizer is stepped on CPU by DeepSpeed's CPU Adam or "
+            "FSDP's offloaded shards, which Muon's gather does not reach; use a launch config without offload "
+            "(ds_configs/zero3.json, accelerate_configs/fsdp.yaml), or --optim adamw_torch"
+        )
+    return family.muon_refusal(strategy)
 
 
 def check_block_covers_the_world(env: Environment, pp: int) -> None:

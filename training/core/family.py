@@ -199,6 +199,14 @@ class Family:
 
         return safe_load(path / "scheduler.bin")
 
+    def muon_refusal(self, strategy: Strategy) -> str | None:
+        """Why `--optim muon` cannot run under this family's `strategy` (training/muon.py), or None."""
+        return None
+
+    def muon_layout(self, strategy: Strategy):
+        """Where the optimizer sees the matrices in flat partitions (ZeRO's `ZeroLayout`); None: as tensors."""
+        return None
+
     def async_refusal(self, strategy: Strategy) -> str | None:
         """Why `--save_async` cannot save this family's checkpoints in the background, or None."""
         return None

@@ -81,6 +81,12 @@ class FSDP1(FullyShardedDataParallel):
                 return model.state_dict()  # collective: every rank gathers
         return accelerator.get_state_dict(model)  # collective: the shards gathered
 
+    def muon_refusal(self, strategy: Strategy) -> str | None:
+        return (
+            "--optim muon with fsdp_version: 1: FSDP1 hands the optimizer flat parameters, whose matrices Muon "
+            "cannot orthogonalize whole; set fsdp_version: 2 (accelerate_configs/fsdp.yaml), or --optim adamw_torch"
+        )
+
     def async_refusal(self, strategy: Strategy) -> str | None:
         return (
             "--save_async with fsdp_version: 1: FSDP1's state dicts are written by its own calls, which do not save "

@@ -87,7 +87,7 @@ def observe_strategy(model: torch.nn.Module, optimizer, strategy: Strategy) -> d
 
 
 class StateShares:
-    """This rank's share of the gradients and of Adam's states, measured at the first optimizer step.
+    """This rank's share of the gradients and of the optimizer's states, measured at the first optimizer step.
 
     A pre-step hook on the torch optimizer that really updates (DeepSpeed's ZeRO optimizers call it once per
     partition or sub-group) counts the local elements of the gradients it is given; after the step, the local
@@ -109,11 +109,22 @@ class StateShares:
     def read(self, parameters: int) -> dict:
         """After the first optimizer step: the shares, and the hook removed."""
         self.handle.remove()
-        states = sum(local_numel(s["exp_avg"]) for s in self.inner.state.values() if "exp_avg" in s)
+        # AdamW's first moment, or Muon's momentum where a matrix has no exp_avg: one state per parameter element
+        first = ("exp_avg", "momentum_buffer")
+        states = sum(local_numel(next(s[k] for k in first if k in s)) for s in self.inner.state.values()
+                     if any(k in s for k in first))  # fmt: skip
         swapper = next((o.optimizer_swapper for o in self.chain if getattr(o, "optimizer_swapper", None)), None)
         swapped = [i.numel() for i in swapper.swap_params_info.values() if i.has_state_tensors] if swapper else []
-        return {
+        tensors = [t for s in self.inner.state.values() for k, t in s.items() if k != "step" and torch.is_tensor(t)]
+        shares = {
             "local_gradient_fraction": round(sum(self.grads.values()) / parameters, 4),
             "local_optimizer_state_fraction": round(states / parameters, 4),
             "local_optimizer_state_fraction_on_nvme": round(sum(swapped) / parameters, 4),
+            # every state tensor this rank holds (AdamW's two moments, Muon's one momentum), to the byte
+            "local_optimizer_state_bytes": sum(local_numel(t) * t.element_size() for t in tensors),
         }
+        if hasattr(self.inner, "orthogonalized"):  # --optim muon: its groups, and what its first step applied
+            from training.muon import applied
+
+            shares["optimizer"] = applied(self.inner)
+        return shares

@@ -46,6 +46,8 @@ class ZeRO(Family):
         GPU-sized buckets capped."""
         hidden = cfg.model_config().hidden_size  # ZeRO's "auto" buckets are sized from it, as the HF Trainer does
         resolved = resolve_deepspeed(ds.raw, cfg, env.world, hidden, ds.source, cpu_ranks=not torch.cuda.is_available())
+        if cfg.optim == "muon":  # the project's Muon is DeepSpeed's client optimizer, outside its tested list
+            resolved = {**resolved, "zero_allow_untested_optimizer": True}
         return deepspeed_strategy(resolved, env.world, ds.source)
 
     def check_start(self, strategy: Strategy) -> None:
@@ -152,6 +154,36 @@ class ZeRO(Family):
         return super().export_parts(accelerator, model)
 
     # ------------------------------------------------------------------ checkpoints
+
+    def muon_refusal(self, strategy: Strategy) -> str | None:
+        """The project's Muon reaches DeepSpeed as its client optimizer (`zero_allow_untested_optimizer`, set by the
+        resolved JSON): not with an optimizer the JSON defines, or a layout other than the data-parallel partitions in
+        order (round-robin gradients, AutoTP, Ulysses)."""
+        where = f"--optim muon under {strategy.name} ({strategy.deepspeed_source})"
+        ds = strategy.deepspeed or {}
+        if "optimizer" in ds:
+            kind = ds["optimizer"].get("type", "?")
+            return (
+                f'{where}: the DeepSpeed JSON defines its own optimizer ({kind}); remove its "optimizer" '
+                "section, so the project's Muon is stepped, or drop --optim muon"
+            )
+        if (ds.get("zero_optimization") or {}).get("round_robin_gradients"):
+            return (
+                f"{where}: round_robin_gradients reorders the partitions' parameters, which Muon's layout "
+                "(training/muon.py's ZeroLayout) does not read; set it to false, or --optim adamw_torch"
+            )
+        if strategy.tp_size > 1 or strategy.sp_size > 1:
+            return (
+                f"{where}: AutoTP and Ulysses partition the optimizer over a group other than the data-parallel "
+                "ranks, which Muon's gather does not read; drop tensor_parallel/sequence_parallel_size, or "
+                "--optim adamw_torch"
+            )
+        return None
+
+    def muon_layout(self, strategy: Strategy):
+        from training.muon import ZeroLayout
+
+        return ZeroLayout(strategy.zero_stage, strategy.world_size)
 
     def async_refusal(self, strategy: Strategy) -> str | None:
         return (

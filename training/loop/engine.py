@@ -228,7 +228,8 @@ def prepare(cfg: RunConfig, strategy: Strategy, accelerator: Accelerator, config
             net, strategy, accelerator.process_index, cfg.gradient_accumulation_steps, accelerator.device, shard
         )  # collective: the groups
     fused = accelerator.device.type == "cuda" and not strategy.offloads  # DeepSpeed's CPU Adam, FSDP's CPU step
-    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused)
+    # --optim muon: ZeRO hands the optimizer flat partitions, whose layout the family knows
+    optimizer = make_optimizer(cfg, net, strategy.deepspeed, fused, family_of(strategy).muon_layout(strategy))
     scheduler = make_scheduler(cfg, optimizer, strategy.deepspeed)
     if pipeline is not None:
         return Pipelined(accelerator, strategy, cfg, net, optimizer, scheduler, pipeline=pipeline)

@@ -91,7 +91,8 @@ class ShardGPTTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.optimizer is None:  # under DeepSpeed, called only when the JSON has no optimizer section
             net = self.model if model is None else model
-            self.optimizer = make_optimizer(self.run_config, net, None, self.fused_adamw)
+            zero = family_of(self.strategy).muon_layout(self.strategy)  # --optim muon: ZeRO's flat partitions
+            self.optimizer = make_optimizer(self.run_config, net, None, self.fused_adamw, zero)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps, optimizer=None):

@@ -1,4 +1,5 @@
-"""AdamW with weight decay on matrices only, and warm-up followed by a cosine (or linear) decay to a floor.
+"""AdamW with weight decay on matrices only (or, with --optim muon, Muon for the decoder's matrices:
+training/muon.py), and warm-up followed by a cosine (or linear) decay to a floor.
 
 When a DeepSpeed JSON defines its own `optimizer` or `scheduler`, DeepSpeed builds them (for example its
 CPU Adam for offload) and accelerate's `DummyOptim`/`DummyScheduler` stand in for them here; the
@@ -33,9 +34,13 @@ def lr_lambda(cfg: RunConfig):
     return f
 
 
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module, ds_config: dict | None, fused: bool):
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module, ds_config: dict | None, fused: bool, zero=None):
     """`fused`: use the fused CUDA kernel (parameters on a GPU, not offloaded); otherwise torch's foreach
-    implementation."""
+    implementation. --optim muon: training/muon.py's Muon (`zero`: ZeRO's partition layout, from the family)."""
+    if cfg.optim == "muon":
+        from training.muon import make_muon
+
+        return make_muon(cfg, model, zero)
     groups = param_groups(model, cfg.weight_decay, cfg.decay_embeddings)
     if ds_config is not None and "optimizer" in ds_config:
         return DummyOptim(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
