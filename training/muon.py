@@ -119,6 +119,16 @@ class ZeroLayout:
                 offset += n
         return out
 
+    def unpartition(self, shapes, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each matrix whole, from every rank's flat partition (`parts`, in rank order)."""
+        every = [self.segments(shapes, parts[0].numel(), r) for r in range(self.world)]
+        return [
+            torch.cat([parts[r][start : start + n] for r in range(self.world) for start, _, n in (every[r][j],)]).view(
+                shape
+            )
+            for j, shape in enumerate(shapes)
+        ]
+
     def check(self, shapes, local_numel: int) -> None:
         """Refuse a partition this layout does not describe (another DeepSpeed's, or ZeRO-3 sub-groups)."""
         total = sum(math.prod(s) for s in shapes)
@@ -222,14 +232,12 @@ class Muon(torch.optim.Optimizer):
         layout.check(shapes, p.numel())
         parts = [torch.empty_like(update) for _ in range(layout.world)]
         dist.all_gather(parts, update.contiguous())  # collective: the group's update, every rank's partition
-        every = [layout.segments(shapes, p.numel(), r) for r in range(layout.world)]
         p.mul_(1 - lr * wd)
-        for j, shape in enumerate(shapes):
-            whole = torch.cat([parts[r][start : start + n] for r, (start, _, n) in ((r, s[j]) for r, s in
-                                                                                   enumerate(every))])  # fmt: skip
-            orthogonal = newton_schulz(whole.view(shape), group["ns_steps"], group["ns_dtype"])
+        mine = layout.segments(shapes, p.numel(), rank)
+        for j, (shape, whole) in enumerate(zip(shapes, layout.unpartition(shapes, parts), strict=True)):
+            orthogonal = newton_schulz(whole, group["ns_steps"], group["ns_dtype"])
             self.orthogonalized += 1
-            start, begin, n = every[rank][j]
+            start, begin, n = mine[j]
             if n:
                 p[start : start + n].add_(orthogonal.reshape(-1)[begin : begin + n],
                                           alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))  # fmt: skip

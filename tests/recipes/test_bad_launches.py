@@ -41,6 +41,13 @@ CASES = {
                            "existing path or glob"),
     "missing nvme path": (lambda t: ["--deepspeed=ds_configs/zero3_offload_nvme.json"],
                           "nvme_path = '/local_nvme' does not exist", "or pass --nvme_path DIR"),
+    "unknown optimizer": (lambda t: ["--optim=lion"], "--optim: invalid choice 'lion'",
+                          "choose from adamw_torch, muon"),
+    "muon with an offload": (lambda t: ["--optim=muon", "--deepspeed=ds_configs/zero3_offload_cpu.json"],
+                             "--optim muon under zero3-offload-cpu: an offloaded optimizer", "or --optim adamw_torch"),
+    "muon with a JSON optimizer": (
+        lambda t: ["--optim=muon", f"--deepspeed={zero2_with(t, optimizer={'type': 'AdamW', 'params': {}})}"],
+        "the DeepSpeed JSON defines its own optimizer (AdamW)", "or drop --optim muon"),
     "cannot fit": (lambda t: ["--preset=llama-7b", "--config_overrides=num_hidden_layers=200"],
                    "is predicted not to fit: host RAM needs", "cheapest fix: "),
 }  # fmt: skip

@@ -185,6 +185,13 @@ def check_resume(cfg, strategy: Strategy) -> None:
             f"{cfg.gradient_accumulation_steps} x {_ranks(strategy.data_parallel_size, strategy.world_size)}): "
             f"pass --global_batch_size {was}"
         )
+    optim = run.get("optim", "adamw_torch")  # checkpoints written before --optim: AdamW's
+    if optim != cfg.optim:
+        raise ValueError(
+            f"checkpoint {str(path)!r} trained with --optim {optim}, whose optimizer states this launch's --optim "
+            f"{cfg.optim} does not have: pass --optim {optim} to resume it, or start from its weights alone "
+            "(--model_name_or_path on its exported folder)"
+        )
     why = portable.refusal(saved, strategy, strategy.world_size)
     if why is not None:
         raise ValueError(f"checkpoint {str(path)!r}: {why}")

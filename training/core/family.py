@@ -27,6 +27,9 @@ MODULES = {"single": "ddp", "ddp": "ddp", "fsdp": "fsdp", "deepspeed": "zero"}
 """Which module of training/core/ serves each `Strategy.family` (FSDP1's YAMLs: `fsdp1`)."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW's states per parameter, in the strategy-neutral checkpoint form (training/checkpoints/portable.py)."""
+STATES = (*MOMENTS, "momentum_buffer")
+"""Every optimizer state the neutral form holds per parameter: AdamW's moments, Muon's momentum (training/muon.py);
+each parameter has those of the optimizer that steps it."""
 
 
 def family_of(strategy: Strategy) -> Family:
@@ -143,13 +146,11 @@ class Family:
         of the optimizer's parameter groups (rebuilt here on a meta model)."""
         from safetensors.torch import load_file
 
-        from training.adamw import param_groups
         from training.checkpoints.safety import safe_load
 
         model = meta_model(state)
         names = {id(p): n for n, p in model.named_parameters()}
-        groups = param_groups(model, 0.0, state["run_config"]["decay_embeddings"])
-        order = [names[id(p)] for g in groups for p in g["params"]]
+        order = [names[id(p)] for g in optimizer_groups(model, state["run_config"]) for p in g["params"]]
         optim = safe_load(path / "optimizer.bin")
         numbers = [i for g in optim["param_groups"] for i in g["params"]]
         by_name = {name: optim["state"][i] for name, i in zip(order, numbers, strict=True)}
@@ -177,8 +178,9 @@ class Family:
         set_model_state_dict(module, model_sd, options=full)  # collective under FSDP: each rank keeps its shard
         optim_sd = get_optimizer_state_dict(module, torch_optimizer, options=full)  # collective; creates the state
         for name, state in optim_sd["state"].items():
-            state["step"] = torch.tensor(float(neutral["step"]), dtype=state["step"].dtype)
-            for key in MOMENTS:  # a pipeline's last stage names the tied embedding's copy lm_head.weight
+            if "step" in state:  # AdamW's; Muon's matrices count no steps
+                state["step"] = torch.tensor(float(neutral["step"]), dtype=state["step"].dtype)
+            for key in STATES & state.keys():  # a pipeline's last stage names the tied embedding's copy lm_head.weight
                 state[key] = neutral[key][name if name in neutral[key] else tied[name]].to(state[key].dtype)
         set_optimizer_state_dict(module, torch_optimizer, optim_sd, options=full)  # collective under FSDP
 
@@ -247,12 +249,25 @@ def meta_model(state: dict) -> torch.nn.Module:
         return ShardGPTForCausalLM(ShardGPTConfig.from_dict(state["model_config"]))
 
 
+def optimizer_groups(model: torch.nn.Module, run_config: dict) -> list[dict]:
+    """The parameter groups, in order, of the optimizer a checkpoint's run (its `run_config`) made for `model`."""
+    if run_config.get("optim", "adamw_torch") == "muon":
+        from types import SimpleNamespace
+
+        from training.muon import muon_param_groups
+
+        return muon_param_groups(model, SimpleNamespace(**run_config))
+    from training.adamw import param_groups
+
+    return param_groups(model, 0.0, run_config["decay_embeddings"])
+
+
 def from_optimizer_state(weights: dict, state: dict) -> dict:
-    """The neutral form from weights and an optimizer state keyed by parameter name: {"step", "weights", "exp_avg",
-    "exp_avg_sq"}, fp32 tensors."""
-    neutral = {"step": int(next(iter(state.values()))["step"]), "weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for name, moments in state.items():
+    """The neutral form from weights and an optimizer state keyed by parameter name: {"step", "weights", and each
+    of `STATES` the optimizer keeps}, fp32 tensors."""
+    neutral = {"step": int(next(s["step"] for s in state.values() if "step" in s)), "weights": {}}
+    for name, states in state.items():
         neutral["weights"][name] = weights[name].float().contiguous()
-        for key in MOMENTS:
-            neutral[key][name] = moments[key].float().contiguous()
+        for key in STATES & states.keys():
+            neutral.setdefault(key, {})[name] = states[key].float().contiguous()
     return neutral

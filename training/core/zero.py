@@ -30,7 +30,7 @@ from torch import nn
 
 from training.compat import keep_zero3_param_dtype, skip_deepspeed_muon
 from training.config import RunConfig
-from training.core.family import MOMENTS, Family, meta_model
+from training.core.family import MOMENTS, STATES, Family, meta_model
 from training.deepspeed_config import DeepSpeedJSON, resolve_deepspeed
 from training.environment import Environment
 from training.strategy import Strategy, deepspeed_strategy
@@ -208,6 +208,8 @@ class ZeRO(Family):
 
         from training.checkpoints.safety import safe_load
 
+        if state["run_config"].get("optim") == "muon":  # ds_to_universal reads Adam's moments only
+            return read_muon_partitions(path, safe_load)
         tag = (path / "latest").read_text().strip()
         shapes = {name: p.shape for name, p in meta_model(state).named_parameters()}
         with tempfile.TemporaryDirectory() as tmp:
@@ -248,9 +250,11 @@ class ZeRO(Family):
             with zero.GatheredParameters([param], modifier_rank=0, enabled=stage3):  # collective under ZeRO-3
                 param.data.copy_(full.view_as(param).to(param.dtype))
             safe_set_full_fp32_param(param, full)
-            for key in MOMENTS:
+            for key in state_keys(inner, name):
                 safe_set_full_optimizer_state(param, neutral[key][name], key)
         for state in inner.state.values():
+            if "step" not in state:  # Muon's matrices count no steps
+                continue
             step = state.get("step")
             state["step"] = (
                 torch.tensor(float(neutral["step"]), dtype=step.dtype) if torch.is_tensor(step) else neutral["step"]
@@ -263,12 +267,11 @@ class ZeRO(Family):
         from training.core.wrapped import optimizer_chain
 
         inner = optimizer_chain(optimizer)[-1]
-        neutral = {"step": int(next(s for s in inner.state.values() if s)["step"]), "weights": {}, "exp_avg": {},
-                   "exp_avg_sq": {}}  # fmt: skip
+        neutral = {"step": int(next(s["step"] for s in inner.state.values() if "step" in s)), "weights": {}}
         for name, param in net.module.named_parameters():  # collective per parameter
             neutral["weights"][name] = safe_get_full_fp32_param(param).cpu()
-            for key in MOMENTS:
-                neutral[key][name] = safe_get_full_optimizer_state(param, key).cpu()
+            for key in state_keys(inner, name):
+                neutral.setdefault(key, {})[name] = safe_get_full_optimizer_state(param, key).cpu()
         return neutral
 
     def scheduler_state(self, path: Path) -> dict:
@@ -333,13 +336,48 @@ def init_zero_adam_state(zero_optimizer, inner: torch.optim.Optimizer) -> None:
         or getattr(zero_optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2's
         or zero_optimizer.fp32_groups_flat_partition  # ZeRO-1 in bf16 with fp32 accumulation: BF16_Optimizer's
     )
-    for flat in flats:
-        if not inner.state.get(flat):
-            # torch's Adam keeps the step as a float tensor; DeepSpeed's CPU Adam as an int
-            step = torch.tensor(0.0) if isinstance(inner, torch.optim.Adam) else 0
-            inner.state[flat] = {"step": step, **{key: torch.zeros_like(flat) for key in MOMENTS}}
+    groups = getattr(zero_optimizer, "sub_group_to_group_id", None)  # ZeRO-3: a flat per sub-group
+    for i, flat in enumerate(flats):
+        if inner.state.get(flat):
+            continue
+        if inner.param_groups[groups[i] if groups else i].get("use_muon"):  # --optim muon's matrices: a momentum
+            inner.state[flat] = {"momentum_buffer": torch.zeros_like(flat)}
+            continue
+        # torch's Adam (and the project's Muon's AdamW) keep the step as a float tensor; DeepSpeed's CPU Adam an int
+        step = 0 if type(inner).__module__.startswith("deepspeed") else torch.tensor(0.0)
+        inner.state[flat] = {"step": step, **{key: torch.zeros_like(flat) for key in MOMENTS}}
     if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2
         zero_optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def state_keys(inner: torch.optim.Optimizer, name: str) -> tuple[str, ...]:
+    """The optimizer states a parameter has: Muon's momentum for --optim muon's matrices, else Adam's moments."""
+    muon = {n for g in inner.param_groups if g.get("use_muon") for n in g["names"]}
+    return ("momentum_buffer",) if name in muon else MOMENTS
+
+
+def read_muon_partitions(path: Path, safe_load) -> dict:
+    """The neutral form of a --optim muon checkpoint, from each rank's optimizer file: its groups carry their
+    parameters' names and shapes, which with the stage and the ranks place every matrix in the flat partitions
+    (training/muon.py's `ZeroLayout`)."""
+    from training.muon import ZeroLayout
+
+    tag = (path / "latest").read_text().strip()
+    files = sorted((path / tag).glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                   key=lambda f: int(f.name.split("_")[3]))  # fmt: skip
+    ranks = [safe_load(f)["optimizer_state_dict"] for f in files]
+    inner = [r.get("base_optimizer_state") or r["optimizer_state_dict"] for r in ranks]
+    flats = [r.get("single_partition_of_fp32_groups") or r["fp32_flat_groups"] for r in ranks]
+    layout = ZeroLayout(3 if "fp32_flat_groups" in ranks[0] else 1, len(files))
+    neutral, step = {"weights": {}}, None
+    for g, group in enumerate(inner[0]["param_groups"]):
+        kinds = {"weights": [f[g] for f in flats]}
+        kinds |= {k: [r["state"][g][k] for r in inner] for k in STATES if k in inner[0]["state"][g]}
+        step = inner[0]["state"][g].get("step", step)
+        for kind, parts in kinds.items():
+            whole = layout.unpartition(group["shapes"], parts)
+            neutral.setdefault(kind, {}).update(zip(group["names"], (t.float() for t in whole), strict=True))
+    return {"step": int(step), **neutral}
 
 
 def device(offloaded: bool, to_nvme: bool) -> str:

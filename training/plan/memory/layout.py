@@ -47,31 +47,42 @@ class Layout:
     root: list[int]  # the FSDP root unit: parameters outside every decoder layer
     layer_numel: int  # one decoder layer (every layer has the same shape)
     largest_module: int  # the most parameters one module owns (ZeRO-3 gathers module by module)
+    muon: frozenset[int] = frozenset()  # --optim muon: the matrices Muon steps (one momentum each, no Adam moments)
 
     @property
     def psi(self) -> int:
         return sum(self.numels)
 
 
-_LAYOUTS: dict[tuple[str, bool, int], Layout] = {}  # by the config's JSON: the step-time planner asks hundreds of times
+_LAYOUTS: dict[tuple[str, bool, int, str], Layout] = {}  # by the config's JSON: the step-time planner asks often
 
 
-def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1) -> Layout:
+def layout(config: ShardGPTConfig, decay_embeddings: bool = False, tp: int = 1, optim: str = "adamw_torch") -> Layout:
     """The whole model's layout, or with `tp` > 1 one tensor-parallel rank's: its slice of every split weight, under
     the model's `tp_plan` (the decoder's matrices, and the embedding and head by vocabulary rows), which AutoTP and
     the DTensor plan (training/axes/tensor/plan.py) both apply; the norms whole."""
-    key = (config.to_json_string(use_diff=False), decay_embeddings, tp)
+    key = (config.to_json_string(use_diff=False), decay_embeddings, tp, optim)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp)
+        _LAYOUTS[key] = _build_layout(config, decay_embeddings, tp, optim)
     return copy.deepcopy(_LAYOUTS[key])
 
 
-def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int) -> Layout:
+def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int, optim: str) -> Layout:
     with torch.device("meta"):  # shapes only: no memory, fast for any size
         net = ShardGPTForCausalLM(config)
     named = list(net.named_parameters())  # tied lm_head / embedding listed once, as DeepSpeed and DDP see them
     index = {id(p): i for i, (_, p) in enumerate(named)}
-    groups = [[index[id(p)] for p in g["params"]] for g in param_groups(net, 0.1, decay_embeddings)]
+    made = param_groups(net, 0.1, decay_embeddings)
+    if optim == "muon":  # the Muon group first, as training/muon.py orders them
+        from types import SimpleNamespace
+
+        from training.muon import muon_param_groups
+
+        flags = SimpleNamespace(decay_embeddings=decay_embeddings, learning_rate=1e-3, muon_learning_rate=None,
+                                weight_decay=0.1, muon_weight_decay=0.1)  # fmt: skip
+        made = muon_param_groups(net, flags)
+    groups = [[index[id(p)] for p in g["params"]] for g in made]
+    muon = frozenset(index[id(p)] for g in made if g.get("use_muon") for p in g["params"])
     root = [i for i, (name, _) in enumerate(named) if ".layers." not in f".{name}"]
     shapes = [tensor_parallel_shape(name, tuple(p.shape), net.tp_plan, tp) for name, p in named]
     layer = sum(math.prod(s) for (name, _), s in zip(named, shapes, strict=True) if name.startswith("model.layers.0."))
@@ -81,7 +92,7 @@ def _build_layout(config: ShardGPTConfig, decay_embeddings: bool, tp: int) -> La
         by_module[module] = by_module.get(module, 0) + math.prod(shape)
     return Layout(
         config, [n for n, _ in named], [math.prod(s) for s in shapes], [s[0] for s in shapes],
-        [g for g in groups if g], root, layer, max(by_module.values()),
+        [g for g in groups if g], root, layer, max(by_module.values()), muon,
     )  # fmt: skip
 
 

@@ -55,7 +55,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
             seq_len: int = 2048, activation_checkpointing: bool = False, ds_config: dict | None = None,
             rank: int | None = None, decay_embeddings: bool = False,
             bf16_gradient_reduction: bool = False, cpu_ranks: bool = False,
-            micro_batches: int = 1) -> dict:  # fmt: skip
+            micro_batches: int = 1, optim: str = "adamw_torch") -> dict:  # fmt: skip
     """Bytes one GPU needs, by category, for `strategy` on its `world_size` GPUs.
 
     Returns params, grads, optimizer_states (fp32 master copies + Adam), activations, logits, temporary and
@@ -92,7 +92,7 @@ def predict(config: ShardGPTConfig, strategy: Strategy, precision: str = "bf16",
         raise ValueError("world_size, micro_batch and seq_len must be at least 1")
     tp = strategy.tp_size
     Mesh.of_world(world_size, tp=tp)  # refuses a tensor-parallel size that does not divide the ranks
-    whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp)
+    whole, lay = layout(config, decay_embeddings), layout(config, decay_embeddings, tp, optim)
     # ZeRO and the optimizer see one tensor-parallel slice over the data-parallel ranks; FSDP2 shards it over a copy's
     dp = strategy.shard_size if strategy.family == "fsdp" else world_size // tp
     zero = None

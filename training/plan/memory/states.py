@@ -22,11 +22,15 @@ class Item:
     where: str = "gpu"  # gpu, host or nvme
 
 
-def adam(items: list[Item], numel: int, tensors: int, where: str) -> None:
-    """torch AdamW: fp32 exp_avg and exp_avg_sq per element, and a 4-byte fp32 step counter per tensor."""
-    items.append(Item("optimizer_states", "adam.exp_avg", 4 * numel, where))
-    items.append(Item("optimizer_states", "adam.exp_avg_sq", 4 * numel, where))
+def adam(items: list[Item], numel: int, tensors: int, where: str, muon: int = 0) -> None:
+    """torch AdamW: fp32 exp_avg and exp_avg_sq per element, and a 4-byte fp32 step counter per tensor; with
+    --optim muon, `muon` of the elements are Muon's matrices instead: one fp32 momentum each, no counter
+    (training/muon.py)."""
+    items.append(Item("optimizer_states", "adam.exp_avg", 4 * (numel - muon), where))
+    items.append(Item("optimizer_states", "adam.exp_avg_sq", 4 * (numel - muon), where))
     items.append(Item("optimizer_states", "adam.step", 4 * tensors, where))
+    if muon:
+        items.append(Item("optimizer_states", "muon.momentum_buffer", 4 * muon, where))
 
 
 def ddp_states(lay: Layout) -> list[Item]:
@@ -36,7 +40,8 @@ def ddp_states(lay: Layout) -> list[Item]:
     psi = lay.psi
     items = [Item("params", "weights", 4 * psi), Item("grads", "param.grad", 4 * psi)]
     items.append(Item("grads", "ddp_buckets", 4 * psi))
-    adam(items, psi, len(lay.numels), "gpu")
+    muon = sum(lay.numels[i] for i in lay.muon)
+    adam(items, psi, len(lay.numels) - len(lay.muon), "gpu", muon)
     return items
 
 
@@ -45,14 +50,15 @@ def fsdp_states(lay: Layout, world: int, rank: int, offload: bool) -> list[Item]
     size for parameters and for the reduce-scatter's gradient output (cast to fp32), while Adam's moments
     are shaped like the unpadded local shard."""
     where = "host" if offload else "gpu"
-    padded = local = 0
-    for numel, rows in zip(lay.numels, lay.rows, strict=True):
+    padded = local = muon = 0
+    for i, (numel, rows) in enumerate(zip(lay.numels, lay.rows, strict=True)):
         chunk = math.ceil(rows / world)
         per_row = numel // rows
         padded += chunk * per_row
         local += max(0, min(chunk, rows - rank * chunk)) * per_row
+        muon += max(0, min(chunk, rows - rank * chunk)) * per_row if i in lay.muon else 0
     items = [Item("params", "local_shards", 4 * padded, where), Item("grads", "local_shards", 4 * padded, where)]
-    adam(items, local, len(lay.numels), where)
+    adam(items, local, len(lay.numels) - len(lay.muon), where, muon)
     return items
 
 
@@ -96,14 +102,16 @@ def zero12_states(lay: Layout, world: int, rank: int, e: int, stage: int, offloa
             Item("grads", "fp32_partition.grad", 4 * part, "host"),
             Item("grads", "averaged_gradients", accum * part),
         ]
-        adam(items, part, len(parts), "host")
+        adam(items, part, len(parts), "host")  # Muon has no CPU offload (refused)
         return items
     items.append(Item("master_params", "fp32_partitions", 4 * part))
     if stage == 1:
         items.append(Item("grads", "param.grad", e * lay.psi))
     else:
         items.append(Item("grads", "grads_in_partition", e * sum(k for _, _, k in parts)))
-    adam(items, part, len(parts), "gpu")
+    # --optim muon: the Muon group's partition holds a momentum, each other group's Adam's moments and a step
+    muon = [p for (_, p, _), group in zip(parts, lay.groups, strict=True) if group[0] in lay.muon]
+    adam(items, part, len(parts) - len(muon), "gpu", sum(muon))
     return items
 
 
@@ -157,7 +165,8 @@ def zero3_states(lay: Layout, world: int, e: int, zero: dict) -> list[Item]:
     ]
     if opt_where != "gpu":  # offload keeps an fp32 gradient buffer per sub-group for the CPU Adam
         items.append(Item("grads", "fp32_partition.grad", 4 * part, opt_where))
-    adam(items, part, len(subs), opt_where)
+    muon = sum(math.ceil(lay.numels[i] / world) for i in lay.muon)  # one sub-group: training/muon.ZeroLayout.check
+    adam(items, part, len(subs) - (1 if lay.muon else 0), opt_where, muon)
     return items
 
 
