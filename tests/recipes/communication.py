@@ -41,7 +41,8 @@ def closed_form(run, strategy: Strategy, shape: ModelShape, rank: int = 0) -> di
     micro_batches = flags["gradient_accumulation_steps"]
     config = ShardGPTConfig.from_pretrained(run.output_dir)
     split = (run.strategy.get("tensor_parallel") or {}).get("split_modules")  # under AutoTP
-    want = step_payloads(strategy, shape, config, tokens, micro_batches, split, rank=rank)
+    optim = flags.get("optim", "adamw_torch")
+    want = step_payloads(strategy, shape, config, tokens, micro_batches, split, rank=rank, optim=optim)
     assert want is not None, f"no closed form for {strategy.name}"
     return want
 

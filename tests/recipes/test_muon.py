@@ -13,6 +13,7 @@ cores. In torch's bfloat16 a last-bit difference of the reduced gradient moves a
 from __future__ import annotations
 
 import pytest
+from communication import assert_closed_form
 from launching import launch, launcher_command
 
 STEPS = 20
@@ -99,6 +100,8 @@ def test_muon_trains_the_same_model(launcher, config, flags, layout, matrices, c
     groups = {g["name"]: g for g in seen["groups"]}
     assert groups["muon"]["optimizer"] == "muon" and groups["adamw_no_decay"]["optimizer"] == "adamw", groups
     assert ref.strategy["optimizer"]["orthogonalized_first_step"] == 14
+    # What a step sends, to the byte: FSDP2 and ZeRO all-gather the matrices' update once more (4 bytes an element)
+    assert_closed_form(run)
     if config is not None:  # the memory planner's optimizer states, to the byte: one momentum per Muon element
         assert run.strategy["local_optimizer_state_bytes"] == planned_states(run, flags), run.strategy
 

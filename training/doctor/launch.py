@@ -295,7 +295,7 @@ def traffic(report: Report, config, strategy: Strategy, cfg, ds: dict | None) ->
             split = dict(Counter(tp_plan_styles(ShardGPTForCausalLM(model_config)).values()))
 
     def volume(s: Strategy) -> float | None:  # the paper's volume in Psi: an all-reduce of S counts 2S
-        payloads = step_payloads(s, shape, model_config, micro_tokens, accumulation, split, element)
+        payloads = step_payloads(s, shape, model_config, micro_tokens, accumulation, split, element, optim=cfg.optim)
         if payloads is None:
             return None
         return sum(2 * n if kind == "all_reduce" else n for kind, n in payloads.items()) / (element * shape.parameters)

@@ -40,8 +40,8 @@ class ModelShape:
                    layers * (layer - 2 * h))  # fmt: skip
 
 
-def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4,
-                      micro_batches: int = 1) -> dict[str, int] | None:  # fmt: skip
+def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4, micro_batches: int = 1,
+                      optim: str = "adamw_torch") -> dict[str, int] | None:  # fmt: skip
     """The payload bytes of each kind of collective that carries parameters or gradients, per rank and step of
     `micro_batches` micro batches, for a data-parallel strategy with the settings in force (`bytes_per_element`: the
     communication dtype's), measured to the byte on 2 and 4 CPU ranks. The loss's and the gradient norm's
@@ -66,6 +66,9 @@ def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4,
       step. At 0 (one micro batch), each module's parameters are released after use and gathered again:
       in the forward and the backward, the tied embedding once more in each (it is the head too), and the
       persistent parameters never again.
+    - --optim muon (training/muon.py) orthogonalizes each decoder matrix whole: where a rank holds shards (FSDP2) or
+      partitions (ZeRO-1/2/3) of them, the step all-gathers their update once more, the matrices' elements (FSDP2:
+      one call per matrix; ZeRO: one per group); DDP holds them whole and sends nothing more.
     """
     psi, ds = shape.parameters, (strategy.deepspeed or {}).get("zero_optimization", {})
     m = micro_batches
@@ -94,6 +97,8 @@ def expected_payloads(strategy, shape: ModelShape, bytes_per_element: int = 4,
         elements = {"all_gather": gathered, "reduce_scatter": m * psi}
     else:
         return None
+    if optim == "muon" and strategy.family in ("fsdp", "deepspeed"):
+        elements["all_gather"] = elements.get("all_gather", 0) + shape.matrices
     return {kind: n * bytes_per_element for kind, n in elements.items()}
 
 
@@ -282,11 +287,13 @@ def ulysses_payloads(strategy, shape: ModelShape, config, micro_tokens: int, mic
 
 def step_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_batches: int,
                   split_modules: dict[str, int] | None = None, bytes_per_element: int = 4,
-                  rank: int = 0) -> dict[str, int] | None:  # fmt: skip
+                  rank: int = 0, optim: str = "adamw_torch") -> dict[str, int] | None:  # fmt: skip
     """The closed form for any launch the training script runs, for global rank `rank`: a pipeline's (with tensor
     parallelism in its stages or not), AutoTP's or FSDP2 x TP's (`split_modules`: the count of each style the model's
     plan splits), Ulysses', or the data-parallel strategy's; None where there is none."""
-    if strategy.pp_size > 1:
+    if optim == "muon" and strategy.pp_size > 1 and strategy.family == "fsdp":
+        return None  # each stage's matrices gathered: not in the pipeline's closed form here
+    if strategy.pp_size > 1:  # under DDP Muon sends nothing more
         return pipeline_payloads(strategy, shape, config, micro_tokens, micro_batches, rank, bytes_per_element)
     if strategy.tp_size > 1:
         hidden = config.hidden_size
@@ -294,7 +301,7 @@ def step_payloads(strategy, shape: ModelShape, config, micro_tokens: int, micro_
         return payloads(strategy, shape, split_modules, micro_tokens, micro_batches, hidden, bytes_per_element)
     if strategy.sp_size > 1:
         return ulysses_payloads(strategy, shape, config, micro_tokens, micro_batches, bytes_per_element)
-    return expected_payloads(strategy, shape, bytes_per_element, micro_batches)
+    return expected_payloads(strategy, shape, bytes_per_element, micro_batches, optim)
 
 
 def paper_volume(strategy, psi: int, bytes_per_element: int = 4) -> int | None:
