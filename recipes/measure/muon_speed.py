@@ -7,13 +7,14 @@ costs.
 
 `loss`: `tiny` on the embedded default data, 200 steps of recipes/train.py per optimizer and peak learning rate of a
 small sweep (`--learning_rates`; Muon's matrices and AdamW's rest take the same one, which --muon_adjust_lr
-match_rms_adamw makes comparable), one process each, evaluated every 10 steps; two launches run side by side, one
-thread each, AdamW's and Muon's at the same learning rate, so both see the same machine. The target is the eval
-loss AdamW reaches in 200 steps at its best learning rate; for Muon at its best, the first evaluation at or below it
-(within its own 200-step schedule, so a shorter schedule, annealed sooner, would reach it in fewer) and the training
-seconds to it; the step time is each run's median. `step_cost`: the optimizer step alone (`optimizer.step()` on
-fixed gradients, one process, fp32, median of 10 after 2 warm-ups) for tiny and gpt2-124m, AdamW against Muon in
-bfloat16 and float32 Newton-Schulz: what the orthogonalization costs a step on this machine.
+match_rms_adamw makes comparable), one process each, evaluated every 10 steps. Two launches run side by side, one
+thread each, AdamW's and Muon's at the same learning rate, so both see the same machine. The target is the eval loss
+AdamW reaches in 200 steps at its best learning rate. For Muon at its best: the first evaluation at or below it
+(within its own 200-step schedule: a shorter schedule, annealed sooner, would reach it in fewer) and the training
+seconds to it. The step time is each run's median, Muon's compared with the AdamW launch that ran beside it.
+`step_cost`: the optimizer step alone (`optimizer.step()` on fixed gradients, one process, fp32, median of 10 after 2
+warm-ups) for tiny and gpt2-124m, AdamW against Muon with bfloat16 and float32 Newton-Schulz: what the
+orthogonalization costs a step on this machine.
 """
 
 from __future__ import annotations
@@ -82,9 +83,12 @@ def loss(out: Path, lrs: list[float], no_launch: bool, plot: str | None) -> None
               f"{r['step_time_s']:.3f} |")  # fmt: skip
     a, m = runs["adamw_torch", best["adamw_torch"]], runs["muon", best["muon"]]
     steps = reached["muon", best["muon"]]
+    # the step time against the AdamW launch that ran beside it (the same learning rate, the same machine load)
+    beside = runs.get(("adamw_torch", best["muon"]), a)
     if steps:
         print(f"Muon at its best reaches AdamW's {STEPS}-step eval loss in {steps} steps: {STEPS / steps:.2f}x fewer, "
-              f"at {m['step_time_s'] / a['step_time_s']:.3f}x the step time")  # fmt: skip
+              f"at {m['step_time_s'] / beside['step_time_s']:.3f}x the step time of the AdamW launch beside it; "
+              f"{m['elapsed_s'][steps]:.0f} s of training against AdamW's {a['elapsed_s'][STEPS]:.0f} s")  # fmt: skip
     else:
         print(f"Muon at its best does not reach AdamW's {STEPS}-step eval loss within {STEPS} steps")
     if plot:
@@ -150,7 +154,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     one = sub.add_parser("loss")
     one.add_argument("--output_dir", default="runs/muon_speed")
-    one.add_argument("--learning_rates", default="1e-3,2e-3,4e-3")
+    one.add_argument("--learning_rates", default="1e-3,2e-3,4e-3,8e-3")
     one.add_argument("--no_launch", action="store_true", help="read the runs already in --output_dir")
     one.add_argument("--plot", default=None, help="write the eval-loss figure here")
     two = sub.add_parser("step_cost")
