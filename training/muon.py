@@ -88,7 +88,7 @@ def applied(optimizer: Muon) -> dict:
         "adjust_lr": first["adjust_lr_fn"],
         "layout": f"zero{optimizer.zero.stage}" if optimizer.zero else "tensors",
         "muon_matrices": sum(g["parameters"] for g in groups if g["optimizer"] == "muon"),
-        "orthogonalized_first_step": optimizer.orthogonalized,  # read after this process's first step
+        "orthogonalized_first_step": optimizer.orthogonalized,  # read right after this process's first step
     }
 
 
@@ -155,7 +155,9 @@ class Muon(torch.optim.Optimizer):
                     "eps": eps}  # fmt: skip
         super().__init__(groups, defaults)
         self.zero = zero
-        self.orthogonalized = 0  # whole matrices orthogonalized and applied by this process (strategy.json)
+        # whole matrices orthogonalized and applied by the last step that ran Muon (strategy.json); torch's
+        # state-dict API's zero-learning-rate step, made to create the states, counts as such a step too
+        self.orthogonalized, self._count = 0, 0
         for group in self.param_groups:
             flat = [p for p in group["params"] if p.ndim != 2]
             if group["use_muon"] and flat and zero is None:
@@ -170,11 +172,14 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._count = 0
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             (self._muon if group["use_muon"] else self._adamw)(group, params)
+        if self._count:  # ZeRO-3 steps its sub-groups one call each: AdamW's calls leave the count alone
+            self.orthogonalized = self._count
         return loss
 
     def _adamw(self, group: dict, params: list) -> None:
@@ -209,7 +214,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             p.mul_(1 - lr * wd)
             p.add_(self._orthogonalized(update, group), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-            self.orthogonalized += 1
+            self._count += 1
 
     @staticmethod
     def _orthogonalized(update: torch.Tensor, group: dict) -> torch.Tensor:
@@ -236,7 +241,7 @@ class Muon(torch.optim.Optimizer):
         mine = layout.segments(shapes, p.numel(), rank)
         for j, (shape, whole) in enumerate(zip(shapes, layout.unpartition(shapes, parts), strict=True)):
             orthogonal = newton_schulz(whole, group["ns_steps"], group["ns_dtype"])
-            self.orthogonalized += 1
+            self._count += 1
             start, begin, n = mine[j]
             if n:
                 p[start : start + n].add_(orthogonal.reshape(-1)[begin : begin + n],

@@ -229,3 +229,21 @@ def test_a_tensor_parallel_degree_that_splits_no_head_evenly_is_refused(corpus, 
         run.stderr[-3000:]
     )
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("config", "want"), [
+    ("fsdp1", "--optim muon with fsdp_version: 1: FSDP1 hands the optimizer flat parameters"),
+    ("fsdp_tp", "--optim muon with tensor parallelism of degree 2: Muon orthogonalizes each matrix whole"),
+])  # fmt: skip
+def test_muon_under_a_strategy_that_splits_its_matrices_is_refused(config, want, corpus, tmp_path):
+    """FSDP1's flat parameters and tensor parallelism's split weights hold no matrix whole: every rank stops
+    before its process group, naming the strategy and the configs that would run."""
+    cmd = launcher_command("accelerate", config)
+    run = launch(cmd, [*corpus["flags"], *FAST, "--optim=muon"], tmp_path / "out", check=False)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all(want in e and "or --optim adamw_torch" in e for e in errors), run.stderr[-3000:]
+    # the launcher's own traceback (a rank exited with 2) follows the ranks' lines; none precedes them
+    assert "Traceback" not in run.stderr.split(errors[0])[0] and not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -140,6 +140,7 @@ def test_muon_resumes_and_converts(source, launcher, config, flags, corpus, tmp_
     args = [*corpus["flags"], *TRAIN, *flags, f"--resume_from_checkpoint={written.output_dir / 'checkpoint-5'}"]
     run = launch(launcher_command(launcher, config), args, tmp_path / "out")
     assert_same(run, ref, range(6, STEPS + 1))
+    assert run.strategy["optimizer"]["orthogonalized_first_step"] == 14  # the resumed run's first step
     if source[1] == "zero3":  # converted once, by rank 0, into the checkpoint's directory
         assert (written.output_dir / "checkpoint-5" / "neutral.pt").is_file()
 
